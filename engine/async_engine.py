@@ -1,0 +1,211 @@
+"""AsyncEngine: the engine loop in its own thread, so an asyncio server never waits on the model.
+
+Callers `submit()` from the event loop and iterate the returned stream; the loop thread drains
+submissions and aborts before each step (so an abort takes effect at the next iteration), runs the
+step, and hands each step's outputs to the callers' event loops in one `call_soon_threadsafe`.
+Stats are published as a snapshot after every step, so `stats()` never touches live state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.types import (
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream(AsyncIterator[RequestOutput]):
+    """The outputs of one request, all choices interleaved; ends after every choice finished.
+
+    Closing it early (`aclose()`, e.g. on client disconnect) aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, request: GenerationRequest) -> None:
+        self.request_id = request.request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._num_choices = request.sampling.n
+        self._num_finished = 0
+        self.loop = asyncio.get_running_loop()
+
+    @property
+    def done(self) -> bool:
+        return self._num_finished >= self._num_choices
+
+    def _put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if output.finished:
+            self._num_finished += 1
+            if self.done:
+                self._engine._forget(self.request_id)
+        return output
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self._engine.abort(self.request_id)
+            self._num_finished = self._num_choices
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._incoming: list[GenerationRequest] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="batchgate-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model (blocking) and start the engine thread."""
+        engine = cls(LLMEngine(config))
+        engine.start()
+        return engine
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._stopping
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- caller side (event loop thread) ------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Validate and enqueue; raise at once (too long, overloaded, dead) instead of streaming."""
+        if not self.ready:
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        self.engine.validate(request)
+        stream = RequestStream(self, request)
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            self._streams[request.request_id] = stream
+            self._incoming.append(request)
+            self._wakeup.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort at the next iteration; its blocks are freed then. Unknown ids are ignored."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wakeup.notify()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._incoming and not self._aborts \
+                            and not self.engine.has_unfinished():
+                        self._wakeup.wait()
+                    if self._stopping:
+                        break
+                    incoming, self._incoming = self._incoming, []
+                    aborts, self._aborts = self._aborts, []
+                outputs: list[RequestOutput] = []
+                for request in incoming:
+                    outputs.extend(self._add(request))
+                for request_id in aborts:
+                    outputs.extend(self.engine.abort_request(request_id))
+                outputs.extend(self.engine.step())
+                self._stats = self.engine.stats()
+                self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - the loop must not die silently
+            logger.exception("engine loop died")
+            self._dead = exc
+        finally:
+            self._fail_all()
+
+    def _add(self, request: GenerationRequest) -> list[RequestOutput]:
+        try:
+            self.engine.add_request(request)
+            return []
+        except Exception as exc:  # noqa: BLE001 - validated at submit; a late failure ends the request
+            error = exc if isinstance(exc, EngineError) else EngineDeadError(str(exc))
+            return [
+                RequestOutput(request.request_id, i, (), "", len(request.prompt_token_ids), 0,
+                              FinishReason.ERROR, error=error)
+                for i in range(request.sampling.n)
+            ]
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        by_loop: dict[Any, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop[stream.loop].append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+    def _fail_all(self) -> None:
+        """On shutdown or death, every pending request ends with an error, never silence."""
+        error = EngineDeadError("the engine stopped")
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            items = [
+                (stream, RequestOutput(stream.request_id, i, (), "", 0, 0, FinishReason.ERROR, error=error))
+                for i in range(stream._num_choices)
+            ]
+            try:
+                stream.loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)

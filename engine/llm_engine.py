@@ -1,0 +1,253 @@
+"""The synchronous engine: requests in, one scheduled step at a time, outputs out.
+
+Not thread-safe: AsyncEngine drives it from one thread. Every accepted request ends in exactly
+one finished output per choice (stop, length, abort or error), and every terminal path frees its
+blocks through `Scheduler.finish`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_model
+from engine.runner import ModelRunner, StepResult, plan_num_blocks, resolve_device, resolve_dtype
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.types import (
+    EngineError,
+    EngineOverloadedError,
+    EngineStats,
+    GenerationFailedError,
+    GenerationRequest,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        loaded = load_model(config.model, config.cache_dir, dtype, device)
+        self.model_name = config.served_model_name or loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.spec = loaded.spec
+        self.dtype, self.device = dtype, device
+        num_blocks = plan_num_blocks(config, loaded, dtype, device)
+        max_len = min(config.max_model_len or loaded.spec.max_position_embeddings, num_blocks * config.block_size)
+        self.max_model_len = max_len
+        self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len)
+        del loaded.weights  # the runner holds (fused) copies
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager, clock
+        )
+        self._seqs: dict[str, list[Sequence]] = {}
+        self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        self._recent: deque[tuple[float, int]] = deque()
+        self._refusals: dict[str, int] = {}
+        self._last_batch_size = 0
+        self._num_steps = 0
+        logger.info(
+            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.model_name, dtype, device, num_blocks, config.block_size, max_len,
+        )
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise the error a request would get at admission; safe to call from any thread."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in request.sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({len(prompt)} in the prompt + {request.sampling.max_tokens} "
+                f"for the completion); reduce the prompt or max_tokens"
+            )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        if request.request_id in self._seqs:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        now = self.clock()
+        deadline_s = request.queue_deadline_s or self.config.default_queue_deadline_s
+        p = request.sampling
+        seqs = []
+        for i in range(p.n):
+            generator = None
+            if p.seed is not None and not p.greedy:
+                generator = torch.Generator(device=self.device).manual_seed(p.seed + i)
+            seq = Sequence(
+                request.request_id, i, request.prompt_token_ids, p,
+                priority=request.priority, arrival_time=now,
+                deadline=None if deadline_s is None else now + deadline_s,
+                fairness_key=request.fairness_key, generator=generator,
+            )
+            seqs.append(seq)
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop)
+            self.scheduler.add(seq)
+        self._seqs[request.request_id] = seqs
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Finish every unfinished choice of `request_id` as aborted; unknown ids are ignored."""
+        return [
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+            for seq in self._seqs.get(request_id, [])
+            if not seq.finished
+        ]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs = [self._expired_output(seq) for seq in out.expired]
+        if out.is_empty:
+            return outputs
+        self._num_steps += 1
+        self._last_batch_size = len(out.chunks)
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:  # noqa: BLE001 - a failed pass fails its batch, not the engine
+            logger.exception("forward pass failed; failing %d sequences", len(out.chunks))
+            return outputs + self._fail_batch(out, exc)
+        self.scheduler.update(out)
+        outputs.extend(self._process(result))
+        now = self.clock()
+        self._recent.append((now, len(result.tokens)))
+        while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        return outputs
+
+    def _process(self, result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        for seq, token, logprob in zip(result.seqs, result.tokens, result.logprobs, strict=True):
+            if seq.finished:  # aborted between scheduling and now
+                continue
+            seq.append_token(token, logprob)
+            p = seq.sampling
+            detok = self._detok[seq.seq_id]
+            status = None
+            stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
+            if token in stop_ids and seq.num_output_tokens > p.min_tokens:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif detok.add(token):
+                status = SequenceStatus.FINISHED_STOPPED
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is None:
+                outputs.append(self._output(seq, (token,), detok.take(final=False), logprob))
+            else:
+                outputs.append(self._finish(seq, status, (token,), logprob))
+        return outputs
+
+    def _output(self, seq: Sequence, new_ids: tuple[int, ...], text: str, logprob: Any = None,
+                error: EngineError | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=new_ids,
+            new_text=text,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            finish_reason=seq.finish_reason,
+            logprobs=(logprob,) if logprob is not None else (),
+            error=error,
+        )
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, new_ids: tuple[int, ...] = (),
+                logprob: Any = None, error: EngineError | None = None) -> RequestOutput:
+        """The one place a choice ends: blocks freed, bookkeeping dropped, final output built."""
+        if not seq.finished:
+            self.scheduler.finish(seq, status)
+        else:
+            seq.status = status
+        detok = self._detok.pop(seq.seq_id)
+        out = self._output(seq, new_ids, detok.take(final=True), logprob, error)
+        siblings = self._seqs.get(seq.request_id, [])
+        if all(s.finished for s in siblings):
+            self._seqs.pop(seq.request_id, None)
+        return out
+
+    def _expired_output(self, seq: Sequence) -> RequestOutput:
+        self._refusals["deadline"] = self._refusals.get("deadline", 0) + 1
+        waited = self.clock() - seq.arrival_time
+        error = EngineOverloadedError(f"the request waited {waited:.1f}s and could not start before its queue deadline")
+        return self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error)
+
+    def _fail_batch(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        error = GenerationFailedError(f"generation failed: {type(exc).__name__}: {exc}")
+        return [
+            self._finish(chunk.seq, SequenceStatus.FINISHED_ERROR, error=error)
+            for chunk in out.chunks
+            if not chunk.seq.finished
+        ]
+
+    # ---- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        waiting = list(self.scheduler.waiting)
+        window = [n for t, n in self._recent]
+        span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            output_tokens_per_s=(sum(window) / span) if span > 0 else 0.0,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_waiting_tokens=sum(s.num_uncomputed_tokens for s in waiting)
+            + sum(s.num_uncomputed_tokens for s in running if s.is_prefilling),
+            num_running_tokens=sum(s.sampling.max_tokens - s.num_output_tokens for s in running),
+            waiting_by_priority=self.scheduler.waiting.count_by_priority(),
+            running_by_priority={
+                p: sum(1 for s in running if s.priority.name.lower() == p) for p in ("paid", "free")
+            },
+            refusals_by_reason=dict(self._refusals),
+            last_batch_size=self._last_batch_size,
+            total_steps=self._num_steps,
+        )
+
+    # ---- offline convenience --------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Run `prompts` to completion (benchmarks, tests); returns each first choice's output ids."""
+        ids = [f"offline-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(GenerationRequest(request_id, prompt, sampling))
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.index == 0:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]

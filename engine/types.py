@@ -1,0 +1,160 @@
+"""Small typed records that pass between the engine's stages and its callers.
+
+The engine knows requests, priorities and deadlines; it knows nothing of tenants or HTTP.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class. Lower value is served first."""
+
+    PAID = 0
+    FREE = 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    ABORT = "abort"  # the caller aborted (e.g. disconnected)
+    ERROR = "error"  # the engine failed this sequence; see RequestOutput.error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. Validated on construction (ValueError names the field)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0.0 <= self.temperature <= 2.0 + 1e-9, "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k must be -1, 0 or positive"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (1 <= self.n <= 128, "n must be in [1, 128]"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+@dataclass
+class GenerationRequest:
+    """What a caller submits: prompt token ids plus sampling settings and scheduling hints."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: Priority = Priority.PAID
+    # Seconds from arrival by which the request must have started (first prefill chunk scheduled).
+    # None: no deadline.
+    queue_deadline_s: float | None = None
+    # Fair-share key within a priority class (e.g. a tenant id); opaque to the engine.
+    fairness_key: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely alternatives at this step, best first (empty unless top_logprobs > 0).
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One increment of one choice of a request, delivered after an engine iteration.
+
+    `new_text` is the detokenized text added since the previous output for this choice; it never
+    ends inside a multi-byte character and never contains (part of) a matched stop string.
+    `finish_reason` is set on the last output of a choice and on no other.
+    """
+
+    request_id: str
+    index: int  # choice index, 0..n-1
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineError(Exception):
+    """Base of the engine's error family. `code` is stable and mapped to HTTP by the gateway."""
+
+    code = "engine_error"
+
+
+class PromptTooLongError(EngineError):
+    code = "context_length_exceeded"
+
+
+class EngineOverloadedError(EngineError):
+    """The request cannot start before its queue deadline. `retry_after_s` is a hint for the caller."""
+
+    code = "server_overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(EngineError):
+    code = "engine_unavailable"
+
+
+class GenerationFailedError(EngineError):
+    """A forward pass failed; the sequences in that batch end with this error."""
+
+    code = "generation_failed"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    output_tokens_per_s: float  # over a recent window
+    num_preemptions: int
+    num_waiting_tokens: int  # prompt tokens not yet prefilled, over waiting and running
+    num_running_tokens: int  # tokens still to generate (max_tokens left) over running sequences
+    waiting_by_priority: dict[str, int] = field(default_factory=dict)
+    running_by_priority: dict[str, int] = field(default_factory=dict)
+    refusals_by_reason: dict[str, int] = field(default_factory=dict)
+    last_batch_size: int = 0
+    total_steps: int = 0

@@ -1,0 +1,302 @@
+{{/* vim: set filetype=mustache: */}}
+
+{{- define "batchgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name, cut so that "<fullname>-engine-headless" still fits in 63 characters. */}}
+{{- define "batchgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 46 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 46 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 46 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "batchgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "batchgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "batchgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "batchgate.labels" -}}
+helm.sh/chart: {{ include "batchgate.chart" . }}
+{{ include "batchgate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: batchgate
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of one component: (dict "ctx" $ "component" "gateway") */}}
+{{- define "batchgate.componentLabels" -}}
+{{ include "batchgate.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "batchgate.componentSelectorLabels" -}}
+{{ include "batchgate.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "batchgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "batchgate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "batchgate.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "batchgate.secretName" -}}
+{{- include "batchgate.fullname" . }}
+{{- end }}
+
+{{- define "batchgate.configMapName" -}}
+{{- printf "%s-plans" (include "batchgate.fullname" .) }}
+{{- end }}
+
+{{- define "batchgate.redisName" -}}
+{{- printf "%s-redis" (include "batchgate.fullname" .) }}
+{{- end }}
+
+{{/*
+Value of a key in the chart's own Secret as it exists in the cluster (install/upgrade), so that
+generated values survive upgrades; "" under `helm template` or on first install.
+(dict "ctx" $ "key" "internal-token")
+*/}}
+{{- define "batchgate.existingSecretValue" -}}
+{{- $secret := lookup "v1" "Secret" .ctx.Release.Namespace (include "batchgate.secretName" .ctx) }}
+{{- if and $secret $secret.data (hasKey $secret.data .key) }}
+{{- index $secret.data .key | b64dec }}
+{{- end }}
+{{- end }}
+
+{{/* Where each secret value comes from: the chart's Secret or one the user names. */}}
+{{- define "batchgate.internalTokenSecret" -}}
+{{- default (include "batchgate.secretName" .) .Values.internalToken.existingSecret }}
+{{- end }}
+{{- define "batchgate.internalTokenKey" -}}
+{{- ternary .Values.internalToken.existingSecretKey "internal-token" (not (empty .Values.internalToken.existingSecret)) }}
+{{- end }}
+
+{{- define "batchgate.tenantsSecret" -}}
+{{- default (include "batchgate.secretName" .) .Values.tenancy.existingSecret }}
+{{- end }}
+{{- define "batchgate.tenantsKey" -}}
+{{- ternary .Values.tenancy.existingSecretKey "tenants.toml" (not (empty .Values.tenancy.existingSecret)) }}
+{{- end }}
+
+{{/* "true" when the gateways get a Redis URL at all (else they keep limits in memory, per pod). */}}
+{{- define "batchgate.redisConfigured" -}}
+{{- if or .Values.redis.enabled .Values.redis.externalUrl .Values.redis.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "batchgate.redisUrlSecret" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.existingSecret }}
+{{- .Values.redis.existingSecret }}
+{{- else }}
+{{- include "batchgate.secretName" . }}
+{{- end }}
+{{- end }}
+{{- define "batchgate.redisUrlKey" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.existingSecret }}
+{{- .Values.redis.existingSecretKey }}
+{{- else }}redis-url{{ end }}
+{{- end }}
+
+{{/* Does the chart render its own Secret? (some value is not supplied by an existing Secret) */}}
+{{- define "batchgate.ownSecret" -}}
+{{- if or (not .Values.internalToken.existingSecret) (and .Values.tenancy.enabled (not .Values.tenancy.existingSecret)) .Values.redis.enabled (and .Values.redis.externalUrl (not .Values.redis.existingSecret)) }}true{{ end }}
+{{- end }}
+
+{{/* Default upstream list for the gateways: the engine Service. */}}
+{{- define "batchgate.upstreams" -}}
+{{- if .Values.gateway.upstreams }}
+{{- join "," .Values.gateway.upstreams }}
+{{- else }}
+{{- $svc := printf "%s-engine" (include "batchgate.fullname" .) }}
+{{- if eq .Values.gateway.upstreamService "headless" }}
+{{- $svc = printf "%s-engine-headless" (include "batchgate.fullname" .) }}
+{{- end }}
+{{- printf "http://%s.%s.svc:%d" $svc .Release.Namespace (int .Values.engine.service.port) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A TOML table group from a map of maps: (dict "root" "plans" "tables" .Values.tenancy.plans).
+Written by hand rather than with toToml: Helm reads every YAML number as a float, which toToml
+would print as 200000.0; toJson prints whole numbers as integers, and its strings, booleans and
+arrays of those are valid TOML as they are.
+*/}}
+{{- define "batchgate.tomlTables" -}}
+{{- $root := .root }}
+{{- range $name, $table := .tables }}
+{{- $header := ternary $name (toJson $name) (regexMatch "^[A-Za-z0-9_-]+$" $name) }}
+[{{ $root }}.{{ $header }}]
+{{- range $k, $v := $table }}
+{{ ternary $k (toJson $k) (regexMatch "^[A-Za-z0-9_-]+$" $k) }} = {{ toJson $v }}
+{{- end }}
+{{ end }}
+{{- end }}
+
+{{/* Environment shared by the gateway and the engine: (dict "ctx" $ "component" "gateway") */}}
+{{- define "batchgate.commonEnv" -}}
+{{- $ctx := .ctx -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: HOME
+  value: {{ $ctx.Values.cache.homeDir | quote }}
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: BATCHGATE_LOG_LEVEL
+  value: {{ $ctx.Values.logLevel | quote }}
+- name: BATCHGATE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "batchgate.internalTokenSecret" $ctx }}
+      key: {{ include "batchgate.internalTokenKey" $ctx }}
+{{- with $ctx.Values.otel }}
+{{- if .enabled }}
+- name: OTEL_SERVICE_NAME
+  value: {{ default (printf "%s-%s" (include "batchgate.fullname" $ctx) $.component) .serviceName | quote }}
+{{- with .endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .protocol | quote }}
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
+# Metrics are scraped from /metrics (Prometheus); logs go to stdout.
+- name: OTEL_METRICS_EXPORTER
+  value: none
+- name: OTEL_LOGS_EXPORTER
+  value: none
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .samplerArg | quote }}
+{{- $attrs := list "k8s.pod.name=$(POD_NAME)" "k8s.namespace.name=$(POD_NAMESPACE)" "k8s.node.name=$(NODE_NAME)" (printf "service.namespace=%s" $ctx.Release.Namespace) (printf "batchgate.component=%s" $.component) }}
+{{- range $k, $v := .resourceAttributes }}
+{{- $attrs = append $attrs (printf "%s=%v" $k $v) }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ join "," $attrs | quote }}
+- name: OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
+  value: {{ .captureMessageContent | quote }}
+{{- with .extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- else }}
+- name: OTEL_SDK_DISABLED
+  value: "true"
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "batchgate.cacheVolumes" -}}
+- name: home
+  emptyDir:
+    {{- with .Values.cache.medium }}
+    medium: {{ . }}
+    {{- end }}
+    {{- with .Values.cache.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+- name: tmp
+  emptyDir:
+    {{- with .Values.cache.tmpSizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+
+{{- define "batchgate.cacheVolumeMounts" -}}
+- name: home
+  mountPath: {{ .Values.cache.homeDir }}
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{/* PodDisruptionBudget spec body: (dict "pdb" .Values.gateway.podDisruptionBudget) */}}
+{{- define "batchgate.pdbSpec" -}}
+{{- if not (kindIs "invalid" .pdb.minAvailable) -}}
+minAvailable: {{ .pdb.minAvailable }}
+{{- else -}}
+maxUnavailable: {{ .pdb.maxUnavailable | default 1 }}
+{{- end }}
+{{- end }}
+
+{{/* HPA body: (dict "ctx" $ "component" "gateway" "values" .Values.gateway) */}}
+{{- define "batchgate.hpa" -}}
+{{- $a := .values.autoscaling }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "batchgate.fullname" .ctx }}-{{ .component }}
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "batchgate.componentLabels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "batchgate.fullname" .ctx }}-{{ .component }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  {{- if or $a.targetCPUUtilizationPercentage $a.targetMemoryUtilizationPercentage $a.metrics }}
+  metrics:
+    {{- with $a.targetCPUUtilizationPercentage }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ . }}
+    {{- end }}
+    {{- with $a.targetMemoryUtilizationPercentage }}
+    - type: Resource
+      resource:
+        name: memory
+        target:
+          type: Utilization
+          averageUtilization: {{ . }}
+    {{- end }}
+    {{- with $a.metrics }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- end }}
+  {{- with $a.behavior }}
+  behavior:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import bundled_dir, make_tiny_model
+
+pytest_plugins = ["tests.conftest_redis"]
+
+CACHE_DIR = Path.home() / ".cache" / "batchgate"
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct as a Hugging Face folder (converted on first use)."""
+    return bundled_dir(CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
+    """A random-weight 2-layer Llama with the real tokenizer and chat template."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), real_model_dir)

@@ -1,0 +1,53 @@
+"""Random-weight tiny Llama-family models with the real SmolLM2 tokenizer, for fast tests.
+
+The folder is a plain Hugging Face checkpoint, so it goes through the same loader as a real model
+and transformers can load it as the reference implementation.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.loader import resolve_model_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def bundled_dir(cache_dir: Path) -> Path:
+    """The bundled model converted to a Hugging Face folder (converted once, then cached)."""
+    return resolve_model_dir(None, cache_dir)
+
+
+def make_tiny_model(target: Path, tokenizer_dir: Path, model_type: str = "llama", seed: int = 0,
+                    **overrides: Any) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.2,  # wide logits: greedy choices are not near-ties
+    )
+    settings.update(overrides)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, target / name)
+    return target
