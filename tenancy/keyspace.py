@@ -1,0 +1,112 @@
+"""How tenancy lays out its state in Redis, and how it connects.
+
+Per-tenant keys share one hash tag, so a single Lua script may touch all of them even on a
+Redis Cluster (they live in the same slot)::
+
+    {tenant:acme}:tokens    hash  level, ts      token bucket (ts in Redis-clock seconds)
+    {tenant:acme}:requests  hash  level, ts      request bucket
+    {tenant:acme}:leases    zset  lease_id -> expiry (Redis-clock seconds)
+    {tenant:acme}:usage     hash  prompt_tokens, completion_tokens, requests
+
+Run-time API keys are global (not per tenant) because a lookup starts from the key::
+
+    batchgate:keys          hash  "sha256:<hex>" -> tenant name   (issued at run time)
+    batchgate:keys:revoked  set   "sha256:<hex>"                   (revoked, static ones too)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+import redis.retry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+ISSUED_KEYS = "batchgate:keys"
+REVOKED_KEYS = "batchgate:keys:revoked"
+USAGE_PATTERN = "{tenant:*}:usage"
+
+# Short on purpose: a request must never hang on Redis. On localhost a refused connection fails
+# at once; a black-holed host costs at most connect + one retry.
+CONNECT_TIMEOUT_S = 0.5
+OPERATION_TIMEOUT_S = 0.5
+
+
+def tenant_tag(tenant: str) -> str:
+    """The hash tag shared by every key of ``tenant``."""
+    return "{tenant:" + tenant + "}"
+
+
+def tokens_key(tenant: str) -> str:
+    return tenant_tag(tenant) + ":tokens"
+
+
+def requests_key(tenant: str) -> str:
+    return tenant_tag(tenant) + ":requests"
+
+
+def leases_key(tenant: str) -> str:
+    return tenant_tag(tenant) + ":leases"
+
+
+def usage_key(tenant: str) -> str:
+    return tenant_tag(tenant) + ":usage"
+
+
+def tenant_of_usage_key(key: str) -> str | None:
+    """Inverse of :func:`usage_key`; None for a key that is not a usage key."""
+    prefix, suffix = "{tenant:", "}:usage"
+    if key.startswith(prefix) and key.endswith(suffix):
+        return key[len(prefix) : -len(suffix)]
+    return None
+
+
+def connection_kwargs(
+    connect_timeout_s: float = CONNECT_TIMEOUT_S, operation_timeout_s: float = OPERATION_TIMEOUT_S
+) -> dict[str, Any]:
+    """Client options shared by the async and the sync (CLI) clients.
+
+    One immediate retry on a connection error lets a pooled connection that died with a
+    restarted Redis reconnect transparently; no backoff, so a real outage is reported fast.
+    """
+    return {
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": operation_timeout_s,
+        "decode_responses": True,
+        "health_check_interval": 0,
+    }
+
+
+def open_async(
+    url: str,
+    *,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    operation_timeout_s: float = OPERATION_TIMEOUT_S,
+) -> aioredis.Redis:
+    """An asyncio Redis client for ``url`` with tenancy's short timeouts (no I/O yet)."""
+    return aioredis.from_url(
+        url,
+        retry=Retry(NoBackoff(), 1),
+        **connection_kwargs(connect_timeout_s, operation_timeout_s),
+    )
+
+
+def open_sync(url: str) -> redis.Redis:
+    """A synchronous client (for the CLI) with the same timeouts."""
+    return redis.Redis.from_url(url, retry=redis.retry.Retry(NoBackoff(), 1), **connection_kwargs())
+
+
+# What "Redis is unavailable" looks like from redis-py (a connection error includes "loading";
+# a read-only replica is what a failover looks like); OSError covers DNS failures.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    OSError,
+    TimeoutError,
+)

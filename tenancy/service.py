@@ -1,0 +1,240 @@
+"""The ``Tenancy`` facade: what the gateway calls, in request order.
+
+::
+
+    tenancy = Tenancy.from_settings(tenants_file, redis_url, redis_policy)
+    tenant = await tenancy.authenticate(request.headers.get("authorization"))   # AuthError -> 401
+    prompt_tokens = tenancy.tokens.count_messages(body.messages)                  # or exact count
+    decision = await tenancy.admit(tenant, prompt_tokens, max_tokens, request_id)
+    if not decision.admitted: ...  # 429 (or 503 for Reason.UNAVAILABLE), decision.headers()
+    async with tenancy.hold(decision.lease) as held:   # renews the lease, settles on exit
+        ... run / stream the request ...
+        held.record(prompt_tokens=p, completion_tokens=c)
+
+The engine never sees tenants: the gateway passes ``tenant.plan.priority`` and
+``tenant.plan.queue_deadline_seconds`` along with the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+from tenancy.config import OPEN_PLAN, OPEN_TENANT, TenancyConfig, Tenant, load_config
+from tenancy.errors import AuthError
+from tenancy.keys import KeyStore
+from tenancy.keyspace import UNAVAILABLE_ERRORS
+from tenancy.limiter import DEFAULT_LEASE_TTL_S, Decision, FailurePolicy, Lease, Limiter, MemoryLimiter
+from tenancy.redis_limiter import RedisLimiter
+from tenancy.tokens import TokenCounter, Tokenize
+from tenancy.usage import TenantUsage
+
+logger = logging.getLogger("batchgate.tenancy")
+
+Sleep = Callable[[float], Awaitable[None]]
+
+MISSING_KEY_MESSAGE = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header "
+    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+INVALID_KEY_MESSAGE = "Incorrect API key provided."
+
+# Settles (and cancelled renewers) still running after their request's task moved on or was
+# cancelled; kept referenced so they are not garbage-collected mid-flight.
+_background: set[asyncio.Future[Any]] = set()
+
+
+def _keep_until_done(future: asyncio.Future[Any]) -> None:
+    _background.add(future)
+    future.add_done_callback(_background.discard)
+
+
+class LeaseHolder:
+    """Keeps an admitted request's lease alive while it runs and settles it exactly once.
+
+    Use as ``async with``: on entry a background task renews the lease every ``ttl / 3``; on
+    exit (normal, error or cancellation) renewal stops and the lease is settled with what
+    :meth:`record` last received. Nothing recorded means nothing used: the whole reservation
+    is refunded. A settle interrupted by cancellation still completes in the background.
+    """
+
+    def __init__(self, limiter: Limiter, lease: Lease, *, sleep: Sleep = asyncio.sleep) -> None:
+        self.lease = lease
+        self._limiter = limiter
+        self._sleep = sleep
+        self._prompt_tokens = 0
+        self._completion_tokens = 0
+        self._renewer: asyncio.Task[None] | None = None
+        self._settled = False
+
+    def record(self, *, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
+        """Set the usage to settle with (each value replaces the previous one)."""
+        if prompt_tokens is not None:
+            self._prompt_tokens = prompt_tokens
+        if completion_tokens is not None:
+            self._completion_tokens = completion_tokens
+
+    async def __aenter__(self) -> LeaseHolder:
+        if self._settled or self._renewer is not None:
+            raise RuntimeError("a LeaseHolder can be entered only once")
+        if self.lease.tracked:
+            self._renewer = asyncio.create_task(self._renew_forever(), name=f"renew-{self.lease.request_id}")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop renewing and settle (idempotent)."""
+        if self._settled:
+            return
+        self._settled = True
+        if self._renewer is not None:
+            # No need to wait for it: a renew that lands after the settle finds no lease.
+            self._renewer.cancel()
+            _keep_until_done(self._renewer)
+        settle = asyncio.ensure_future(
+            self._limiter.settle(self.lease, self._prompt_tokens, self._completion_tokens)
+        )
+        _keep_until_done(settle)
+        await asyncio.shield(settle)
+
+    async def _renew_forever(self) -> None:
+        interval = self.lease.ttl_s / 3
+        warned = False
+        while True:
+            await self._sleep(interval)
+            if not await self._limiter.renew(self.lease) and not warned:
+                warned = True
+                logger.warning("tenancy: lease of %s could not be renewed", self.lease.request_id)
+
+
+class Tenancy:
+    """Authentication, admission and settlement for the gateway, over one :class:`Limiter`."""
+
+    def __init__(
+        self,
+        config: TenancyConfig,
+        limiter: Limiter,
+        *,
+        open_mode: bool = False,
+        keys: KeyStore | None = None,
+        tokens: TokenCounter | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self.config = config
+        self.limiter = limiter
+        self.tokens = tokens or TokenCounter()
+        self._open_mode = open_mode
+        self._keys = keys or KeyStore(config)
+        self._sleep = sleep
+
+    @classmethod
+    def from_settings(
+        cls,
+        tenants_file: str | None,
+        redis_url: str | None,
+        redis_policy: str = "fail_closed",
+        *,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        tokenize: Tokenize | None = None,
+    ) -> Tenancy:
+        """Build from the gateway's settings; fails early on a bad file or policy.
+
+        No ``tenants_file``: open mode (one tenant ``default``, no key, no limits). No
+        ``redis_url``: in-memory limits for this process only. ``tokenize`` is the local
+        model's tokenizer (text -> ids), if any. Raises TenancyConfigError / ValueError.
+        Opens no connection yet: Redis may come up after the gateway.
+        """
+        policy = FailurePolicy.parse(redis_policy)
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s: must be > 0, got {lease_ttl_s}")
+        if tenants_file is None:
+            config = TenancyConfig(plans={OPEN_PLAN.name: OPEN_PLAN}, tenants={OPEN_TENANT.name: OPEN_TENANT})
+        else:
+            config = load_config(tenants_file)
+        limiter: Limiter
+        keys: KeyStore
+        if redis_url:
+            redis_limiter = RedisLimiter.from_url(redis_url, policy=policy, lease_ttl_s=lease_ttl_s)
+            limiter = redis_limiter
+            keys = KeyStore(config, redis_limiter.client, policy=policy)
+        else:
+            limiter = MemoryLimiter(lease_ttl_s=lease_ttl_s)
+            keys = KeyStore(config)
+        return cls(config, limiter, open_mode=tenants_file is None, keys=keys, tokens=TokenCounter(tokenize))
+
+    @property
+    def open_mode(self) -> bool:
+        """True without a tenants file: every request is tenant ``default``, unlimited."""
+        return self._open_mode
+
+    async def authenticate(self, authorization_header: str | None) -> Tenant:
+        """The tenant of ``Authorization: Bearer <key>``.
+
+        Raises :class:`AuthError` (-> 401 ``invalid_api_key``) for a missing, malformed,
+        unknown or revoked key, and :class:`LimiterUnavailableError` (-> 503) when Redis is
+        needed for the lookup, unreachable, and the policy is ``fail_closed``. In open mode
+        the header is ignored.
+        """
+        if self._open_mode:
+            return OPEN_TENANT
+        raw_key = _bearer_token(authorization_header)
+        tenant = await self._keys.resolve(raw_key)
+        if tenant is None:
+            raise AuthError(INVALID_KEY_MESSAGE)
+        return tenant
+
+    async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int, request_id: str) -> Decision:
+        """Reserve ``prompt_tokens + max_tokens``, one request and one lease for ``tenant``.
+
+        Never raises for Redis trouble: the policy's answer comes back as the Decision
+        (``Reason.UNAVAILABLE``). Refused -> 429 with ``decision.headers()`` (503 when the
+        reason is UNAVAILABLE); admitted -> hold ``decision.lease`` with :meth:`hold`.
+        """
+        if prompt_tokens < 0 or max_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got prompt={prompt_tokens} max={max_tokens}")
+        return await self.limiter.admit(tenant.name, tenant.plan, prompt_tokens + max_tokens, request_id)
+
+    def hold(self, lease: Lease) -> LeaseHolder:
+        """An async context manager that renews ``lease`` while the request runs and settles it."""
+        return LeaseHolder(self.limiter, lease, sleep=self._sleep)
+
+    async def settle(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> bool:
+        """Settle ``lease`` directly (prefer :meth:`hold`); see ``Limiter.settle``."""
+        return await self.limiter.settle(lease, prompt_tokens, completion_tokens)
+
+    async def usage(self) -> dict[str, TenantUsage]:
+        """Prompt/completion tokens and requests per tenant (LimiterUnavailableError if Redis is away)."""
+        return await self.limiter.usage()
+
+    async def ready(self) -> bool:
+        """Whether admission can currently enforce limits (Redis answers PING, or no Redis)."""
+        if not isinstance(self.limiter, RedisLimiter):
+            return True
+        try:
+            async with asyncio.timeout(1.0):
+                return bool(await self.limiter.client.ping())
+        except UNAVAILABLE_ERRORS:
+            return False
+
+    async def aclose(self) -> None:
+        """Release connections (wait for settles still in flight first)."""
+        if _background:
+            await asyncio.gather(*_background, return_exceptions=True)
+        await self.limiter.aclose()
+
+
+def _bearer_token(header: str | None) -> str:
+    if header is None or not header.strip():
+        raise AuthError(MISSING_KEY_MESSAGE)
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise AuthError(MISSING_KEY_MESSAGE)
+    return token

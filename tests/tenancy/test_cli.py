@@ -1,0 +1,84 @@
+"""The tenancy subcommands, parsed the way the gateway's CLI will wire them."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+
+from tenancy import cli
+from tenancy.keys import hash_key
+from tenancy.limiter import MemoryLimiter
+from tenancy.redis_limiter import RedisLimiter
+from tests.tenancy.conftest import make_plan
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="batchgate")
+    subparsers = top.add_subparsers(dest="command", required=True)
+    subparsers.add_parser("serve")  # the gateway's own subcommand, untouched
+    cli.add_subcommands(subparsers)
+    return top
+
+
+def test_gateway_subcommands_are_not_claimed() -> None:
+    assert not cli.handles(parser().parse_args(["serve"]))
+
+
+def test_keys_new_without_redis_prints_a_key_and_its_hash(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parser().parse_args(["keys", "new", "--tenant", "acme"])
+    assert cli.handles(args)
+    assert cli.run(args) == 0
+    out, err = capsys.readouterr()
+    raw = out.strip()
+    assert raw.startswith("bg-") and hash_key(raw) in err and raw not in err
+
+
+def test_keys_hash_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("bg-secret\n"))
+    assert cli.run(parser().parse_args(["keys", "hash"])) == 0
+    assert capsys.readouterr().out.strip() == hash_key("bg-secret")
+
+
+def test_commands_needing_redis_say_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(cli.REDIS_URL_ENV, raising=False)
+    assert cli.run(parser().parse_args(["usage"])) == 1
+    assert "--redis-url" in capsys.readouterr().err
+
+
+def test_unreachable_redis_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest_redis import free_port
+
+    args = parser().parse_args(["keys", "revoke", "bg-x", "--redis-url", f"redis://127.0.0.1:{free_port()}"])
+    assert cli.run(args) == 1
+    assert "Redis unavailable" in capsys.readouterr().err
+
+
+async def test_usage_lists_tenants_from_redis(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    limiter = RedisLimiter.from_url(redis_url)
+    try:
+        for tenant, prompt, completion in [("acme", 10, 3), ("acme", 5, 1), ("globex", 7, 7)]:
+            lease = (await limiter.admit(tenant, make_plan(), prompt + 10, "r")).lease
+            assert lease is not None
+            await limiter.settle(lease, prompt, completion)
+    finally:
+        await limiter.aclose()
+    assert cli.run(parser().parse_args(["usage", "--redis-url", redis_url, "--json"])) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "acme": {"requests": 2, "prompt_tokens": 15, "completion_tokens": 4, "total_tokens": 19},
+        "globex": {"requests": 1, "prompt_tokens": 7, "completion_tokens": 7, "total_tokens": 14},
+    }
+    totals = cli.usage(redis_url, out=io.StringIO())
+    assert totals["acme"].num_requests == 2
+
+
+async def test_memory_usage_is_per_process() -> None:
+    limiter = MemoryLimiter()
+    lease = (await limiter.admit("acme", make_plan(), 5, "r")).lease
+    assert lease is not None
+    await limiter.settle(lease, 2, 3)
+    assert (await limiter.usage())["acme"].total_tokens == 5

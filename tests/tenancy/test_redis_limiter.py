@@ -1,0 +1,166 @@
+"""RedisLimiter against a real redis-server: Redis's clock, atomicity across coroutines and OS
+processes, crashed holders, and outages (stopped and frozen Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tenancy.bucket import Reason
+from tenancy.keyspace import leases_key, open_async, requests_key, tokens_key, usage_key
+from tenancy.limiter import FailurePolicy
+from tenancy.redis_limiter import RedisLimiter
+from tests.conftest_redis import RedisProcess
+from tests.tenancy.conftest import make_plan
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER = "tests.tenancy._redis_worker"
+
+
+async def redis_time(client: aioredis.Redis) -> float:
+    seconds, micros = await client.time()
+    return seconds + micros / 1_000_000
+
+
+async def test_admit_uses_redis_time_and_hash_tagged_keys(redis_url: str) -> None:
+    limiter = RedisLimiter.from_url(redis_url, lease_ttl_s=30.0)
+    client = limiter.client
+    try:
+        before = await redis_time(client)
+        decision = await limiter.admit("acme", make_plan(), 100, "r1")
+        after = await redis_time(client)
+        assert decision.lease is not None
+        assert before + 30.0 <= decision.lease.expires_at <= after + 30.0
+        keys = set(await client.keys("*"))
+        assert keys == {tokens_key("acme"), requests_key("acme"), leases_key("acme")}
+        assert keys == {"{tenant:acme}:tokens", "{tenant:acme}:requests", "{tenant:acme}:leases"}
+        score = await client.zscore(leases_key("acme"), decision.lease.lease_id)
+        assert score == pytest.approx(decision.lease.expires_at)
+        # Buckets are dropped by Redis once they would be full again (~10 s for 100 tokens).
+        assert 9_000 < await client.pttl(tokens_key("acme")) <= 11_000
+        assert await limiter.num_leases("acme") == 1
+        await limiter.settle(decision.lease, 10, 20)
+        assert await client.hgetall(usage_key("acme")) == {
+            "prompt_tokens": "10",
+            "completion_tokens": "20",
+            "requests": "1",
+        }
+        assert await limiter.num_leases("acme") == 0
+    finally:
+        await limiter.aclose()
+
+
+async def test_100_concurrent_admits_never_exceed_the_budget(redis_url: str) -> None:
+    # 600 tokens/min at 60 tokens a request: a budget of exactly 10 (the next refill of 60
+    # tokens takes 6 s, far longer than this burst).
+    limiter = RedisLimiter.from_url(redis_url)
+    try:
+        plan = make_plan(tokens_per_minute=600, requests_per_minute=10_000, max_concurrent_requests=10_000)
+        decisions = await asyncio.gather(*(limiter.admit("acme", plan, 60, f"r{i}") for i in range(100)))
+    finally:
+        await limiter.aclose()
+    admitted = [d for d in decisions if d.admitted]
+    assert len(admitted) == 10
+    assert {d.reason for d in decisions if not d.admitted} == {Reason.TOKENS}
+    assert len({d.lease.lease_id for d in admitted if d.lease}) == 10
+
+
+async def test_two_processes_share_one_global_limit(redis_url: str) -> None:
+    # 600 tokens/min, 100 per request: 6 admissions in all; a 7th needs a 10 s refill.
+    args = ["admit", redis_url, "shared", "20", "100", "600"]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", WORKER, *args, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), timeout=30)
+    assert [p.returncode for p in procs] == [0, 0]
+    counts = [int(out.decode().strip()) for out, _ in outputs]
+    assert sum(counts) == 6, counts
+
+
+async def test_lease_of_a_killed_process_expires(redis_url: str) -> None:
+    # The worker takes the only slot at (test) clock 1000 with a 1 s TTL, then is SIGKILLed
+    # without settling. Time is the scripts' clock override, so no sleep is needed.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", WORKER, "hold", redis_url, "acme", "1.0", "1000.0",
+        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
+        assert line.decode().strip() == "held"
+    finally:
+        proc.kill()
+        await proc.wait()
+
+    now = 1000.0
+    limiter = RedisLimiter.from_url(redis_url, clock=lambda: now)
+    plan = make_plan(tokens_per_minute=1000, max_concurrent_requests=1)
+    try:
+        now = 1000.5
+        assert (await limiter.admit("acme", plan, 10, "r1")).reason is Reason.CONCURRENCY
+        now = 1001.001
+        assert (await limiter.admit("acme", plan, 10, "r2")).admitted
+    finally:
+        await limiter.aclose()
+
+
+async def test_stopped_redis_fail_closed_then_service_resumes(
+    redis_process: RedisProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    closed = RedisLimiter(open_async(redis_process.url), policy=FailurePolicy.FAIL_CLOSED)
+    opened = RedisLimiter(open_async(redis_process.url), policy="fail_open")
+    plan = make_plan(max_concurrent_requests=1)
+    try:
+        first = await closed.admit("acme", plan, 10, "r1")
+        assert first.admitted and first.lease is not None
+
+        redis_process.stop()
+        start = time.monotonic()
+        refused = await closed.admit("acme", plan, 10, "r2")
+        assert time.monotonic() - start < 2.0
+        assert (refused.admitted, refused.reason) == (False, Reason.UNAVAILABLE)
+        assert refused.headers() == {"retry-after": "1", "retry-after-ms": "1000"}
+        with caplog.at_level(logging.WARNING, logger="batchgate.tenancy"):
+            for _ in range(3):
+                let_through = await opened.admit("acme", plan, 10, "r3")
+                assert (let_through.admitted, let_through.reason) == (True, Reason.UNAVAILABLE)
+        warned = [r for r in caplog.records if "ADMITTING WITHOUT LIMITS" in r.getMessage()]
+        assert len(warned) == 1  # once per outage, not once per request
+        assert let_through.lease is not None and not let_through.lease.tracked
+        assert not await closed.settle(first.lease, 1, 1)  # logged, not raised
+        assert not await closed.renew(first.lease)
+
+        redis_process.start()  # same port, empty: scripts must be reloaded, sockets reopened
+        resumed = await closed.admit("acme", plan, 10, "r4")
+        assert resumed.admitted and resumed.reason is Reason.OK
+        assert (await opened.admit("acme", plan, 10, "r5")).reason is Reason.CONCURRENCY  # enforced again
+    finally:
+        await closed.aclose()
+        await opened.aclose()
+
+
+async def test_frozen_redis_answers_within_the_deadline(redis_process: RedisProcess) -> None:
+    # SIGSTOP: the kernel still accepts connections but Redis never replies: only timeouts help.
+    limiter = RedisLimiter(open_async(redis_process.url), call_deadline_s=1.0)
+    plan = make_plan()
+    try:
+        assert (await limiter.admit("acme", plan, 10, "r1")).admitted
+        redis_process.pause()
+        start = time.monotonic()
+        refused = await limiter.admit("acme", plan, 10, "r2")
+        elapsed = time.monotonic() - start
+        assert refused.reason is Reason.UNAVAILABLE and elapsed < 2.0, elapsed
+        redis_process.resume()
+        assert (await limiter.admit("acme", plan, 10, "r3")).admitted
+    finally:
+        redis_process.resume()
+        await limiter.aclose()
