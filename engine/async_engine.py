@@ -141,8 +141,12 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._stopping and not self._incoming and not self._aborts \
-                            and not self.engine.has_unfinished():
+                    while (
+                        not self._stopping
+                        and not self._incoming
+                        and not self._aborts
+                        and not self.engine.has_unfinished()
+                    ):
                         self._wakeup.wait()
                     if self._stopping:
                         break
@@ -169,8 +173,16 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - validated at submit; a late failure ends the request
             error = exc if isinstance(exc, EngineError) else EngineDeadError(str(exc))
             return [
-                RequestOutput(request.request_id, i, (), "", len(request.prompt_token_ids), 0,
-                              FinishReason.ERROR, error=error)
+                RequestOutput(
+                    request.request_id,
+                    i,
+                    (),
+                    "",
+                    len(request.prompt_token_ids),
+                    0,
+                    FinishReason.ERROR,
+                    error=error,
+                )
                 for i in range(request.sampling.n)
             ]
 

@@ -50,7 +50,9 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool) -> str:
         """Text not yet returned; while not `final`, keep back a tail that may begin a stop string."""
-        end = len(self.text) if final or not self._hold else max(self._num_emitted, len(self.text) - self._hold)
+        end = (
+            len(self.text) if final or not self._hold else max(self._num_emitted, len(self.text) - self._hold)
+        )
         delta = self.text[self._num_emitted : end]
         self._num_emitted = end
         return delta

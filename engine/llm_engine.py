@@ -52,7 +52,9 @@ class LLMEngine:
         self.spec = loaded.spec
         self.dtype, self.device = dtype, device
         num_blocks = plan_num_blocks(config, loaded, dtype, device)
-        max_len = min(config.max_model_len or loaded.spec.max_position_embeddings, num_blocks * config.block_size)
+        max_len = min(
+            config.max_model_len or loaded.spec.max_position_embeddings, num_blocks * config.block_size
+        )
         self.max_model_len = max_len
         self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len)
         del loaded.weights  # the runner holds (fused) copies
@@ -68,7 +70,12 @@ class LLMEngine:
         self._num_steps = 0
         logger.info(
             "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-            self.model_name, dtype, device, num_blocks, config.block_size, max_len,
+            self.model_name,
+            dtype,
+            device,
+            num_blocks,
+            config.block_size,
+            max_len,
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -96,7 +103,11 @@ class LLMEngine:
         if request.request_id in self._seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         now = self.clock()
-        deadline_s = request.queue_deadline_s or self.config.default_queue_deadline_s
+        deadline_s = (
+            self.config.default_queue_deadline_s
+            if request.queue_deadline_s is None
+            else request.queue_deadline_s
+        )
         p = request.sampling
         seqs = []
         for i in range(p.n):
@@ -104,10 +115,15 @@ class LLMEngine:
             if p.seed is not None and not p.greedy:
                 generator = torch.Generator(device=self.device).manual_seed(p.seed + i)
             seq = Sequence(
-                request.request_id, i, request.prompt_token_ids, p,
-                priority=request.priority, arrival_time=now,
+                request.request_id,
+                i,
+                request.prompt_token_ids,
+                p,
+                priority=request.priority,
+                arrival_time=now,
                 deadline=None if deadline_s is None else now + deadline_s,
-                fairness_key=request.fairness_key, generator=generator,
+                fairness_key=request.fairness_key,
+                generator=generator,
             )
             seqs.append(seq)
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop)
@@ -169,8 +185,14 @@ class LLMEngine:
                 outputs.append(self._finish(seq, status, (token,), logprob))
         return outputs
 
-    def _output(self, seq: Sequence, new_ids: tuple[int, ...], text: str, logprob: Any = None,
-                error: EngineError | None = None) -> RequestOutput:
+    def _output(
+        self,
+        seq: Sequence,
+        new_ids: tuple[int, ...],
+        text: str,
+        logprob: Any = None,
+        error: EngineError | None = None,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             index=seq.index,
@@ -183,8 +205,14 @@ class LLMEngine:
             error=error,
         )
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, new_ids: tuple[int, ...] = (),
-                logprob: Any = None, error: EngineError | None = None) -> RequestOutput:
+    def _finish(
+        self,
+        seq: Sequence,
+        status: SequenceStatus,
+        new_ids: tuple[int, ...] = (),
+        logprob: Any = None,
+        error: EngineError | None = None,
+    ) -> RequestOutput:
         """The one place a choice ends: blocks freed, bookkeeping dropped, final output built."""
         if not seq.finished:
             self.scheduler.finish(seq, status)
@@ -200,7 +228,9 @@ class LLMEngine:
     def _expired_output(self, seq: Sequence) -> RequestOutput:
         self._refusals["deadline"] = self._refusals.get("deadline", 0) + 1
         waited = self.clock() - seq.arrival_time
-        error = EngineOverloadedError(f"the request waited {waited:.1f}s and could not start before its queue deadline")
+        error = EngineOverloadedError(
+            f"the request waited {waited:.1f}s and could not start before its queue deadline"
+        )
         return self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error)
 
     def _fail_batch(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

@@ -91,7 +91,9 @@ class LlamaModel:
                     "qkv_bias": qkv_bias,
                     "o": w[p + "self_attn.o_proj.weight"],
                     "post_norm": w[p + "post_attention_layernorm.weight"],
-                    "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
+                    "gate_up": torch.cat(
+                        [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]
+                    ).contiguous(),
                     "down": w[p + "mlp.down_proj.weight"],
                 }
             )
@@ -115,7 +117,9 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """Run the batch, writing its K/V into `kv_caches`; return float32 logits [S, vocab]."""
         spec = self.spec
         num_heads, num_kv, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -51,13 +51,17 @@ def kv_bytes_per_token(model: LoadedModel, dtype: torch.dtype) -> int:
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def plan_num_blocks(config: EngineConfig, model: LoadedModel, dtype: torch.dtype, device: torch.device) -> int:
+def plan_num_blocks(
+    config: EngineConfig, model: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> int:
     """Blocks that fit the configured KV memory, never more than the engine could ever use."""
     per_block = kv_bytes_per_token(model, dtype) * config.block_size
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     else:
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        free = (
+            torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        )
         budget = int(free * config.kv_cache_memory_fraction)
     max_len = config.max_model_len or model.spec.max_position_embeddings
     useful = config.max_num_seqs * -(-max_len // config.block_size)
@@ -79,8 +83,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LoadedModel, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LoadedModel,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
         self.block_size = config.block_size
         self.device = device
         self.dtype = dtype
@@ -131,7 +142,9 @@ class ModelRunner:
             dtype=torch.long,
             device=self.device,
         )
-        slot_mapping = tables[row_of_token, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
+        slot_mapping = (
+            tables[row_of_token, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
+        )
         decode_slots = decode_pad = None
         if decode_seqs:
             ctx = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], device=self.device)
@@ -141,7 +154,9 @@ class ModelRunner:
             decode_slots = decode_slots.masked_fill(pad, 0)
             decode_pad = pad.view(len(decode_seqs), 1, 1, max_ctx)
         prefills = [
-            PrefillSlice(start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0])
+            PrefillSlice(
+                start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0]
+            )
             for j, (start, end, ctx) in enumerate(prefill_ranges)
         ]
         return ForwardBatch(

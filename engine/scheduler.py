@@ -186,13 +186,14 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= chunk
 
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # No admissions in a step that preempted: the victim would come straight back and thrash.
+        # The watermark keeps blocks back for running sequences to grow into, when there are any.
+        reserve = self.config.watermark_blocks if self.running else 0
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None:
                 break
-            chunk = self._fit_chunk(
-                seq, min(seq.num_uncomputed_tokens, budget), reserve=self.config.watermark_blocks
-            )
+            chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=reserve)
             if chunk == 0:
                 break  # no room: wait for running sequences to finish (FIFO within the class)
             self.waiting.pop()

@@ -16,7 +16,7 @@ class Priority(enum.IntEnum):
     FREE = 1
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # the caller aborted (e.g. disconnected)

@@ -13,24 +13,41 @@ from engine.types import GenerationRequest, RequestOutput, SamplingParams
 
 
 def tiny_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    settings: dict[str, Any] = dict(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=8 << 20,
-                                    max_num_seqs=16, max_num_batched_tokens=64, block_size=4)
+    settings: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        block_size=4,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
-def run_all(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[tuple[str, int], list[RequestOutput]]:
+def run_all(
+    engine: LLMEngine, requests: list[GenerationRequest]
+) -> dict[tuple[str, int], list[RequestOutput]]:
     """Submit everything, step to completion, return outputs per (request_id, choice)."""
     for r in requests:
         engine.add_request(r)

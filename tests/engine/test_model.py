@@ -16,16 +16,26 @@ SHAPES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2-bias": ("qwen2", {}),
     "mistral": ("mistral", {"sliding_window": None}),
-    "llama3-rope-scaling": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 64}}),
+    "llama3-rope-scaling": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "head-dim-override": ("llama", {"head_dim": 32}),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
-def shaped_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                 real_model_dir: Path) -> Path:
+def shaped_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path
+) -> Path:
     model_type, overrides = SHAPES[request.param]
     return make_tiny_model(tmp_path_factory.mktemp(request.param), real_model_dir, model_type, **overrides)
 

@@ -1,0 +1,181 @@
+"""The synchronous engine on a tiny random model: every terminal path, and batching invariance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.types import (
+    EngineOverloadedError,
+    FinishReason,
+    GenerationFailedError,
+    GenerationRequest,
+    Priority,
+    PromptTooLongError,
+    SamplingParams,
+)
+from tests.engine.helpers import greedy, run_all, text_of, tiny_engine, tokens_of
+
+PROMPTS = [list(range(200 + 7 * i, 220 + 11 * i)) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    return tiny_engine(tiny_model_dir)
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return tokens_of(run_all(engine, [GenerationRequest("alone", prompt, params)])[("alone", 0)])
+
+
+def test_preemption_under_kv_pressure_keeps_outputs(tiny_model_dir: Path, engine: LLMEngine) -> None:
+    expected = [alone(engine, p, greedy(24)) for p in PROMPTS]
+    # 40 blocks of 4 tokens hold 160 tokens; six sequences need up to ~290 together.
+    per_block = 2 * 2 * 2 * 16 * 4 * 4  # K+V, layers, kv heads, head_dim, fp32 bytes, block_size
+    small = tiny_engine(tiny_model_dir, kv_cache_memory_bytes=40 * per_block, max_model_len=160)
+    assert small.block_manager.num_blocks == 40
+    outputs = run_all(small, [GenerationRequest(f"p{i}", p, greedy(24)) for i, p in enumerate(PROMPTS)])
+    assert small.scheduler.num_preemptions > 0
+    for i in range(len(PROMPTS)):
+        assert tokens_of(outputs[(f"p{i}", 0)]) == expected[i]
+    assert_idle(small)
+
+
+def test_batching_does_not_change_results(engine: LLMEngine) -> None:
+    expected = [alone(engine, p, greedy(16)) for p in PROMPTS[:3]]
+    # Arrivals at different steps, mixed with sampled requests of other lengths.
+    pending = [GenerationRequest(f"b{i}", p, greedy(16)) for i, p in enumerate(PROMPTS[:3])]
+    others = [
+        GenerationRequest(f"o{i}", list(range(50, 50 + 3 * i + 1)), SamplingParams(max_tokens=5 + i))
+        for i in range(8)
+    ]
+    outputs: dict[tuple[str, int], list[Any]] = {}
+    arrivals = {0: others[:4] + pending[:1], 3: pending[1:2] + others[4:], 7: pending[2:]}
+    step = 0
+    while engine.has_unfinished() or any(k >= step for k in arrivals):
+        for r in arrivals.pop(step, []):
+            engine.add_request(r)
+        for out in engine.step():
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+        step += 1
+    for i in range(3):
+        assert tokens_of(outputs[(f"b{i}", 0)]) == expected[i]
+    assert_idle(engine)
+
+
+def test_finish_reasons_and_counts(engine: LLMEngine) -> None:
+    outs = run_all(engine, [GenerationRequest("len", PROMPTS[0], greedy(7))])[("len", 0)]
+    assert [o.finish_reason for o in outs] == [None] * 6 + [FinishReason.LENGTH]
+    assert outs[-1].num_output_tokens == 7 and outs[-1].num_prompt_tokens == len(PROMPTS[0])
+    # A huge bias makes token 2 (EOS) certain; min_tokens masks it for the first 5 tokens.
+    params = SamplingParams(max_tokens=20, temperature=0.0, logit_bias={2: 100.0}, min_tokens=5)
+    outs = run_all(engine, [GenerationRequest("eos", PROMPTS[0], params)])[("eos", 0)]
+    assert tokens_of(outs)[-1] == 2 and len(tokens_of(outs)) == 6
+    assert outs[-1].finish_reason == FinishReason.STOP
+    params = SamplingParams(max_tokens=20, temperature=0.0, logit_bias={777: 100.0}, stop_token_ids=(777,))
+    outs = run_all(engine, [GenerationRequest("stopid", PROMPTS[0], params)])[("stopid", 0)]
+    assert tokens_of(outs) == [777] and outs[-1].finish_reason == FinishReason.STOP
+    assert_idle(engine)
+
+
+def test_stop_string_spanning_tokens_is_cut(engine: LLMEngine) -> None:
+    full = text_of(run_all(engine, [GenerationRequest("full", PROMPTS[1], greedy(30))])[("full", 0)])
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    assert len(stop.strip()) > 0
+    outs = run_all(engine, [GenerationRequest("cut", PROMPTS[1], greedy(30, stop=(stop,)))])[("cut", 0)]
+    assert text_of(outs) == full[: full.index(stop)]
+    assert outs[-1].finish_reason == FinishReason.STOP
+    assert_idle(engine)
+
+
+def test_seed_is_reproducible_and_independent_of_the_batch(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=1234, n=2, ignore_eos=True)
+    first = run_all(engine, [GenerationRequest("s1", PROMPTS[2], params)])
+    crowd = [
+        GenerationRequest(f"c{i}", PROMPTS[i], SamplingParams(max_tokens=9, temperature=1.0))
+        for i in range(4)
+    ]
+    second = run_all(engine, [*crowd, GenerationRequest("s2", PROMPTS[2], params)])
+    for index in (0, 1):
+        assert tokens_of(first[("s1", index)]) == tokens_of(second[("s2", index)])
+    assert tokens_of(first[("s1", 0)]) != tokens_of(first[("s1", 1)])  # choices draw differently
+    assert_idle(engine)
+
+
+def test_abort_frees_blocks_and_others_finish(engine: LLMEngine) -> None:
+    for i in range(3):
+        engine.add_request(GenerationRequest(f"a{i}", PROMPTS[i], greedy(20)))
+    for _ in range(4):
+        engine.step()
+    aborted = engine.abort_request("a1")
+    assert [o.finish_reason for o in aborted] == [FinishReason.ABORT]
+    assert engine.abort_request("a1") == [] and engine.abort_request("unknown") == []
+    finals = []
+    while engine.has_unfinished():
+        finals += [o for o in engine.step() if o.finished]
+    assert sorted(o.request_id for o in finals) == ["a0", "a2"]
+    assert_idle(engine)
+
+
+def test_failed_forward_pass_fails_its_batch_and_engine_goes_on(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = engine.runner.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", flaky)
+    outputs = run_all(engine, [GenerationRequest(f"f{i}", PROMPTS[i], greedy(8)) for i in range(2)])
+    for i in range(2):
+        last = outputs[(f"f{i}", 0)][-1]
+        assert last.finish_reason == FinishReason.ERROR
+        assert isinstance(last.error, GenerationFailedError)
+    assert_idle(engine)
+    after = run_all(engine, [GenerationRequest("after", PROMPTS[0], greedy(4))])[("after", 0)]
+    assert after[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_validation_errors(engine: LLMEngine) -> None:
+    with pytest.raises(PromptTooLongError) as info:
+        engine.add_request(GenerationRequest("long", [5] * 10, greedy(engine.max_model_len)))
+    assert str(engine.max_model_len) in str(info.value) and str(engine.max_model_len + 10) in str(info.value)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request(GenerationRequest("empty", [], greedy(4)))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request(GenerationRequest("vocab", [10**9], greedy(4)))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert_idle(engine)
+
+
+def test_queue_deadline_expires_waiting_requests(tiny_model_dir: Path) -> None:
+    now = {"t": 100.0}
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=1)
+    engine.clock = engine.scheduler.clock = lambda: now["t"]
+    engine.add_request(GenerationRequest("busy", PROMPTS[0], greedy(10)))
+    engine.add_request(
+        GenerationRequest("late", PROMPTS[1], greedy(10), priority=Priority.FREE, queue_deadline_s=2.0)
+    )
+    engine.step()
+    now["t"] += 3.0
+    outs = engine.step()
+    late = [o for o in outs if o.request_id == "late"]
+    assert len(late) == 1 and late[0].finish_reason == FinishReason.ERROR
+    assert isinstance(late[0].error, EngineOverloadedError)
+    assert engine.stats().refusals_by_reason == {"deadline": 1}
+    while engine.has_unfinished():
+        engine.step()
+    assert_idle(engine)

@@ -1,0 +1,597 @@
+"""Scheduler policy without a model: a fake runner appends one token per completed chunk.
+
+Every step driven through `run_step` is also checked against the invariants in
+`tests.engine.factories.check_output` / `check_blocks` (budget, max_num_seqs, slots for every
+scheduled token, no block owned twice, owned + free == total).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.types import FinishReason, Priority
+from tests.engine.factories import (
+    FAKE_TOKEN,
+    FakeClock,
+    check_blocks,
+    make_scheduler,
+    make_seq,
+    make_seqs,
+    run_step,
+    run_until_done,
+)
+
+FREE, PAID = Priority.FREE, Priority.PAID
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    return {c.seq.request_id: c.num_tokens for c in out.chunks}
+
+
+def assert_all_done(sched: Scheduler, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        assert seq.status == SequenceStatus.FINISHED_LENGTH, seq
+        assert seq.num_output_tokens == seq.sampling.max_tokens, seq
+        assert seq.output_token_ids == [FAKE_TOKEN] * seq.sampling.max_tokens
+        assert seq.block_table == []
+    assert not sched.has_unfinished()
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+# ---- budget, max_num_seqs, ordering ------------------------------------------------------------
+
+
+def test_token_budget_and_max_num_seqs_bound_the_first_step() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=10)
+    seqs = make_seqs(6, prompt_len=3, max_tokens=2)
+    for s in seqs:
+        sched.add(s)
+    out = run_step(sched)
+    # Three whole prompts (9 tokens), then one token of the fourth; the fifth is over max_num_seqs.
+    assert [c.num_tokens for c in out.prefills] == [3, 3, 3, 1]
+    assert [c.seq for c in out.prefills] == seqs[:4]
+    assert out.num_batched_tokens == 10
+    assert len(sched.running) == 4 and len(sched.waiting) == 2
+
+
+@pytest.mark.parametrize(("max_num_seqs", "budget"), [(1, 8), (2, 3), (3, 16), (8, 5), (16, 64)])
+def test_budget_and_max_num_seqs_respected_every_step(max_num_seqs: int, budget: int) -> None:
+    rng = random.Random(max_num_seqs * 100 + budget)
+    sched = make_scheduler(
+        num_blocks=24, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget
+    )
+    seqs = [make_seq(rng.randint(1, 40), rng.randint(1, 12)) for _ in range(20)]
+    for s in seqs:
+        sched.add(s)
+    outputs = run_until_done(sched)  # run_step checks both bounds on every step
+    assert max(o.num_batched_tokens for o in outputs) <= budget
+    assert max(len(o.chunks) for o in outputs) <= max_num_seqs
+    # The bounds bind: some steps are full.
+    assert any(o.num_batched_tokens == budget or len(o.chunks) == max_num_seqs for o in outputs)
+    assert_all_done(sched, seqs)
+
+
+def test_decodes_are_scheduled_before_prefills_and_take_the_budget_first() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    a, b = make_seq(3, max_tokens=10), make_seq(4, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prompts prefilled, each sampled its first token
+    c = make_seq(20, max_tokens=2)
+    sched.add(c)
+    out = run_step(sched)
+    assert [ch.seq for ch in out.decodes] == [a, b]
+    assert [ch.seq for ch in out.prefills] == [c]
+    assert out.chunks == out.decodes + out.prefills  # decodes first in the packed batch
+    assert out.prefills[0].num_tokens == 6  # what the two decodes left of the budget of 8
+
+
+def test_decodes_crowd_out_admission_when_the_budget_is_spent() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=2)
+    a, b = make_seq(1, max_tokens=10), make_seq(1, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    c = make_seq(5)
+    sched.add(c)
+    for _ in range(3):
+        out = run_step(sched)
+        assert [ch.seq for ch in out.chunks] == [a, b]
+        assert c.status == SequenceStatus.WAITING
+
+
+def test_decodes_get_blocks_before_a_new_sequence_is_admitted() -> None:
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    a, b = make_seq(7, max_tokens=6), make_seq(7, max_tokens=6)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    run_step(sched)  # both hold 9 tokens in 2 full blocks: the next decode of each needs a third
+    assert sched.blocks.num_free_blocks == 2
+    c = make_seq(2)
+    sched.add(c)  # would fit in one of the two free blocks
+    out = run_step(sched)
+    assert [ch.seq for ch in out.chunks] == [a, b]
+    assert out.preempted == ()
+    assert c.status == SequenceStatus.WAITING and sched.blocks.num_free_blocks == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_at_the_end() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    seq = make_seq(50, max_tokens=3)
+    sched.add(seq)
+    chunks, completes, outputs = [], [], []
+    while seq.is_prefilling or seq.num_computed_tokens == 0:
+        out = sched.schedule()
+        (chunk,) = out.chunks
+        chunks.append(chunk.num_tokens)
+        completes.append(chunk.completes)
+        sched.update(out)
+        if completes[-1]:
+            seq.append_token(FAKE_TOKEN, None)
+        outputs.append(seq.num_output_tokens)
+    assert chunks == [16, 16, 16, 2]
+    assert sum(chunks) == seq.num_prompt_tokens
+    assert completes == [False, False, False, True]
+    assert outputs == [0, 0, 0, 1]
+    run_until_done(sched)
+    assert_all_done(sched, [seq])
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=10)
+    d = make_seq(2, max_tokens=20)
+    sched.add(d)
+    run_step(sched)
+    long = make_seq(33, max_tokens=2)
+    sched.add(long)
+    sizes = []
+    while long.num_output_tokens == 0:
+        out = run_step(sched)
+        assert [c.seq for c in out.decodes] == [d]
+        (p,) = out.prefills
+        assert p.seq is long
+        sizes.append(p.num_tokens)
+        assert long.num_output_tokens == (1 if sum(sizes) == 33 else 0)  # samples after its last chunk
+    assert sizes == [9, 9, 9, 6]
+    assert sum(sizes) == 33
+
+
+def test_max_num_seqs_caps_admission_not_progress() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    seqs = make_seqs(5, prompt_len=4, max_tokens=3)
+    for s in seqs:
+        sched.add(s)
+    out = run_step(sched)
+    assert [c.seq for c in out.chunks] == seqs[:2]
+    run_until_done(sched)
+    assert_all_done(sched, seqs)
+
+
+# ---- preemption --------------------------------------------------------------------------------
+
+
+def full_cache_of_three() -> tuple[Scheduler, Sequence, Sequence, Sequence]:
+    """Three 8-token prompts fill a 6-block cache; each has sampled one token and needs a new block."""
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    a, b, c = make_seqs(3, prompt_len=8, max_tokens=4)
+    for s in (a, b, c):
+        sched.add(s)
+    run_step(sched)
+    assert sched.blocks.num_free_blocks == 0
+    assert [s.num_tokens for s in (a, b, c)] == [9, 9, 9]
+    return sched, a, b, c
+
+
+def test_preempts_the_most_recently_admitted_and_requeues_it_at_the_head() -> None:
+    sched, a, b, c = full_cache_of_three()
+    d = make_seq(8, max_tokens=4)
+    sched.add(d)  # waits: no free block
+    out = run_step(sched)
+    assert out.preempted == (c,)
+    assert [ch.seq for ch in out.decodes] == [a, b]
+    assert c.status == SequenceStatus.PREEMPTED
+    assert c.block_table == [] and c.num_computed_tokens == 0
+    assert c.num_preemptions == 1 and sched.num_preemptions == 1
+    assert c.token_ids == list(range(100, 108)) + [FAKE_TOKEN]  # its sampled token is kept
+    assert c not in sched.running
+    assert list(sched.waiting) == [c, d]  # ahead of the sequence that arrived earlier than its preemption
+    check_blocks(sched)
+
+    # Recomputed later: prompt and sampled token in one chunk that samples only at its end.
+    recompute = []
+    while c not in sched.running:
+        out = run_step(sched)
+        recompute = [ch for ch in out.prefills if ch.seq is c]
+    assert recompute[0].num_tokens == 9 and c.num_output_tokens == 2
+    run_until_done(sched)
+    assert_all_done(sched, [a, b, c, d])
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions) == (0, 0, 1)
+
+
+def test_lower_priority_is_preempted_before_more_recent_higher_priority() -> None:
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    free_seq = make_seq(7, max_tokens=4, priority=FREE)
+    sched.add(free_seq)
+    run_step(sched)  # admitted first: 8 tokens in 2 blocks
+    a, c = make_seq(8, max_tokens=4), make_seq(8, max_tokens=4)
+    later_free = make_seq(4, max_tokens=4, priority=FREE)
+    for s in (a, c, later_free):
+        sched.add(s)
+    run_step(sched)
+    assert sched.blocks.num_free_blocks == 0
+    assert later_free.status == SequenceStatus.WAITING
+    assert c.admission_order > a.admission_order > free_seq.admission_order
+
+    out = run_step(sched)
+    # `a` needs a third block. The victim is the FREE sequence, although `c` was admitted later.
+    assert out.preempted == (free_seq,)
+    assert {ch.seq.request_id for ch in out.decodes} == {a.request_id, c.request_id}
+    assert list(sched.waiting) == [free_seq, later_free]  # back at the head of its class
+    run_until_done(sched)
+    assert_all_done(sched, [free_seq, a, c, later_free])
+    assert a.num_preemptions == c.num_preemptions == 0
+
+
+def test_a_lowest_ranked_sequence_preempts_itself() -> None:
+    sched = make_scheduler(
+        num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    low = make_seq(7, max_tokens=3, priority=FREE)
+    sched.add(low)
+    run_step(sched)
+    high = make_seq(7, max_tokens=3)
+    sched.add(high)
+    run_step(sched)
+    assert sched.blocks.num_free_blocks == 0
+    out = run_step(sched)
+    # `low` needs a block; `high` is already scheduled and outranks it, so `low` preempts itself.
+    assert out.preempted == (low,)
+    assert [ch.seq for ch in out.decodes] == [high]
+    run_until_done(sched)
+    assert_all_done(sched, [low, high])
+
+
+def test_decodes_of_the_oldest_sequence_always_progress() -> None:
+    # Every decode of the oldest sequence is scheduled: preemption only ever takes from the others.
+    sched = make_scheduler(num_blocks=8, block_size=2, max_num_seqs=8, max_num_batched_tokens=64)
+    oldest = make_seq(3, max_tokens=12)
+    sched.add(oldest)
+    run_step(sched)
+    others = make_seqs(5, prompt_len=3, max_tokens=6)
+    for s in others:
+        sched.add(s)
+    while not oldest.finished:
+        before = oldest.num_output_tokens
+        run_step(sched)
+        assert oldest.num_output_tokens == before + 1
+    run_until_done(sched)
+    assert_all_done(sched, [oldest, *others])
+    assert sched.num_preemptions > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_overloaded_workload_finishes_without_deadlock(seed: int) -> None:
+    """Total KV demand far above the cache: preemption, recomputation, and everything still finishes."""
+    rng = random.Random(seed)
+    num_blocks, block_size = 12, 4
+    capacity = num_blocks * block_size
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=rng.choice([4, 8, 16]),
+        max_num_batched_tokens=rng.choice([8, 16, 32]),
+    )
+    arrivals: dict[int, list[Sequence]] = {}
+    seqs = []
+    for _ in range(24):
+        prompt = rng.randint(1, 30)
+        # As the engine's validation guarantees: each request alone fits in the cache.
+        seq = make_seq(prompt, rng.randint(1, min(20, capacity - prompt)), rng.choice([PAID, FREE]))
+        seqs.append(seq)
+        arrivals.setdefault(rng.randint(0, 30), []).append(seq)
+    assert sum(s.num_prompt_tokens + s.sampling.max_tokens for s in seqs) > 4 * capacity
+    for step in range(3000):
+        for s in arrivals.pop(step, []):
+            sched.add(s)
+        if not arrivals and not sched.has_unfinished():
+            break
+        run_step(sched)
+    else:
+        pytest.fail(f"deadlock: {list(sched.sequences())}")
+    assert_all_done(sched, seqs)
+    assert sched.num_preemptions > 0
+
+
+# ---- starvation ---------------------------------------------------------------------------------
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones() -> None:
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
+    for s in make_seqs(8, prompt_len=4, max_tokens=6):
+        sched.add(s)
+    long = make_seq(24, max_tokens=8)
+    sched.add(long)
+    num_steps = 0
+    while not long.finished and num_steps < 300:
+        sched.add(make_seq(4, max_tokens=6))  # arrivals faster than the service rate
+        run_step(sched)
+        num_steps += 1
+    assert long.finished, long
+    assert num_steps < 100
+    assert len(sched.waiting) > num_steps // 2  # the others kept piling up behind it
+
+
+def test_free_class_is_admitted_while_paid_traffic_leaves_room() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    free_seq = make_seq(6, max_tokens=4, priority=FREE)
+    for s in make_seqs(4, prompt_len=4, max_tokens=6):
+        sched.add(s)
+    sched.add(free_seq)
+    for step in range(200):
+        if step % 3 == 0:
+            sched.add(make_seq(4, max_tokens=6))
+        run_step(sched)
+        if free_seq.finished:
+            break
+    assert free_seq.status == SequenceStatus.FINISHED_LENGTH
+    assert step < 50
+
+
+# ---- abort and error paths ------------------------------------------------------------------------
+
+
+def test_abort_a_waiting_sequence() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    a, b = make_seqs(2, prompt_len=4)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert b not in list(sched.waiting) and b not in sched.running
+    assert b.finished and b.finish_reason == FinishReason.ABORT
+    run_until_done(sched)
+    assert_all_done(sched, [a])
+    assert b.num_output_tokens == 0
+
+
+def test_abort_a_running_sequence_frees_its_blocks() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a, b = make_seq(10, max_tokens=8), make_seq(6, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    run_step(sched)
+    held = len(a.block_table)
+    assert held == 3
+    free_before = sched.blocks.num_free_blocks
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    assert a.block_table == [] and a not in sched.running
+    assert sched.blocks.num_free_blocks == free_before + held
+    check_blocks(sched)
+    out = run_step(sched)
+    assert [c.seq for c in out.chunks] == [b]
+    run_until_done(sched)
+    assert_all_done(sched, [b])
+
+
+def test_abort_a_preempted_sequence() -> None:
+    sched, a, b, c = full_cache_of_three()
+    out = run_step(sched)
+    assert out.preempted == (c,)
+    sched.finish(c, SequenceStatus.FINISHED_ABORTED)
+    assert c not in list(sched.waiting) and c not in sched.running
+    assert c.status == SequenceStatus.FINISHED_ABORTED
+    run_until_done(sched)
+    assert_all_done(sched, [a, b])
+    assert c.num_output_tokens == 1
+
+
+def test_abort_between_schedule_and_update() -> None:
+    """The engine's race: a caller aborts while the forward pass of its chunk is running."""
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a, b = make_seq(6, max_tokens=5), make_seq(6, max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert {c.seq.request_id for c in out.chunks} == {a.request_id, b.request_id}
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    sched.update(out)
+    b.append_token(FAKE_TOKEN, None)  # the runner's result for `a` is dropped
+    check_blocks(sched)
+    assert all(c.seq is not a for o in run_until_done(sched) for c in o.chunks)
+    assert_all_done(sched, [b])
+
+
+def test_a_failed_batch_frees_everything_and_the_rest_is_served() -> None:
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    seqs = [make_seq(n, max_tokens=4) for n in (3, 5, 9, 2, 7)]
+    for s in seqs:
+        sched.add(s)
+    run_step(sched)
+    out = sched.schedule()
+    failed = [c.seq for c in out.chunks]
+    assert failed
+    for seq in failed:  # what LLMEngine._fail_batch does when the forward pass raises
+        sched.finish(seq, SequenceStatus.FINISHED_ERROR)
+    check_blocks(sched)
+    assert not sched.running
+    rest = [s for s in seqs if s not in failed]
+    run_until_done(sched)
+    assert_all_done(sched, rest)
+    assert all(s.finish_reason == FinishReason.ERROR for s in failed)
+
+
+def test_finishing_everything_returns_every_block() -> None:
+    sched, a, b, c = full_cache_of_three()
+    d = make_seq(5)
+    sched.add(d)
+    run_step(sched)  # c preempted; d waiting
+    for seq, status in (
+        (a, SequenceStatus.FINISHED_STOPPED),
+        (b, SequenceStatus.FINISHED_ERROR),
+        (c, SequenceStatus.FINISHED_ABORTED),
+        (d, SequenceStatus.FINISHED_ABORTED),
+    ):
+        sched.finish(seq, status)
+    assert not sched.has_unfinished()
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+    assert sched.schedule().is_empty
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_arrivals_aborts_and_priorities_keep_every_invariant(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    num_blocks = rng.randint(2, 24)
+    capacity = num_blocks * block_size
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.randint(1, 40),
+        watermark_blocks=rng.choice([0, 1]),
+    )
+    seqs: list[Sequence] = []
+    for step in range(5000):
+        if step < 60 and rng.random() < 0.5:
+            prompt = rng.randint(1, max(1, capacity - 1))
+            seq = make_seq(prompt, rng.randint(1, min(12, capacity - prompt)), rng.choice([PAID, FREE]))
+            seqs.append(seq)
+            sched.add(seq)
+        live = [s for s in seqs if not s.finished]
+        if live and rng.random() < 0.05:
+            sched.finish(rng.choice(live), SequenceStatus.FINISHED_ABORTED)
+            check_blocks(sched)
+        if step >= 60 and not sched.has_unfinished():
+            break
+        run_step(sched)
+    else:
+        pytest.fail(f"deadlock: {list(sched.sequences())}")
+    for seq in seqs:
+        assert seq.finished and seq.block_table == []
+        if seq.status == SequenceStatus.FINISHED_LENGTH:
+            assert seq.num_output_tokens == seq.sampling.max_tokens
+        else:
+            assert seq.status == SequenceStatus.FINISHED_ABORTED
+    assert sched.blocks.num_free_blocks == num_blocks
+
+
+# ---- queue deadlines -------------------------------------------------------------------------------
+
+
+def test_a_waiting_sequence_past_its_deadline_expires() -> None:
+    clock = FakeClock(100.0)
+    sched = make_scheduler(max_num_seqs=1, clock=clock)
+    running = make_seq(4, max_tokens=50, deadline=101.0)
+    late = make_seq(4, deadline=105.0)
+    patient = make_seq(4)  # no deadline
+    for s in (running, late, patient):
+        sched.add(s)
+    out = run_step(sched)
+    assert out.expired == () and running.started
+
+    clock.advance(5.0)  # now == deadline: not yet past it
+    assert run_step(sched).expired == ()
+    clock.advance(0.5)
+    out = run_step(sched)
+    assert out.expired == (late,)
+    assert late.status == SequenceStatus.FINISHED_ERROR and late.block_table == []
+    assert list(sched.waiting) == [patient]
+    # The running sequence is past its own deadline too, but it has started: it is never expired.
+    assert running.status == SequenceStatus.RUNNING
+    clock.advance(1000.0)
+    outputs = run_until_done(sched)
+    assert all(o.expired == () for o in outputs)
+    assert_all_done(sched, [running, patient])
+
+
+def test_a_preempted_sequence_does_not_expire() -> None:
+    clock = FakeClock(0.0)
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_batched_tokens=64, watermark_blocks=0, clock=clock
+    )
+    seqs = [make_seq(8, max_tokens=4, deadline=1.0) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    run_step(sched)
+    clock.advance(10.0)
+    out = run_step(sched)
+    assert out.preempted == (seqs[2],) and out.expired == ()
+    outputs = run_until_done(sched)
+    assert all(o.expired == () for o in outputs)
+    assert_all_done(sched, seqs)
+
+
+def test_expiry_comes_before_admission() -> None:
+    clock = FakeClock(0.0)
+    sched = make_scheduler(clock=clock)
+    seq = make_seq(4, deadline=2.0)
+    sched.add(seq)
+    clock.advance(3.0)
+    out = sched.schedule()
+    assert out.expired == (seq,) and out.is_empty
+    assert not sched.has_unfinished()
+
+
+# ---- watermark ---------------------------------------------------------------------------------------
+
+
+def test_watermark_is_not_held_back_when_nothing_runs() -> None:
+    # With nothing running no one needs the watermark, so a lone prompt may use the whole cache.
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, watermark_blocks=2)
+    seq = make_seq(30, max_tokens=2)
+    sched.add(seq)
+    out = run_step(sched)
+    assert scheduled(out) == {seq.request_id: 30}
+    assert sched.blocks.num_free_blocks == 0
+    run_until_done(sched)
+    assert_all_done(sched, [seq])
+
+
+def test_no_admission_into_the_watermark_while_decodes_may_use_it() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, watermark_blocks=1)
+    a = make_seq(13, max_tokens=6)
+    sched.add(a)
+    run_step(sched)
+    assert len(a.block_table) == 4 and sched.blocks.num_free_blocks == 1
+    b = make_seq(1)
+    sched.add(b)
+    while len(a.block_table) < 5:
+        out = run_step(sched)
+        assert scheduled(out) == {a.request_id: 1}  # `b` would fit, but only into the watermark
+        assert b.status == SequenceStatus.WAITING
+    assert sched.blocks.num_free_blocks == 0  # the running decode took the reserved block
+    run_until_done(sched)
+    assert_all_done(sched, [a, b])
+
+
+def test_without_a_watermark_admission_fills_the_cache() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, watermark_blocks=0)
+    a, b = make_seq(12, max_tokens=1), make_seq(4, max_tokens=1)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    assert scheduled(out) == {a.request_id: 12, b.request_id: 4}
+    assert_all_done(sched, [a, b])
+
+
+def test_a_cache_no_larger_than_the_watermark_still_serves_a_request_that_fits() -> None:
+    # The engine caps max_model_len at num_blocks * block_size, so a one-block cache accepts this
+    # request (e.g. EngineConfig(max_num_seqs=1, max_model_len=16) plans exactly one 16-token block);
+    # admission must not wait forever for a free block beyond the watermark.
+    sched = make_scheduler(num_blocks=1, block_size=16, max_num_batched_tokens=64, watermark_blocks=1)
+    seq = make_seq(8, max_tokens=8)
+    sched.add(seq)
+    run_until_done(sched, max_steps=100)
+    assert_all_done(sched, [seq])
