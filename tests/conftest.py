@@ -3,12 +3,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_model import bundled_dir, make_tiny_model
 
 pytest_plugins = ["tests.conftest_redis"]
 
 CACHE_DIR = Path.home() / ".cache" / "batchgate"
+
+# One intra-op thread: the test models are too small to gain from two, and on a 2-core machine an
+# OpenMP barrier whose partner thread is descheduled (the test client, Redis, a second server)
+# turns a 20 us op into a 20 ms one.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
