@@ -4,17 +4,23 @@ Callers `submit()` from the event loop and iterate the returned stream; the loop
 submissions and aborts before each step (so an abort takes effect at the next iteration), runs the
 step, and hands each step's outputs to the callers' event loops in one `call_soon_threadsafe`.
 Stats are published as a snapshot after every step, so `stats()` never touches live state.
+
+Queue deadlines at arrival: `submit()` estimates the request's wait from the latest published load
+snapshot plus the requests accepted since (`PendingWork`), under the same lock that enqueues it, and
+raises EngineOverloadedError at once when it could not start in time (see engine/admission.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engine.admission import PendingWork
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.types import (
@@ -83,6 +89,8 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats = engine.stats()
+        self._load = engine.load_snapshot()
+        self._pending = PendingWork()  # accepted, not yet in the published `_load`
         self._thread = threading.Thread(target=self._run, name="batchgate-engine", daemon=True)
 
     @classmethod
@@ -100,12 +108,17 @@ class AsyncEngine:
         return self._thread.is_alive() and self._dead is None and not self._stopping
 
     def stats(self) -> EngineStats:
-        return self._stats
+        # Refusals at arrival happen on callers' threads, between snapshots: count them live.
+        return dataclasses.replace(self._stats, refusals_by_reason=self.engine.refusal_counts())
 
     # ---- caller side (event loop thread) ------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> RequestStream:
-        """Validate and enqueue; raise at once (too long, overloaded, dead) instead of streaming."""
+        """Validate and enqueue; raise at once (too long, overloaded, dead) instead of streaming.
+
+        EngineOverloadedError (with `retry_after_s`) when the estimated wait, from the published
+        snapshot, exceeds the request's queue deadline; it costs microseconds, not a step.
+        """
         if not self.ready:
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
         self.engine.validate(request)
@@ -113,6 +126,8 @@ class AsyncEngine:
         with self._lock:
             if request.request_id in self._streams:
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            self.engine.check_arrival(request, self._load, self._pending)
+            self._pending.add(request)
             self._streams[request.request_id] = stream
             self._incoming.append(request)
             self._wakeup.notify()
@@ -159,6 +174,11 @@ class AsyncEngine:
                     outputs.extend(self.engine.abort_request(request_id))
                 outputs.extend(self.engine.step())
                 self._stats = self.engine.stats()
+                load = self.engine.load_snapshot()
+                with self._lock:  # the snapshot now shows what was drained before this step
+                    self._load = load
+                    for request in incoming:
+                        self._pending.remove(request)
                 self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - the loop must not die silently
             logger.exception("engine loop died")

@@ -29,9 +29,19 @@ class EngineConfig:
     max_model_len: int | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "batchgate")
     seed: int = 0
-    # Fraction of a step's token budget that one long prompt's prefill chunk may take when shorter
-    # prompts are waiting (length buckets; 1.0 disables the cap).
-    # Scheduling-policy seams (filled by the scheduling-policy work).
+    # ---- scheduling policy (engine/scheduler.py, engine/policy.py, engine/admission.py) ----
+    # "continuous" (iteration-level) or "static" (a batch runs until its last member finishes).
+    batching: str = "continuous"
+    # Prompt-length bucket boundaries: bucket i holds prompts <= length_buckets[i], the last bucket
+    # the longer ones; buckets take turns at admission. () turns buckets off (one FIFO per class).
+    length_buckets: tuple[int, ...] = (256, 1024, 4096)
+    # Fraction of a step's token budget that longer prompts' prefill chunks may take while shorter
+    # prompts are waiting (1.0 disables the cap).
+    long_prefill_share: float = 0.5
+    # A sequence preempted this many times is no longer preempted to make room for a higher class.
+    max_preemptions_per_seq: int = 3
+    # Seconds from arrival by which a request must start when it does not carry its own deadline;
+    # None: no deadline.
     default_queue_deadline_s: float | None = None
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
 
@@ -48,4 +58,16 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+        self.length_buckets = tuple(int(b) for b in self.length_buckets)
+        buckets = self.length_buckets
+        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"length_buckets must be increasing positive token counts, got {buckets}")
+        if not 0.0 < self.long_prefill_share <= 1.0:
+            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
+        if self.max_preemptions_per_seq < 0:
+            raise ValueError(f"max_preemptions_per_seq must be >= 0, got {self.max_preemptions_per_seq}")
+        if self.default_queue_deadline_s is not None and not self.default_queue_deadline_s > 0:
+            raise ValueError(f"default_queue_deadline_s must be > 0, got {self.default_queue_deadline_s}")
         self.cache_dir = Path(self.cache_dir)

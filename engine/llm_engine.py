@@ -8,6 +8,7 @@ blocks through `Scheduler.finish`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,6 +16,14 @@ from typing import Any
 
 import torch
 
+from engine.admission import (
+    DEADLINE_MARGIN,
+    LoadSnapshot,
+    PendingWork,
+    RunningLoad,
+    ServiceMeter,
+    estimate_wait_s,
+)
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -28,6 +37,7 @@ from engine.types import (
     EngineStats,
     GenerationFailedError,
     GenerationRequest,
+    Priority,
     PromptTooLongError,
     RequestOutput,
     SamplingParams,
@@ -60,12 +70,24 @@ class LLMEngine:
         del loaded.weights  # the runner holds (fused) copies
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager, clock
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                length_buckets=config.length_buckets,
+                long_prefill_share=config.long_prefill_share,
+                max_preemptions_per_seq=config.max_preemptions_per_seq,
+                batching=config.batching,
+            ),
+            self.block_manager,
+            clock,
         )
         self._seqs: dict[str, list[Sequence]] = {}
         self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._recent: deque[tuple[float, int]] = deque()
+        self.meter = ServiceMeter()
+        # Refusals are counted on the engine thread (expiry) and on callers' threads (at arrival).
         self._refusals: dict[str, int] = {}
+        self._refusals_lock = threading.Lock()
         self._last_batch_size = 0
         self._num_steps = 0
         logger.info(
@@ -98,16 +120,41 @@ class LLMEngine:
                 f"for the completion); reduce the prompt or max_tokens"
             )
 
+    def queue_deadline_s(self, request: GenerationRequest) -> float | None:
+        """Seconds from arrival by which `request` must start: its own, else the configured default."""
+        if request.queue_deadline_s is not None:
+            return request.queue_deadline_s
+        return self.config.default_queue_deadline_s
+
+    def check_arrival(
+        self,
+        request: GenerationRequest,
+        load: LoadSnapshot | None = None,
+        pending: PendingWork | None = None,
+    ) -> None:
+        """Raise EngineOverloadedError (and count it) if `request` could not start before its queue
+        deadline. From any thread with a published `load` (AsyncEngine passes its latest snapshot
+        and the requests accepted since); without one, from the engine thread on live state."""
+        deadline_s = self.queue_deadline_s(request)
+        if deadline_s is None:
+            return
+        load = load if load is not None else self.load_snapshot()
+        wait_s = estimate_wait_s(load, request.priority, request.fairness_key, pending)
+        if wait_s is None or wait_s <= DEADLINE_MARGIN * deadline_s:
+            return
+        self._count_refusal("deadline_at_arrival")
+        raise EngineOverloadedError(
+            f"the server is overloaded: this request would wait about {wait_s:.1f}s to start, "
+            f"too close to or beyond its queue deadline of {deadline_s:g}s",
+            retry_after_s=max(1.0, wait_s - DEADLINE_MARGIN * deadline_s),
+        )
+
     def add_request(self, request: GenerationRequest) -> None:
         self.validate(request)
         if request.request_id in self._seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         now = self.clock()
-        deadline_s = (
-            self.config.default_queue_deadline_s
-            if request.queue_deadline_s is None
-            else request.queue_deadline_s
-        )
+        deadline_s = self.queue_deadline_s(request)
         p = request.sampling
         seqs = []
         for i in range(p.n):
@@ -144,8 +191,9 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = self.clock()
         out = self.scheduler.schedule()
-        outputs = [self._expired_output(seq) for seq in out.expired]
+        outputs = self._expired_outputs(out.expired)
         if out.is_empty:
             return outputs
         self._num_steps += 1
@@ -158,6 +206,9 @@ class LLMEngine:
         self.scheduler.update(out)
         outputs.extend(self._process(result))
         now = self.clock()
+        self.meter.record_step(
+            now - start, sum(c.num_tokens for c in out.prefills), sum(c.num_tokens for c in out.decodes)
+        )
         self._recent.append((now, len(result.tokens)))
         while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
             self._recent.popleft()
@@ -218,6 +269,8 @@ class LLMEngine:
             self.scheduler.finish(seq, status)
         else:
             seq.status = status
+        if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+            self.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
         detok = self._detok.pop(seq.seq_id)
         out = self._output(seq, new_ids, detok.take(final=True), logprob, error)
         siblings = self._seqs.get(seq.request_id, [])
@@ -225,13 +278,37 @@ class LLMEngine:
             self._seqs.pop(seq.request_id, None)
         return out
 
-    def _expired_output(self, seq: Sequence) -> RequestOutput:
-        self._refusals["deadline"] = self._refusals.get("deadline", 0) + 1
-        waited = self.clock() - seq.arrival_time
-        error = EngineOverloadedError(
-            f"the request waited {waited:.1f}s and could not start before its queue deadline"
-        )
-        return self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error)
+    def _expired_outputs(self, expired: tuple[Sequence, ...]) -> list[RequestOutput]:
+        """Fail sequences that waited past their queue deadline, with a Retry-After hint: how much
+        longer than its deadline a fresh request of the same class and key would wait now."""
+        if not expired:
+            return []
+        now = self.clock()
+        load = self.load_snapshot()
+        waits: dict[tuple[Priority, str], float] = {}
+        outputs = []
+        for seq in expired:
+            self._count_refusal("deadline_in_queue")
+            key = (seq.priority, seq.fairness_key)
+            if key not in waits:
+                waits[key] = estimate_wait_s(load, seq.priority, seq.fairness_key) or 0.0
+            deadline_s = (seq.deadline if seq.deadline is not None else now) - seq.arrival_time
+            error = EngineOverloadedError(
+                f"the request waited {now - seq.arrival_time:.1f}s and could not start before its "
+                f"queue deadline",
+                retry_after_s=max(1.0, waits[key] - deadline_s),
+            )
+            outputs.append(self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error))
+        return outputs
+
+    def _count_refusal(self, reason: str) -> None:
+        with self._refusals_lock:
+            self._refusals[reason] = self._refusals.get(reason, 0) + 1
+
+    def refusal_counts(self) -> dict[str, int]:
+        """Refusals by reason so far; safe from any thread."""
+        with self._refusals_lock:
+            return dict(self._refusals)
 
     def _fail_batch(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         error = GenerationFailedError(f"generation failed: {type(exc).__name__}: {exc}")
@@ -244,8 +321,12 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
+        """A snapshot of queues, rates and counters; engine thread only (AsyncEngine publishes it).
+
+        Cost is independent of the number of waiting requests (the queue keeps counters).
+        """
         running = self.scheduler.running
-        waiting = list(self.scheduler.waiting)
+        waiting = self.scheduler.waiting
         window = [n for t, n in self._recent]
         span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
         return EngineStats(
@@ -256,16 +337,44 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             output_tokens_per_s=(sum(window) / span) if span > 0 else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
-            num_waiting_tokens=sum(s.num_uncomputed_tokens for s in waiting)
+            num_waiting_tokens=sum(waiting.tokens_by_priority().values())
             + sum(s.num_uncomputed_tokens for s in running if s.is_prefilling),
             num_running_tokens=sum(s.sampling.max_tokens - s.num_output_tokens for s in running),
-            waiting_by_priority=self.scheduler.waiting.count_by_priority(),
+            waiting_by_priority=waiting.count_by_priority(),
             running_by_priority={
-                p: sum(1 for s in running if s.priority.name.lower() == p) for p in ("paid", "free")
+                p.name.lower(): sum(1 for s in running if s.priority == p) for p in Priority
             },
-            refusals_by_reason=dict(self._refusals),
+            refusals_by_reason=self.refusal_counts(),
             last_batch_size=self._last_batch_size,
             total_steps=self._num_steps,
+            waiting_by_bucket=waiting.count_by_bucket(),
+            waiting_by_priority_and_bucket=waiting.count_by_priority_and_bucket(),
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
+            prefill_tokens_per_s=self.meter.prefill_tokens_per_s,
+            decode_steps_per_s=self.meter.decode_steps_per_s,
+            batching=self.config.batching,
+        )
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """What the arrival estimate needs, frozen; engine thread only (AsyncEngine publishes it)."""
+        waiting = self.scheduler.waiting
+        return LoadSnapshot(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            seconds_per_token=self.meter.seconds_per_token,
+            seconds_per_step=self.meter.seconds_per_step,
+            completion_ratio=self.meter.completion_ratio,
+            waiting_by_key=waiting.count_by_key(),
+            waiting_tokens=waiting.tokens_by_priority(),
+            waiting_decode_tokens=waiting.decode_tokens_by_priority(),
+            running=tuple(
+                RunningLoad(
+                    s.priority,
+                    s.num_uncomputed_tokens if s.is_prefilling else 0,
+                    max(0, s.sampling.max_tokens - s.num_output_tokens),
+                )
+                for s in self.scheduler.running
+            ),
         )
 
     # ---- offline convenience --------------------------------------------------------------------

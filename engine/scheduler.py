@@ -1,23 +1,49 @@
 """Iteration-level scheduling: pure policy, no tensors.
 
 Each step decides only how many tokens each sequence advances (as vLLM v1): one for a running
-sequence that decodes, a chunk for one that prefills, so chunked prefill is the normal case. Order:
-decodes of running sequences first, then running prefills, then new admissions from the waiting
-queue, all within `max_num_batched_tokens` and `max_num_seqs`, and only with free KV blocks.
-When a running sequence cannot get a block, the lowest-ranked running sequence (lowest priority,
-most recently admitted) is preempted: its blocks are freed and it waits to be recomputed.
+sequence that decodes, a chunk for one that prefills, so chunked prefill is the normal case. Within
+`max_num_batched_tokens` and `max_num_seqs`, and only with free KV blocks, a step schedules:
+
+    1. the decodes of all running sequences (highest rank first);
+    2. for each priority class, highest first: its running prefills, then its admissions from the
+       waiting queue (`engine.policy.WaitingQueue`: buckets and fairness keys take turns).
+
+So a paid arrival never waits behind a free sequence's chunked prefill. Preemption (blocks freed,
+recomputed later) happens for two reasons:
+
+- memory: a running sequence cannot get a block; the lowest-ranked running sequence (lowest class,
+  most recently admitted) that is not yet scheduled goes. Unbounded, so nothing deadlocks; a step
+  that preempted for memory admits nobody, or the victim would come straight back and thrash.
+- priority: a waiting (or prefilling) sequence lacks a slot or blocks while a lower class runs; the
+  lowest-ranked lower-class sequence goes, even if already scheduled this step, unless it has been
+  preempted `max_preemptions_per_seq` times. The sequence it made room for is admitted in the same
+  step; nobody of the victim's class is.
+
+Length buckets: while shorter prompts (of the same or a higher class) wait and a slot is free, the
+prefill chunks of longer prompts share at most `long_prefill_share` of the step's budget, so a burst
+of long prompts cannot hold back short ones.
+
+Static batching (the baseline): a batch of up to `max_num_seqs` forms from the waiting queue while
+nothing runs (over several steps if the budget is short), and nobody else is admitted until all of
+it has finished. It keeps the class order but neither preempts for priority nor caps long prompts.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.policy import WaitingQueue, validate_boundaries
 from engine.sequence import Sequence, SequenceStatus
 from engine.types import Priority
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "WaitingQueue"]
+
+BATCHING_MODES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -26,6 +52,26 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     # Free blocks kept back when admitting new sequences, so running ones can still grow.
     watermark_blocks: int = 1
+    # Prompt-length bucket boundaries (bucket i: prompts <= length_buckets[i]); () = one FIFO.
+    length_buckets: tuple[int, ...] = (256, 1024, 4096)
+    # Share of the step budget that longer prompts' prefill chunks may take while shorter ones wait.
+    long_prefill_share: float = 0.5
+    # Preemptions after which a sequence is no longer preempted for priority (0: never for priority).
+    max_preemptions_per_seq: int = 3
+    batching: str = "continuous"
+
+    def __post_init__(self) -> None:
+        validate_boundaries(self.length_buckets)
+        if not 0.0 < self.long_prefill_share <= 1.0:
+            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
+        if self.max_preemptions_per_seq < 0:
+            raise ValueError(f"max_preemptions_per_seq must be >= 0, got {self.max_preemptions_per_seq}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+
+    @property
+    def long_prefill_budget(self) -> int:
+        return max(1, int(self.long_prefill_share * self.max_num_batched_tokens))
 
 
 @dataclass(frozen=True)
@@ -61,46 +107,37 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
-class WaitingQueue:
-    """Waiting sequences, one FIFO per priority class; the higher class is always served first.
+@dataclass
+class _Step:
+    """The step being built: what is scheduled so far and what is left of the budgets."""
 
-    The seam for policies (length buckets, fair share): `peek`/`pop` decide who is next.
-    """
+    budget: int
+    long_budget: int
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    chunks: dict[tuple[str, int], ScheduledChunk] = field(default_factory=dict)
+    long_chunks: dict[tuple[str, int], int] = field(default_factory=dict)
+    memory_preempted: bool = False
+    admit_below: int = len(Priority)  # only classes below this may be admitted (priority preemption)
+    admitting: bool = True
 
-    def __init__(self) -> None:
-        self._queues: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+    def add(self, chunk: ScheduledChunk, decode: bool, long: bool = False) -> None:
+        (self.decodes if decode else self.prefills).append(chunk)
+        self.chunks[chunk.seq.seq_id] = chunk
+        self.budget -= chunk.num_tokens
+        if long:
+            self.long_chunks[chunk.seq.seq_id] = chunk.num_tokens
+            self.long_budget -= chunk.num_tokens
 
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for p in sorted(self._queues):
-            yield from self._queues[p]
-
-    def push(self, seq: Sequence) -> None:
-        self._queues[seq.priority].append(seq)
-
-    def push_front(self, seq: Sequence) -> None:
-        """A preempted sequence goes back to the head of its class: it was admitted before others."""
-        self._queues[seq.priority].appendleft(seq)
-
-    def peek(self) -> Sequence | None:
-        for p in sorted(self._queues):
-            if self._queues[p]:
-                return self._queues[p][0]
-        return None
-
-    def pop(self) -> Sequence:
-        for p in sorted(self._queues):
-            if self._queues[p]:
-                return self._queues[p].popleft()
-        raise IndexError("pop from an empty waiting queue")
-
-    def remove(self, seq: Sequence) -> None:
-        self._queues[seq.priority].remove(seq)
-
-    def count_by_priority(self) -> dict[str, int]:
-        return {p.name.lower(): len(q) for p, q in self._queues.items()}
+    def drop(self, seq: Sequence) -> None:
+        """Unschedule `seq` (a priority victim) and give its tokens back."""
+        chunk = self.chunks.pop(seq.seq_id, None)
+        if chunk is None:
+            return
+        (self.decodes if chunk in self.decodes else self.prefills).remove(chunk)
+        self.budget += chunk.num_tokens
+        self.long_budget += self.long_chunks.pop(seq.seq_id, 0)
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
@@ -118,15 +155,28 @@ class Scheduler:
         self.config = config
         self.blocks = block_manager
         self.clock = clock
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(config.length_buckets)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
+        self.static = config.batching == "static"
+        # Static batching: whether the current batch still takes members, how many it took, and who
+        # they are (a member preempted for memory may come back while the batch runs).
+        self._batch_open = True
+        self._batch_size = 0
+        self._batch_members: set[tuple[str, int]] = set()
+        # Waiting sequences with a deadline, earliest first; entries of sequences that have started
+        # or finished since are dropped when they reach the top.
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self._deadline_order = itertools.count()
 
     # ---- queue operations -------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
+        if seq.deadline is not None and not seq.started:
+            heapq.heappush(self._deadlines, (seq.deadline, next(self._deadline_order), seq))
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -148,69 +198,174 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         expired = self._expire_waiting()
-        preempted: list[Sequence] = []
-        scheduled: set[tuple[str, int]] = set()
-
-        def make_room(seq: Sequence, num_tokens: int) -> bool:
-            """Preempt lower-ranked unscheduled running sequences until `seq` fits, or preempt `seq`."""
-            while not self.blocks.allocate(seq, num_tokens):
-                candidates = [s for s in self.running if s.seq_id not in scheduled]
-                victim = max(candidates, key=_rank)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    return False
-            return True
+        step = _Step(self.config.max_num_batched_tokens, self.config.long_prefill_budget)
+        if self.static and not self.running:  # the previous batch has drained: form the next
+            self._batch_open, self._batch_size = True, 0
+            self._batch_members.clear()
 
         ranked = sorted(self.running, key=_rank)
-        decodes: list[ScheduledChunk] = []
-        for seq in ranked:
-            if seq.is_prefilling or budget < 1 or seq.status != SequenceStatus.RUNNING:
-                continue
-            if make_room(seq, seq.num_tokens):
-                decodes.append(ScheduledChunk(seq, 1))
-                scheduled.add(seq.seq_id)
-                budget -= 1
+        self._schedule_decodes(step, ranked)
+        for priority in sorted(Priority):
+            self._schedule_prefills(step, [s for s in ranked if s.priority == priority])
+            self._admit(step, priority)
 
-        prefills: list[ScheduledChunk] = []
+        if self.static and step.budget > 0:
+            self._batch_open = False  # it stopped taking members for want of room or of requests
+        return SchedulerOutput(
+            tuple(step.decodes), tuple(step.prefills), tuple(step.preempted), tuple(expired)
+        )
+
+    def _schedule_decodes(self, step: _Step, ranked: list[Sequence]) -> None:
         for seq in ranked:
-            if not seq.is_prefilling or budget < 1 or seq.status != SequenceStatus.RUNNING:
+            if seq.is_prefilling or step.budget < 1 or seq.status != SequenceStatus.RUNNING:
                 continue
-            chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=0)
+            if self._make_room(step, seq, seq.num_tokens):
+                step.add(ScheduledChunk(seq, 1), decode=True)
+
+    def _make_room(self, step: _Step, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt lower-ranked unscheduled running sequences until `seq` fits, or preempt `seq`."""
+        while not self.blocks.allocate(seq, num_tokens):
+            candidates = [s for s in self.running if s.seq_id not in step.chunks]
+            victim = max(candidates, key=_rank)
+            self._preempt(victim)
+            step.preempted.append(victim)
+            step.memory_preempted = True
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_prefills(self, step: _Step, ranked: list[Sequence]) -> None:
+        """Next chunks of running sequences that are still prefilling (one class, by rank)."""
+        for seq in ranked:
+            if not seq.is_prefilling or seq.status != SequenceStatus.RUNNING or seq.seq_id in step.chunks:
+                continue
+            if step.budget < 1:
+                return
+            want, long = self._chunk_limit(step, seq, joining=False)
+            if want == 0:
+                continue
+            chunk = self._fit_chunk(seq, want, reserve=0)
+            if chunk < want:
+                chunk = self._preempt_for_priority(step, seq, want, reserve=0)
+            if chunk == 0 and not step.chunks:
+                # Nothing at all runs this step, so nothing will free room: without this, sequences
+                # that all hold part of a prompt could wait for each other forever.
+                chunk = self._preempt_for_memory(step, seq)
             if chunk == 0:
                 continue  # keeps its blocks; decodes finishing will free room
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
-            prefills.append(ScheduledChunk(seq, chunk))
-            scheduled.add(seq.seq_id)
-            budget -= chunk
+            step.add(ScheduledChunk(seq, chunk), decode=False, long=long)
 
-        # No admissions in a step that preempted: the victim would come straight back and thrash.
-        # The watermark keeps blocks back for running sequences to grow into, when there are any.
-        reserve = self.config.watermark_blocks if self.running else 0
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.peek()
+    def _admit(self, step: _Step, priority: Priority) -> None:
+        """Admit waiting sequences of one class while the budget, slots and blocks allow."""
+        if not step.admitting or step.memory_preempted or priority >= step.admit_below:
+            return
+        skip: set[int] = set()  # buckets whose long prompts have used their share this step
+        while step.budget > 0:
+            seq = self.waiting.peek(priority, skip)
             if seq is None:
-                break
-            chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget), reserve=reserve)
+                return  # this class is done; the next one may go on
+            if self.static and not self._may_join_batch(seq):
+                step.admitting = False
+                return
+            want, long = self._chunk_limit(step, seq, joining=True)
+            if want == 0:
+                skip.add(self.waiting.bucket(seq))
+                continue
+            if len(self.running) >= self.config.max_num_seqs and not self._evict_for(step, seq):
+                step.admitting = False
+                return
+            # The watermark keeps blocks back for running sequences to grow into, when there are any.
+            reserve = self.config.watermark_blocks if self.running else 0
+            chunk = self._fit_chunk(seq, want, reserve)
+            if chunk < want:
+                chunk = self._preempt_for_priority(step, seq, want, reserve)
             if chunk == 0:
-                break  # no room: wait for running sequences to finish (FIFO within the class)
-            self.waiting.pop()
+                # No room: wait for running sequences to finish. Nobody behind it (in this class or
+                # a lower one) may take the blocks it is waiting for.
+                step.admitting = False
+                return
+            self.waiting.pop(seq)
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
             seq.mark_admitted()
             self.running.append(seq)
-            prefills.append(ScheduledChunk(seq, chunk))
-            scheduled.add(seq.seq_id)
-            budget -= chunk
+            step.add(ScheduledChunk(seq, chunk), decode=False, long=long)
+            if self.static:
+                self._join_batch(seq)
 
-        return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted), tuple(expired))
+    def _chunk_limit(self, step: _Step, seq: Sequence, joining: bool) -> tuple[int, bool]:
+        """The most tokens `seq` may prefill now, and whether the long-prompt share bounds it."""
+        want = min(seq.num_uncomputed_tokens, step.budget)
+        if self.static or self.config.long_prefill_share >= 1.0 or not self.config.length_buckets:
+            return want, False  # (static batching admits nobody mid-batch: a cap would only waste)
+        if not self.waiting.has_waiting_below(self.waiting.bucket(seq), seq.priority):
+            return want, False
+        # A shorter prompt is waiting; the cap only helps if it could be admitted this step.
+        if len(self.running) + (1 if joining else 0) >= self.config.max_num_seqs:
+            return want, False
+        return max(0, min(want, step.long_budget)), True
 
     def _fit_chunk(self, seq: Sequence, want: int, reserve: int) -> int:
         """The largest chunk <= `want` whose slots fit in `seq`'s blocks plus the free ones."""
         bs = self.blocks.block_size
         capacity = (len(seq.block_table) + max(0, self.blocks.num_free_blocks - reserve)) * bs
         return max(0, min(want, capacity - seq.num_computed_tokens))
+
+    # ---- preemption ------------------------------------------------------------------------------
+
+    def _priority_victims(self, seq: Sequence) -> list[Sequence]:
+        if self.static:
+            return []
+        bound = self.config.max_preemptions_per_seq
+        return [
+            s
+            for s in self.running
+            if s.priority > seq.priority and s.num_preemptions < bound and s is not seq
+        ]
+
+    def _evict_for(self, step: _Step, seq: Sequence) -> bool:
+        """Preempt the lowest-ranked lower-class sequence for `seq`; False if there is none."""
+        victims = self._priority_victims(seq)
+        if not victims:
+            return False
+        victim = max(victims, key=_rank)
+        step.drop(victim)
+        self._preempt(victim)
+        step.preempted.append(victim)
+        self.num_priority_preemptions += 1
+        step.admit_below = min(step.admit_below, int(victim.priority))
+        return True
+
+    def _preempt_for_priority(self, step: _Step, seq: Sequence, want: int, reserve: int) -> int:
+        """Preempt lower-class sequences until `seq` fits `want` tokens (or none is left to take);
+        returns the chunk that fits then. Nobody is preempted if even all of them would not help."""
+        victims = self._priority_victims(seq)
+        if not victims:
+            return self._fit_chunk(seq, want, reserve)
+        bs = self.blocks.block_size
+        reclaimable = sum(len(v.block_table) for v in victims)
+        best = (len(seq.block_table) + max(0, self.blocks.num_free_blocks + reclaimable - reserve)) * bs
+        if min(want, best - seq.num_computed_tokens) <= self._fit_chunk(seq, want, reserve):
+            return self._fit_chunk(seq, want, reserve)
+        chunk = self._fit_chunk(seq, want, reserve)
+        while chunk < want and self._evict_for(step, seq):
+            chunk = self._fit_chunk(seq, want, reserve)
+        return chunk
+
+    def _preempt_for_memory(self, step: _Step, seq: Sequence) -> int:
+        """Preempt lower-ranked unscheduled sequences until `seq` can compute at least one token."""
+        chunk = 0
+        while chunk == 0:
+            candidates = [s for s in self.running if s.seq_id not in step.chunks and _rank(s) > _rank(seq)]
+            if not candidates:
+                return 0
+            victim = max(candidates, key=_rank)
+            self._preempt(victim)
+            step.preempted.append(victim)
+            step.memory_preempted = True
+            chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, step.budget), reserve=0)
+        return chunk
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -221,12 +376,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push_front(seq)
 
+    # ---- static batching ----------------------------------------------------------------------------
+
+    def _may_join_batch(self, seq: Sequence) -> bool:
+        if seq.seq_id in self._batch_members:
+            return True  # a member preempted for memory comes back
+        return self._batch_open and self._batch_size < self.config.max_num_seqs
+
+    def _join_batch(self, seq: Sequence) -> None:
+        if seq.seq_id not in self._batch_members:
+            self._batch_members.add(seq.seq_id)
+            self._batch_size += 1
+            if self._batch_size >= self.config.max_num_seqs:
+                self._batch_open = False
+
+    # ---- deadlines and progress ----------------------------------------------------------------------
+
     def _expire_waiting(self) -> list[Sequence]:
+        """Take out the waiting sequences past their deadline that never started (a preempted one
+        has started: it is never expired). Costs O(expired log n), not O(waiting)."""
         now = self.clock()
-        expired = [s for s in self.waiting if not s.started and s.deadline is not None and now > s.deadline]
-        for seq in expired:
+        expired = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, seq = heapq.heappop(self._deadlines)
+            if seq.started or seq.status != SequenceStatus.WAITING:
+                continue  # admitted, aborted or already expired since it was queued
             self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED_ERROR
+            expired.append(seq)
         return expired
 
     def update(self, output: SchedulerOutput) -> None:

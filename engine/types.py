@@ -155,6 +155,14 @@ class EngineStats:
     num_running_tokens: int  # tokens still to generate (max_tokens left) over running sequences
     waiting_by_priority: dict[str, int] = field(default_factory=dict)
     running_by_priority: dict[str, int] = field(default_factory=dict)
+    # "deadline_at_arrival": refused at submit because the wait estimate exceeded the deadline;
+    # "deadline_in_queue": waited past the deadline without starting.
     refusals_by_reason: dict[str, int] = field(default_factory=dict)
     last_batch_size: int = 0
     total_steps: int = 0
+    waiting_by_bucket: dict[str, int] = field(default_factory=dict)  # over classes, by prompt length
+    waiting_by_priority_and_bucket: dict[str, dict[str, int]] = field(default_factory=dict)
+    num_priority_preemptions: int = 0  # of num_preemptions, those made for a higher class
+    prefill_tokens_per_s: float = 0.0  # per busy second, over recent steps
+    decode_steps_per_s: float = 0.0  # steps per busy second, over recent steps
+    batching: str = "continuous"

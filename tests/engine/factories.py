@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -39,11 +40,14 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     clock: Callable[[], float] | None = None,
     watermark_blocks: int = 1,
+    **policy: Any,
 ) -> Scheduler:
+    """`policy`: other SchedulerConfig fields (length_buckets, long_prefill_share, batching, ...)."""
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         watermark_blocks=watermark_blocks,
+        **policy,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size), clock or FakeClock())
 
@@ -55,6 +59,7 @@ def make_seq(
     *,
     deadline: float | None = None,
     request_id: str | None = None,
+    fairness_key: str = "",
 ) -> Sequence:
     """A sequence whose prompt tokens are 100, 101, ... (distinct, so chunk contents are checkable)."""
     return Sequence(
@@ -64,6 +69,7 @@ def make_seq(
         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         priority=priority,
         deadline=deadline,
+        fairness_key=fairness_key,
     )
 
 

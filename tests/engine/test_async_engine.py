@@ -11,7 +11,15 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.types import EngineDeadError, FinishReason, GenerationRequest, PromptTooLongError, SamplingParams
+from engine.types import (
+    EngineDeadError,
+    EngineOverloadedError,
+    FinishReason,
+    GenerationRequest,
+    Priority,
+    PromptTooLongError,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +117,83 @@ async def test_shutdown_fails_pending_requests(tiny_model_dir: Path) -> None:
     assert rest[-1].finish_reason == FinishReason.ERROR and isinstance(rest[-1].error, EngineDeadError)
     with pytest.raises(EngineDeadError):
         eng.submit(GenerationRequest("q", [3], SamplingParams()))
+
+
+async def test_overload_is_refused_at_submit_fast_and_paid_still_starts(tiny_model_dir: Path) -> None:
+    eng = AsyncEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory_bytes=8 << 20,
+            max_num_seqs=2,
+            default_queue_deadline_s=0.5,
+        )
+    )
+    try:
+        long = SamplingParams(max_tokens=4000, ignore_eos=True)
+        busy = [
+            eng.submit(GenerationRequest(f"busy{i}", [7 + i] * 12, long, priority=Priority.FREE))
+            for i in range(2)
+        ]
+        for stream in busy:
+            await stream.__anext__()  # both run; the engine has measured a few steps
+        while eng.stats().total_steps < 5:
+            await asyncio.sleep(0.01)
+        # Both slots are taken for ~4000 steps: a free request with a 0.5 s deadline cannot start.
+        # Refused in submit itself, without waiting for a step.
+        start = time.perf_counter()
+        with pytest.raises(EngineOverloadedError) as info:
+            eng.submit(
+                GenerationRequest("late", [3] * 8, SamplingParams(max_tokens=4), priority=Priority.FREE)
+            )
+        assert time.perf_counter() - start < 0.05
+        assert info.value.retry_after_s >= 1.0
+        assert eng.stats().refusals_by_reason.get("deadline_at_arrival") == 1
+        # A paid request is admitted and starts at once: it preempts a free sequence.
+        paid = eng.submit(GenerationRequest("paid", [3] * 8, SamplingParams(max_tokens=3, ignore_eos=True)))
+        outs = [o async for o in paid]
+        assert outs[-1].finish_reason == FinishReason.LENGTH and outs[-1].num_output_tokens == 3
+        assert eng.stats().num_priority_preemptions >= 1
+        for stream in busy:
+            await stream.aclose()
+        await wait_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+async def test_a_burst_between_snapshots_counts_itself_as_ahead(tiny_model_dir: Path) -> None:
+    eng = AsyncEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory_bytes=8 << 20,
+            max_num_seqs=1,
+        )
+    )
+    try:
+        warm = eng.submit(GenerationRequest("warm", [5] * 8, SamplingParams(max_tokens=8, ignore_eos=True)))
+        _ = [o async for o in warm]
+        await wait_idle(eng)
+        # An idle engine with measured rates; 50 requests of 3000 tokens arrive in one event-loop tick.
+        # Each sees the ones accepted before it, so the later ones are refused, not left to expire.
+        params = SamplingParams(max_tokens=3000, ignore_eos=True)
+        accepted, refused = [], 0
+        for i in range(50):
+            try:
+                accepted.append(
+                    eng.submit(
+                        GenerationRequest(
+                            f"b{i}", [9] * 8, params, queue_deadline_s=0.2, priority=Priority.FREE
+                        )
+                    )
+                )
+            except EngineOverloadedError:
+                refused += 1
+        assert accepted and refused > 0
+        for stream in accepted:
+            await stream.aclose()
+        await wait_idle(eng)
+    finally:
+        eng.shutdown()

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from engine.admission import ServiceMeter
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.types import (
     EngineOverloadedError,
@@ -175,7 +177,99 @@ def test_queue_deadline_expires_waiting_requests(tiny_model_dir: Path) -> None:
     late = [o for o in outs if o.request_id == "late"]
     assert len(late) == 1 and late[0].finish_reason == FinishReason.ERROR
     assert isinstance(late[0].error, EngineOverloadedError)
-    assert engine.stats().refusals_by_reason == {"deadline": 1}
+    assert engine.stats().refusals_by_reason == {"deadline_in_queue": 1}
     while engine.has_unfinished():
         engine.step()
     assert_idle(engine)
+
+
+# ---- scheduling policy end to end -----------------------------------------------------------------
+
+
+def test_paid_preempts_free_and_every_output_is_unchanged(engine: LLMEngine, tiny_model_dir: Path) -> None:
+    expected = {i: alone(engine, PROMPTS[i], greedy(12)) for i in range(4)}
+    two_slots = tiny_engine(tiny_model_dir, max_num_seqs=2)
+    for i in (0, 1):
+        two_slots.add_request(GenerationRequest(f"free{i}", PROMPTS[i], greedy(12), priority=Priority.FREE))
+    outputs: dict[tuple[str, int], list[Any]] = {}
+    for _ in range(3):
+        for out in two_slots.step():
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+    for i in (2, 3):
+        two_slots.add_request(GenerationRequest(f"paid{i}", PROMPTS[i], greedy(12), priority=Priority.PAID))
+    first_done: list[str] = []
+    while two_slots.has_unfinished():
+        for out in two_slots.step():
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+            if out.finished:
+                first_done.append(out.request_id)
+    stats = two_slots.stats()
+    assert stats.num_priority_preemptions == stats.num_preemptions == 2
+    assert first_done[:2] == ["paid2", "paid3"]  # admitted after the free ones, finished before them
+    for name, i in (("free0", 0), ("free1", 1), ("paid2", 2), ("paid3", 3)):
+        assert tokens_of(outputs[(name, 0)]) == expected[i]  # recomputed, never garbled
+        assert outputs[(name, 0)][-1].num_output_tokens == 12
+    assert_idle(two_slots)
+
+
+def test_static_batching_gives_the_same_outputs(engine: LLMEngine, tiny_model_dir: Path) -> None:
+    expected = [alone(engine, p, greedy(6 + 3 * i)) for i, p in enumerate(PROMPTS[:4])]
+    static = tiny_engine(tiny_model_dir, batching="static", max_num_seqs=2)
+    outputs = run_all(
+        static, [GenerationRequest(f"s{i}", p, greedy(6 + 3 * i)) for i, p in enumerate(PROMPTS[:4])]
+    )
+    for i in range(4):
+        assert tokens_of(outputs[(f"s{i}", 0)]) == expected[i]
+    assert static.stats().batching == "static"
+    assert_idle(static)
+
+
+def test_stats_show_queues_by_class_and_bucket(tiny_model_dir: Path) -> None:
+    eng = tiny_engine(tiny_model_dir, max_num_seqs=1, length_buckets=(16, 64))
+    lengths = {"a": 10, "b": 30, "c": 100, "d": 12}
+    for name, n in lengths.items():
+        priority = Priority.FREE if name in "bd" else Priority.PAID
+        eng.add_request(GenerationRequest(name, [5] * n, greedy(2), priority=priority))
+    stats = eng.stats()
+    assert stats.num_waiting == 4 and stats.waiting_by_priority == {"paid": 2, "free": 2}
+    assert stats.waiting_by_bucket == {"<=16": 2, "<=64": 1, ">64": 1}
+    assert stats.waiting_by_priority_and_bucket["free"] == {"<=16": 1, "<=64": 1, ">64": 0}
+    assert stats.num_waiting_tokens == 152
+    eng.step()
+    stats = eng.stats()
+    assert stats.num_running == 1 and stats.running_by_priority == {"paid": 1, "free": 0}
+    assert stats.decode_steps_per_s > 0 and stats.prefill_tokens_per_s > 0
+    while eng.has_unfinished():
+        eng.step()
+    assert_idle(eng)
+
+
+def test_a_request_that_cannot_start_in_time_is_refused_at_arrival(tiny_model_dir: Path) -> None:
+    eng = tiny_engine(tiny_model_dir, max_num_seqs=2, default_queue_deadline_s=2.0)
+    request = GenerationRequest("new", PROMPTS[0], greedy(4), priority=Priority.FREE)
+    for i in range(6):
+        eng.add_request(GenerationRequest(f"busy{i}", PROMPTS[i], greedy(200), priority=Priority.FREE))
+    eng.meter = ServiceMeter()
+    eng.check_arrival(request)  # nothing measured yet: admitted
+    eng.meter.record_step(0.05, 0, 2)  # 50 ms a step: the 6 ahead need ~200 steps each on 2 slots
+    with pytest.raises(EngineOverloadedError) as info:
+        eng.check_arrival(request)
+    assert info.value.retry_after_s > 1.0 and "queue deadline of 2s" in str(info.value)
+    eng.check_arrival(GenerationRequest("paid", PROMPTS[0], greedy(4), priority=Priority.PAID))
+    eng.check_arrival(GenerationRequest("patient", PROMPTS[0], greedy(4), queue_deadline_s=3600.0))
+    assert eng.stats().refusals_by_reason == {"deadline_at_arrival": 1}
+    for i in range(6):
+        eng.abort_request(f"busy{i}")
+    assert_idle(eng)
+
+
+def test_policy_settings_are_validated() -> None:
+    for bad in (
+        dict(batching="dynamic"),
+        dict(length_buckets=(64, 16)),
+        dict(long_prefill_share=0.0),
+        dict(max_preemptions_per_seq=-1),
+        dict(default_queue_deadline_s=0.0),
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)  # type: ignore[arg-type]

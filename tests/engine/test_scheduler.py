@@ -533,6 +533,21 @@ def test_a_preempted_sequence_does_not_expire() -> None:
     assert_all_done(sched, seqs)
 
 
+def test_an_aborted_or_admitted_sequence_never_expires_later() -> None:
+    clock = FakeClock(0.0)
+    sched = make_scheduler(max_num_seqs=1, clock=clock)
+    admitted, aborted = make_seq(4, max_tokens=3, deadline=1.0), make_seq(4, deadline=1.0)
+    sched.add(admitted)
+    sched.add(aborted)
+    run_step(sched)
+    sched.finish(aborted, SequenceStatus.FINISHED_ABORTED)
+    clock.advance(5.0)
+    outputs = run_until_done(sched)
+    assert all(o.expired == () for o in outputs)
+    assert aborted.status == SequenceStatus.FINISHED_ABORTED
+    assert_all_done(sched, [admitted])
+
+
 def test_expiry_comes_before_admission() -> None:
     clock = FakeClock(0.0)
     sched = make_scheduler(clock=clock)
@@ -595,3 +610,351 @@ def test_a_cache_no_larger_than_the_watermark_still_serves_a_request_that_fits()
     sched.add(seq)
     run_until_done(sched, max_steps=100)
     assert_all_done(sched, [seq])
+
+
+# ---- priority classes and priority preemption ------------------------------------------------------
+
+
+def test_paid_is_admitted_before_free_that_arrived_earlier() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    f1, f2 = make_seq(4, priority=FREE), make_seq(4, priority=FREE)
+    p = make_seq(4, priority=PAID)
+    for s in (f1, f2, p):
+        sched.add(s)
+    out = run_step(sched)
+    assert [c.seq for c in out.prefills] == [p, f1]
+    assert f2.status == SequenceStatus.WAITING and out.preempted == ()
+
+
+def test_paid_preempts_the_newest_free_sequence_for_a_slot_and_starts_in_that_step() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    f1, f2 = make_seq(4, max_tokens=10, priority=FREE), make_seq(4, max_tokens=10, priority=FREE)
+    sched.add(f1)
+    sched.add(f2)
+    run_step(sched)
+    run_step(sched)
+    p = make_seq(4, max_tokens=3, priority=PAID)
+    sched.add(p)
+    out = run_step(sched)
+    assert out.preempted == (f2,)
+    assert [c.seq for c in out.decodes] == [f1]  # the victim's decode was taken back out
+    assert [c.seq for c in out.prefills] == [p]
+    assert f2.status == SequenceStatus.PREEMPTED and f2.num_computed_tokens == 0
+    assert sched.num_preemptions == sched.num_priority_preemptions == 1
+    run_until_done(sched)
+    assert_all_done(sched, [f1, f2, p])  # the victim recomputes and still gets all its tokens
+
+
+def test_paid_preempts_free_sequences_for_blocks() -> None:
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    f1, f2 = make_seq(7, max_tokens=6, priority=FREE), make_seq(7, max_tokens=6, priority=FREE)
+    sched.add(f1)
+    sched.add(f2)
+    run_step(sched)  # 2 blocks each, 2 free
+    p = make_seq(12, max_tokens=2, priority=PAID)  # needs 3 blocks for its prompt
+    later = make_seq(2, max_tokens=2, priority=FREE)
+    sched.add(p)
+    sched.add(later)
+    out = run_step(sched)
+    assert out.preempted == (f2,)
+    assert scheduled(out) == {f1.request_id: 1, p.request_id: 12}  # the whole prompt, at once
+    # Nobody of the victim's class is admitted in that step: neither the victim nor `later`.
+    assert f2.status == SequenceStatus.PREEMPTED and later.status == SequenceStatus.WAITING
+    run_until_done(sched)
+    assert_all_done(sched, [f1, f2, p, later])
+
+
+def test_a_paid_prefill_that_lacks_blocks_preempts_free() -> None:
+    # A free decode grows while a paid prompt is prefilled in chunks of 4; the cache runs out.
+    sched = make_scheduler(
+        num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=5, watermark_blocks=0
+    )
+    free_seq = make_seq(4, max_tokens=20, priority=FREE)
+    sched.add(free_seq)
+    run_step(sched)
+    paid = make_seq(24, max_tokens=2, priority=PAID)
+    sched.add(paid)
+    for _ in range(5):
+        out = run_step(sched)
+        assert scheduled(out) == {free_seq.request_id: 1, paid.request_id: 4}
+    assert sched.blocks.num_free_blocks == 0 and len(paid.block_table) == 5
+    out = run_step(sched)
+    # The free decode, already scheduled, is taken back out and preempted for the paid chunk.
+    assert out.preempted == (free_seq,) and out.decodes == ()
+    assert scheduled(out) == {paid.request_id: 4}
+    assert sched.num_priority_preemptions == 1
+    run_until_done(sched)
+    assert_all_done(sched, [paid, free_seq])
+
+
+def test_a_sequence_is_preempted_for_priority_at_most_max_preemptions_per_seq_times() -> None:
+    sched = make_scheduler(
+        num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64, max_preemptions_per_seq=2
+    )
+    free_seq = make_seq(4, max_tokens=30, priority=FREE)
+    sched.add(free_seq)
+    run_step(sched)
+    for round_ in range(3):
+        paid = make_seq(4, max_tokens=2, priority=PAID)
+        sched.add(paid)
+        out = run_step(sched)
+        if round_ < 2:
+            assert out.preempted == (free_seq,) and paid.status == SequenceStatus.RUNNING
+            run_step(sched)  # paid finishes; free comes back
+            run_step(sched)
+            assert paid.finished and free_seq.status == SequenceStatus.RUNNING
+        else:
+            # Bound reached: the paid request waits for the free one to finish.
+            assert out.preempted == () and paid.status == SequenceStatus.WAITING
+            while not free_seq.finished:
+                run_step(sched)
+                assert paid.status == SequenceStatus.WAITING or free_seq.finished
+    assert free_seq.num_preemptions == 2 and sched.num_priority_preemptions == 2
+    run_until_done(sched)
+    assert_all_done(sched, [free_seq])
+    assert paid.finished
+
+
+def test_no_priority_preemption_when_the_bound_is_zero() -> None:
+    sched = make_scheduler(
+        num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64, max_preemptions_per_seq=0
+    )
+    free_seq = make_seq(4, max_tokens=5, priority=FREE)
+    sched.add(free_seq)
+    run_step(sched)
+    paid = make_seq(4, max_tokens=2, priority=PAID)
+    sched.add(paid)
+    outputs = run_until_done(sched)
+    assert all(o.preempted == () for o in outputs)
+    assert_all_done(sched, [free_seq, paid])
+
+
+def test_a_sequence_past_the_bound_is_still_preempted_for_memory() -> None:
+    sched = make_scheduler(
+        num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    paid = make_seq(7, max_tokens=4, priority=PAID)
+    free_seq = make_seq(7, max_tokens=4, priority=FREE)
+    sched.add(paid)
+    sched.add(free_seq)
+    run_step(sched)
+    free_seq.num_preemptions = sched.config.max_preemptions_per_seq  # immune to priority preemption
+    run_step(sched)  # both hold 9 tokens in 2 full... the cache is full
+    outputs = run_until_done(sched)
+    assert any(free_seq in o.preempted for o in outputs)  # else the paid decode could never grow
+    assert sched.num_priority_preemptions == 0
+    assert_all_done(sched, [paid, free_seq])
+
+
+def test_paid_waiting_behind_a_free_chunked_prefill_goes_first() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, length_buckets=())
+    long_free = make_seq(64, max_tokens=2, priority=FREE)
+    sched.add(long_free)
+    run_step(sched)
+    paid = make_seq(10, max_tokens=2, priority=PAID)
+    sched.add(paid)
+    out = run_step(sched)
+    assert scheduled(out) == {paid.request_id: 10, long_free.request_id: 6}
+    assert [c.seq for c in out.prefills] == [paid, long_free]
+
+
+# ---- length buckets ------------------------------------------------------------------------------------
+
+
+def burst_of_long_prompts(
+    **policy: object,
+) -> tuple[Scheduler, list[Sequence], Sequence, list[SchedulerOutput]]:
+    """Five 100-token prompts arrive, then (a step later) one 8-token prompt; budget 32."""
+    sched = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, **policy)
+    longs = make_seqs(5, prompt_len=100, max_tokens=2)
+    for s in longs:
+        sched.add(s)
+    outputs = [run_step(sched)]
+    short = make_seq(8, max_tokens=2)
+    sched.add(short)
+    while short.status == SequenceStatus.WAITING:
+        outputs.append(run_step(sched))
+    return sched, longs, short, outputs
+
+
+def test_a_short_prompt_is_not_held_back_by_a_burst_of_long_ones() -> None:
+    sched, longs, short, outputs = burst_of_long_prompts(length_buckets=(16,), long_prefill_share=0.5)
+    assert len(outputs) == 2  # admitted in the very next step
+    first, second = outputs
+    assert scheduled(first) == {longs[0].request_id: 32}  # nothing shorter waited: no cap
+    # Longer prompts' chunks share half the budget while the short prompt waits.
+    assert scheduled(second)[longs[0].request_id] == 16
+    assert scheduled(second)[short.request_id] == 8
+    run_until_done(sched)
+    assert_all_done(sched, [*longs, short])
+
+    sched, longs, short, outputs = burst_of_long_prompts(length_buckets=())
+    assert len(outputs) > 10  # plain FIFO: it waits for all five long prompts to be prefilled
+    run_until_done(sched)
+    assert_all_done(sched, [*longs, short])
+
+
+def test_long_prompts_share_the_capped_budget_between_them() -> None:
+    sched = make_scheduler(
+        num_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        length_buckets=(16,),
+        long_prefill_share=0.25,
+    )
+    longs = make_seqs(3, prompt_len=100, max_tokens=2)
+    shorts = make_seqs(20, prompt_len=12, max_tokens=30)
+    for s in (*longs, *shorts):
+        sched.add(s)
+    for _ in range(6):
+        out = run_step(sched)
+        long_tokens = sum(c.num_tokens for c in out.prefills if c.seq in longs)
+        if any(s.status == SequenceStatus.WAITING for s in shorts) and len(sched.running) < 8:
+            assert long_tokens <= 8
+    run_until_done(sched)
+    assert_all_done(sched, [*longs, *shorts])
+
+
+def test_buckets_take_turns_at_admission() -> None:
+    sched = make_scheduler(
+        num_blocks=256, max_num_seqs=1, max_num_batched_tokens=256, length_buckets=(16, 64)
+    )
+    order = [make_seq(n, max_tokens=1) for n in (100, 100, 40, 40, 8, 8)]
+    for s in order:
+        sched.add(s)
+    admitted = []
+    while sched.has_unfinished():
+        out = run_step(sched)
+        admitted += [c.seq for c in out.prefills]  # whole prompts: one chunk each
+    # Round robin over the non-empty buckets (<=16, <=64, >64), starting with the shortest.
+    assert [s.num_prompt_tokens for s in admitted] == [8, 40, 100, 8, 40, 100]
+
+
+# ---- fair share ----------------------------------------------------------------------------------------
+
+
+def test_a_flooding_tenant_does_not_delay_another_beyond_one_turn() -> None:
+    sched = make_scheduler(num_blocks=256, max_num_seqs=1, max_num_batched_tokens=64)
+    flood = [make_seq(4, max_tokens=2, fairness_key="a") for _ in range(10)]
+    for s in flood:
+        sched.add(s)
+    light = make_seq(4, max_tokens=2, fairness_key="b")
+    sched.add(light)
+    admitted = []
+    while sched.has_unfinished():
+        out = run_step(sched)
+        admitted += [c.seq for c in out.prefills]
+    assert admitted.index(light) == 1  # after the one "a" request whose turn it was
+    assert_all_done(sched, [*flood, light])
+
+
+def test_tenants_alternate_within_a_class() -> None:
+    sched = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    a = [make_seq(4, fairness_key="a") for _ in range(6)]
+    b = [make_seq(4, fairness_key="b") for _ in range(2)]
+    for s in (*a, *b):
+        sched.add(s)
+    out = run_step(sched)
+    assert [c.seq for c in out.prefills] == [a[0], b[0], a[1], b[1]]
+
+
+# ---- static batching -------------------------------------------------------------------------------
+
+
+def test_static_batching_admits_nobody_until_the_batch_has_drained() -> None:
+    # Budget 8 and 6-token prompts: the first batch of three forms over two steps.
+    sched = make_scheduler(
+        num_blocks=256, max_num_seqs=3, max_num_batched_tokens=8, batching="static", length_buckets=()
+    )
+    seqs = [make_seq(6, max_tokens=n) for n in (2, 9, 4, 3, 3)]
+    for s in seqs:
+        sched.add(s)
+    batches: list[set[str]] = []  # who was admitted, grouped by "nothing was running before"
+    for step in range(200):
+        if not sched.has_unfinished():
+            break
+        if step == 4:  # arrives while the first batch runs: it must wait for the next batch
+            seqs.append(make_seq(2, max_tokens=2))
+            sched.add(seqs[-1])
+        was_running = {s.request_id for s in sched.running}
+        out = run_step(sched)
+        new = {c.seq.request_id for c in out.prefills} - was_running
+        if new and not was_running:
+            batches.append(set())
+        if new:
+            batches[-1] |= new
+    assert batches == [{s.request_id for s in seqs[:3]}, {s.request_id for s in seqs[3:]}]
+    assert_all_done(sched, seqs)
+
+
+def test_static_batching_takes_more_steps_than_continuous() -> None:
+    steps = {}
+    for mode in ("continuous", "static"):
+        sched = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64, batching=mode)
+        seqs = [make_seq(4, max_tokens=n) for n in (2, 30, 3, 4, 30, 2, 3, 30)]
+        for s in seqs:
+            sched.add(s)
+        steps[mode] = len(run_until_done(sched))
+        assert_all_done(sched, seqs)
+    assert steps["static"] > 1.5 * steps["continuous"]
+
+
+# ---- every policy at once keeps every invariant ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_under_every_policy_keep_every_invariant(seed: int) -> None:
+    rng = random.Random(5000 + seed)
+    block_size = rng.choice([2, 4])
+    num_blocks = rng.randint(6, 32)
+    capacity = num_blocks * block_size
+    clock = FakeClock()
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.randint(4, 40),
+        watermark_blocks=rng.choice([0, 1]),
+        clock=clock,
+        length_buckets=rng.choice([(), (4,), (4, 12), (8, 16, 32)]),
+        long_prefill_share=rng.choice([0.25, 0.5, 1.0]),
+        max_preemptions_per_seq=rng.choice([0, 1, 3]),
+        batching=rng.choice(["continuous", "continuous", "static"]),
+    )
+    seqs: list[Sequence] = []
+    for step in range(5000):
+        if step < 80 and rng.random() < 0.6:
+            prompt = rng.randint(1, max(1, capacity // 2))
+            seq = make_seq(
+                prompt,
+                rng.randint(1, min(16, capacity - prompt)),
+                rng.choice([PAID, FREE]),
+                fairness_key=rng.choice("abc"),
+                deadline=rng.choice([None, None, clock.now + rng.uniform(1, 30)]),
+            )
+            seqs.append(seq)
+            sched.add(seq)
+        live = [s for s in seqs if not s.finished]
+        if live and rng.random() < 0.03:
+            sched.finish(rng.choice(live), SequenceStatus.FINISHED_ABORTED)
+            check_blocks(sched)
+        if step >= 80 and not sched.has_unfinished():
+            break
+        run_step(sched)
+        clock.advance(0.5)
+    else:
+        pytest.fail(f"deadlock: {list(sched.sequences())}")
+    for seq in seqs:
+        assert seq.finished and seq.block_table == []
+        if seq.status == SequenceStatus.FINISHED_LENGTH:
+            assert seq.num_output_tokens == seq.sampling.max_tokens
+        elif seq.status == SequenceStatus.FINISHED_ERROR:
+            assert not seq.started  # only expiry fails a sequence here
+        else:
+            assert seq.status == SequenceStatus.FINISHED_ABORTED
+    assert sched.blocks.num_free_blocks == num_blocks
+    assert len(sched.waiting) == 0 and sched.waiting.count_by_bucket() == dict.fromkeys(
+        sched.waiting.labels, 0
+    )
