@@ -73,6 +73,7 @@ class RequestStream(AsyncIterator[RequestOutput]):
         if not self.done:
             self._engine.abort(self.request_id)
             self._num_finished = self._num_choices
+            self._engine._forget(self.request_id)
 
 
 class AsyncEngine:

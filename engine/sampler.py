@@ -54,6 +54,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         cumulative = sorted_probs.cumsum(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = cumulative - sorted_probs >= p.top_p
+        drop[0] = False  # a top_p that underflows float32 still keeps the most likely token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

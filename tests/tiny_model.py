@@ -14,7 +14,12 @@ import torch
 
 from engine.loader import resolve_model_dir
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 
 
 def bundled_dir(cache_dir: Path) -> Path:
@@ -22,8 +27,9 @@ def bundled_dir(cache_dir: Path) -> Path:
     return resolve_model_dir(None, cache_dir)
 
 
-def make_tiny_model(target: Path, tokenizer_dir: Path, model_type: str = "llama", seed: int = 0,
-                    **overrides: Any) -> Path:
+def make_tiny_model(
+    target: Path, tokenizer_dir: Path, model_type: str = "llama", seed: int = 0, **overrides: Any
+) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings: dict[str, Any] = dict(

@@ -263,3 +263,10 @@ def test_logprobs_ignore_the_processing_that_chose_the_token() -> None:
     assert lp is not None
     assert lp.logprob == pytest.approx(float(raw[11]))
     assert [t for t, _ in lp.top] == [10, 11]  # the raw ranking, not the biased one
+
+
+def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
+    # 5e-324 is a valid top_p (> 0) that rounds to 0 in float32; found by the gateway's fuzz run.
+    row = SamplingRow(SamplingParams(temperature=1.0, top_p=5e-324), [], (), None)
+    tokens, _ = sample(torch.tensor([[2.0, 1.0, 0.0]]), [row])
+    assert tokens == [0]

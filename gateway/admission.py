@@ -1,0 +1,100 @@
+"""The seam between the gateway and `tenancy`: authenticate, admit, settle.
+
+Open mode (no tenancy object) admits everything as one anonymous caller at paid priority; with a
+`tenancy.Tenancy`, each request is authenticated to a tenant, admitted against its limits, and
+its lease is held (renewed, then settled with the tokens really used) until the response ends:
+
+    parse -> authenticate -> tokenize -> admit -> submit -> stream/gather -> settle (Admission.close)
+
+The tenancy package is imported lazily, so the gateway runs (in open mode) without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.types import Priority
+from gateway.errors import APIError, ErrorKind
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking, as far as the engine cares: fairness key, priority and queue deadline."""
+
+    name: str
+    priority: Priority = Priority.PAID
+    queue_deadline_s: float | None = None
+    tenant: Any = None  # the tenancy.Tenant, when tenancy is on
+
+
+OPEN_CALLER = Caller(name="")
+
+
+class Admission:
+    """One admitted request's hold on its tenant's limits; `close()` settles it (idempotent)."""
+
+    def __init__(self, holder: Any = None, headers: dict[str, str] | None = None) -> None:
+        self._holder = holder
+        self.headers = dict(headers or {})  # x-ratelimit-* for the response
+
+    def record(
+        self, *, num_prompt_tokens: int | None = None, num_completion_tokens: int | None = None
+    ) -> None:
+        if self._holder is not None:
+            self._holder.record(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens)
+
+    async def close(self) -> None:
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            await holder.close()
+
+
+def _tenancy_errors() -> tuple[type[BaseException], type[BaseException]]:
+    from tenancy.errors import AuthError, LimiterUnavailableError
+
+    return AuthError, LimiterUnavailableError
+
+
+async def authenticate(tenancy: Any, authorization: str | None, user: str | None) -> Caller:
+    """The caller of a request; APIError 401 for a bad key, 503 when the key store is unreachable."""
+    if tenancy is None:
+        # Open mode: the OpenAI `user` field is the only identity there is; use it for fairness.
+        return Caller(name=user or "")
+    auth_error, unavailable_error = _tenancy_errors()
+    try:
+        tenant = await tenancy.authenticate(authorization)
+    except auth_error as exc:
+        raise APIError(ErrorKind.INVALID_API_KEY, str(exc)) from None
+    except unavailable_error as exc:
+        raise APIError(
+            ErrorKind.UNAVAILABLE, f"Authentication is unavailable: {exc}", retry_after_s=1.0
+        ) from None
+    plan = tenant.plan
+    return Caller(
+        name=tenant.name,
+        priority=Priority.FREE if plan.priority == "free" else Priority.PAID,
+        queue_deadline_s=plan.queue_deadline_seconds,
+        tenant=tenant,
+    )
+
+
+async def admit(
+    tenancy: Any, caller: Caller, *, num_prompt_tokens: int, max_num_tokens: int, request_id: str
+) -> Admission:
+    """Reserve the request's tokens; APIError 429 (or 503 when the limiter is unavailable) if refused."""
+    if tenancy is None:
+        return Admission()
+    decision = await tenancy.admit(caller.tenant, num_prompt_tokens, max_num_tokens, request_id)
+    if not decision.admitted:
+        unavailable = str(getattr(decision.reason, "value", decision.reason)) == "unavailable"
+        raise APIError(
+            ErrorKind.UNAVAILABLE if unavailable else ErrorKind.RATE_LIMITED,
+            decision.message(),
+            headers=decision.headers(),
+            retry_after_s=(decision.retry_after_s or 1.0) if unavailable else None,
+        )
+    holder = tenancy.hold(decision.lease)
+    await holder.__aenter__()
+    # Nothing is recorded yet: a request the engine refuses is refunded whole.
+    return Admission(holder, decision.headers())

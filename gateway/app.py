@@ -1,0 +1,377 @@
+"""The Starlette app: OpenAI's endpoints over one in-process engine.
+
+Each generation handler is the same short pipeline (see gateway/admission.py for the tenancy
+part):
+
+    read body -> parse (400) -> model check (404) -> authenticate (401) -> tokenize (400)
+      -> sampling params (400) -> admit (429) -> submit (400/503) -> stream or gather -> settle
+
+The event loop never runs the model: the engine computes in its own thread and hands outputs
+back through its stream; large prompts are tokenized in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.types import EngineError, GenerationRequest, SamplingParams
+from gateway import admission, generation, protocol, responses
+from gateway.body import read_json
+from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, from_engine_error, invalid_request
+from gateway.openapi import build_openapi
+from gateway.settings import Settings
+from gateway.sse import EventStreamResponse
+from gateway.tokens import Tokenizer
+
+logger = logging.getLogger("batchgate.gateway")
+
+# Prompts longer than this (characters) are tokenized in a worker thread, not on the event loop.
+TOKENIZE_INLINE_MAX_CHARS = 4096
+
+EngineFactory = Callable[[Settings], Any]
+
+
+def _default_engine_factory(settings: Settings) -> Any:
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_config(settings.engine_config())
+
+
+class Gateway:
+    """The app's state and handlers. Create it through `create_app`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Any | None,
+        tenancy: Any | None,
+        engine_factory: EngineFactory,
+        owns_tenancy: bool,
+    ) -> None:
+        self.settings = settings
+        self.tenancy = tenancy
+        self.owns_tenancy = owns_tenancy
+        self.engine_factory = engine_factory
+        self.owns_engine = engine is None
+        self.engine: Any | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        if engine is not None:
+            self._attach(engine)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _attach(self, engine: Any) -> None:
+        self.tokenizer = Tokenizer(engine.tokenizer)
+        self.engine = engine
+
+    async def load_engine(self) -> None:
+        try:
+            engine = await anyio.to_thread.run_sync(self.engine_factory, self.settings)
+            tokenizer = await anyio.to_thread.run_sync(Tokenizer, engine.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - reported by /health and /ready, and logged
+            logger.exception("loading the model failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.tokenizer = tokenizer
+        self.engine = engine
+        logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        loader = asyncio.ensure_future(self.load_engine()) if self.engine is None else None
+        try:
+            yield
+        finally:
+            if loader is not None:
+                await loader  # a load in progress cannot be interrupted; wait, then shut it down
+            if self.owns_engine and self.engine is not None:
+                await anyio.to_thread.run_sync(self.engine.shutdown)
+            if self.owns_tenancy and self.tenancy is not None:
+                await self.tenancy.aclose()
+
+    @property
+    def model_name(self) -> str | None:
+        if self.engine is None:
+            return None
+        return self.settings.served_model_name or str(self.engine.model_name)
+
+    def _require_engine(self) -> tuple[Any, Tokenizer]:
+        if self.engine is None or self.tokenizer is None:
+            if self.load_error is not None:
+                raise APIError(ErrorKind.UNAVAILABLE, f"The model failed to load: {self.load_error}")
+            raise APIError(
+                ErrorKind.UNAVAILABLE, "The model is still loading; retry shortly.", retry_after_s=5.0
+            )
+        if not self.engine.ready:
+            raise APIError(ErrorKind.UNAVAILABLE, "The engine is not running.", retry_after_s=5.0)
+        return self.engine, self.tokenizer
+
+    # -- probes and metadata -----------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.load_error is not None:
+            return JSONResponse(
+                {"status": "error", "detail": f"model failed to load: {self.load_error}"}, 503
+            )
+        if self.engine is not None and not self.engine.ready:
+            return JSONResponse({"status": "error", "detail": "the engine stopped"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        if self.engine is None:
+            status = "error" if self.load_error is not None else "loading"
+            return JSONResponse({"status": status}, 503)
+        if not self.engine.ready:
+            return JSONResponse({"status": "unavailable", "detail": "the engine stopped"}, 503)
+        check = getattr(self.tenancy, "ready", None)
+        if check is not None and not await check():
+            return JSONResponse({"status": "unavailable", "detail": "the rate limiter is unreachable"}, 503)
+        return JSONResponse({"status": "ready", "model": self.model_name})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchgate"}
+
+    async def list_models(self, request: Request) -> Response:
+        self._require_engine()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: Request) -> Response:
+        self._require_engine()
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def openapi(self, request: Request) -> Response:
+        vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else None
+        return JSONResponse(build_openapi(self.model_name, vocab_size))
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                ErrorKind.MODEL_NOT_FOUND,
+                f"The model `{model}` does not exist or you do not have access to it. "
+                f"This server serves `{self.model_name}`.",
+                param="model",
+            )
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        engine, tokenizer = self._require_engine()
+        req = protocol.parse_chat_request(await read_json(request, self.settings.max_body_bytes))
+        self._check_model(req.model)
+        caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
+        size = sum(len(m.content) for m in req.messages)
+        prompt = await self._tokenize(tokenizer.encode_chat, req.messages, size)
+        params = protocol.sampling_params(
+            req,
+            num_prompt_tokens=len(prompt),
+            max_model_len=engine.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+        )
+        job = generation.Job(
+            request_id=responses.new_id("chatcmpl"),
+            created=responses.now(),
+            model=req.model,
+            num_choices=params.n,
+            num_prompt_tokens=len(prompt),
+            tokenizer=tokenizer,
+            logprobs=params.logprobs,
+            include_usage=req.include_usage,
+        )
+        return await self._generate(request, job, caller, [prompt], params, bool(req.stream), chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        engine, tokenizer = self._require_engine()
+        req = protocol.parse_completion_request(await read_json(request, self.settings.max_body_bytes))
+        self._check_model(req.model)
+        caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
+        size = sum(len(p) for p in req.prompt)
+        prompts = await self._tokenize(lambda ps: [tokenizer.encode_prompt(p) for p in ps], req.prompt, size)
+        longest = max(prompts, key=len)
+        params = protocol.sampling_params(
+            req,
+            num_prompt_tokens=len(longest),
+            max_model_len=engine.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+        )
+        echo: list[str] = []
+        if req.echo:
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt]
+            echo = [text for text in texts for _ in range(params.n)]
+        job = generation.Job(
+            request_id=responses.new_id("cmpl"),
+            created=responses.now(),
+            model=req.model,
+            num_choices=params.n * len(prompts),
+            num_prompt_tokens=sum(len(p) for p in prompts),
+            tokenizer=tokenizer,
+            logprobs=params.logprobs,
+            include_usage=req.include_usage,
+            echo_prefixes=echo,
+        )
+        return await self._generate(request, job, caller, prompts, params, bool(req.stream), chat=False)
+
+    async def _tokenize(self, fn: Callable[[Any], Any], arg: Any, size: int) -> Any:
+        if size <= TOKENIZE_INLINE_MAX_CHARS:
+            return fn(arg)
+        return await anyio.to_thread.run_sync(fn, arg)
+
+    async def _generate(
+        self,
+        request: Request,
+        job: generation.Job,
+        caller: admission.Caller,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stream: bool,
+        *,
+        chat: bool,
+    ) -> Response:
+        held = await admission.admit(
+            self.tenancy,
+            caller,
+            num_prompt_tokens=job.num_prompt_tokens,
+            max_num_tokens=params.max_tokens * job.num_choices,
+            request_id=job.request_id,
+        )
+        job.on_usage = lambda n: held.record(num_prompt_tokens=job.num_prompt_tokens, num_completion_tokens=n)
+        headers = {"X-Request-Id": job.request_id, **held.headers}
+        outputs: generation.Outputs | None = None
+        handed_over = False  # once the stream response owns outputs and admission, it closes them
+        try:
+            outputs = await self._submit(
+                job.request_id, prompts, params, caller, param="messages" if chat else "prompt"
+            )
+            if stream:
+                ready = await outputs.wait_ready(self.settings.keep_alive_s)
+                error = outputs.first_error()
+                if error is not None:
+                    raise error
+                events = (
+                    generation.chat_events(outputs, job)
+                    if chat
+                    else generation.completion_events(outputs, job)
+                )
+                closing = outputs
+
+                async def on_close() -> None:
+                    await closing.aclose()
+                    await held.close()
+
+                response = EventStreamResponse(
+                    events,
+                    keep_alive_s=self.settings.keep_alive_s,
+                    headers=headers,
+                    on_close=on_close,
+                    keep_alive_first=not ready,
+                )
+                handed_over = True
+                return response
+            choices = await _gather_unless_disconnected(request, outputs, job)
+            if choices is None:
+                logger.info("%s: client disconnected; aborted", job.request_id)
+                return Response(status_code=499)
+            body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
+            return JSONResponse(body, headers=headers)
+        finally:
+            if not handed_over:
+                if outputs is not None:
+                    await outputs.aclose()
+                await held.close()
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        caller: admission.Caller,
+        *,
+        param: str,
+    ) -> generation.Outputs:
+        assert self.engine is not None
+        streams: list[tuple[int, Any]] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                engine_request = GenerationRequest(
+                    request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                    prompt_token_ids=prompt,
+                    sampling=params,
+                    priority=caller.priority,
+                    queue_deadline_s=caller.queue_deadline_s,
+                    fairness_key=caller.name,
+                )
+                streams.append((i * params.n, self.engine.submit(engine_request)))
+        except (EngineError, ValueError) as exc:
+            for _, submitted in streams:
+                await submitted.aclose()
+            if isinstance(exc, EngineError):
+                raise from_engine_error(exc, param=param) from None
+            # The engine's own validation (e.g. a token id outside the model's vocabulary).
+            raise invalid_request(str(exc), param=param) from None
+        return generation.Outputs(streams)
+
+
+async def _gather_unless_disconnected(
+    request: Request, outputs: generation.Outputs, job: generation.Job
+) -> list[responses.Choice] | None:
+    """Gather every choice, or None if the client disconnected first (the engine then aborts)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gathering = asyncio.ensure_future(generation.gather(outputs, job))
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not gathering.done():
+            gathering.cancel()
+        await asyncio.gather(gathering, watching, return_exceptions=True)
+    if gathering.cancelled():
+        return None
+    return gathering.result()
+
+
+def create_app(
+    settings: Settings,
+    engine: Any | None = None,
+    tenancy: Any | None = None,
+    *,
+    engine_factory: EngineFactory = _default_engine_factory,
+    owns_tenancy: bool = False,
+) -> Starlette:
+    """Build the app.
+
+    `engine`: a started AsyncEngine (the caller owns it and shuts it down), or None to have the app
+    build one with `engine_factory(settings)` in a worker thread at start-up (the app owns it; /ready
+    is 503 until it is loaded; /health answers at once). `tenancy`: a `tenancy.Tenancy`, or None for
+    open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`.
+    """
+    gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy)
+    routes = [
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/models", gateway.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/ready", gateway.ready, methods=["GET"]),
+        Route("/openapi.json", gateway.openapi, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=gateway.lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,82 @@
+"""Reading a request body: JSON only, size-limited, and decoded into values the server can use.
+
+Every failure is an APIError in OpenAI's shape: 415 for a Content-Type that is not JSON, 413 for
+a body over the limit, 400 for anything that does not decode (bad JSON, bad UTF-8, NaN, absurd
+nesting, half a surrogate pair).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from gateway.errors import APIError, ErrorKind, invalid_request
+
+# How much of an oversized body is read (and dropped) before answering 413, so that the client
+# finishes sending and reads the answer instead of seeing a reset connection.
+_DRAIN_MAX_BYTES = 16 * 1024 * 1024
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_body_bytes: int) -> Any:
+    """The request's JSON body; APIError 415 (not JSON), 413 (too large) or 400 (malformed)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None:
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise APIError(
+                ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+                f"Content-Type must be application/json, got {media_type or 'nothing'!r}.",
+            )
+    chunks: list[bytes] = []
+    size = 0
+    too_large = False
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        too_large = True
+    try:
+        if not too_large or int(declared) <= _DRAIN_MAX_BYTES:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    too_large = True
+                if size > _DRAIN_MAX_BYTES:
+                    break
+                if not too_large:
+                    chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody will read the answer; this keeps it from being logged as a server error.
+        raise invalid_request("The client disconnected while sending the request body.") from None
+    if too_large:
+        raise APIError(
+            ErrorKind.REQUEST_TOO_LARGE,
+            f"The request body is larger than this server accepts ({max_body_bytes} bytes).",
+        )
+    body = b"".join(chunks)
+    if not body.strip():
+        raise invalid_request("The request body is empty; expected a JSON object.")
+    try:
+        value = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        # UnicodeDecodeError is a ValueError; RecursionError comes from absurdly deep nesting.
+        raise invalid_request(
+            f"We could not parse the JSON body of your request ({type(exc).__name__}: {exc}). "
+            "The OpenAI API expects a JSON payload."
+        ) from None
+    # JSON may escape half a surrogate pair ("\ud800"); Python accepts it into a str that no
+    # tokenizer (nor UTF-8) can encode. Only a body with such an escape pays for the full check.
+    if _ESCAPED_SURROGATE.search(body):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid_request(
+                "The request body contains invalid Unicode: an unpaired surrogate escape such as \\ud800."
+            ) from None
+    return value

@@ -1,0 +1,121 @@
+"""`batchgate`: `serve` starts the gateway; `keys` and `usage` come from tenancy when installed.
+
+batchgate serve                          # bundled model on 127.0.0.1:8000, open mode
+batchgate serve --model ./my-llama --port 9000 --kv-cache-memory 2GiB
+BATCHGATE_PORT=9000 batchgate serve      # every flag has a BATCHGATE_* variable
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gateway.settings import Settings, option_specs
+
+
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _add_serve(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description="Run the OpenAI-compatible server. Each flag can also be set by the environment "
+        "variable shown; a flag wins over its variable.",
+    )
+    for spec in option_specs():
+        default = "none" if spec.default is None else spec.default
+        serve.add_argument(
+            spec.flag,
+            dest=spec.name,
+            type=_argument_type(spec.parse),
+            default=None,
+            choices=spec.choices or None,
+            metavar=None if spec.choices else spec.flag.removeprefix("--").replace("-", "_").upper(),
+            help=f"{spec.help} [env {spec.env}; default {default}]",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchgate", description="OpenAI-compatible LLM gateway.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(subparsers)
+    tenancy_cli = _tenancy_cli()
+    if tenancy_cli is not None:
+        tenancy_cli.add_subcommands(subparsers)
+    return parser
+
+
+def _tenancy_cli() -> Any:
+    try:
+        import tenancy.cli as tenancy_cli
+    except ImportError:
+        return None
+    return tenancy_cli
+
+
+def build_tenancy(settings: Settings) -> Any | None:
+    """A `tenancy.Tenancy` when tenants or Redis are configured; None (open mode) otherwise."""
+    if settings.tenants is None and settings.redis_url is None:
+        return None
+    try:
+        from tenancy import Tenancy
+    except ImportError:
+        raise ValueError("--tenants/--redis-url need the tenancy package, which is not installed") from None
+    return Tenancy.from_settings(settings.tenants, settings.redis_url, settings.redis_policy)
+
+
+def serve(settings: Settings, tenancy: Any | None) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings, tenancy=tenancy, owns_tenancy=True)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+    )
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        flags = {spec.name: getattr(args, spec.name) for spec in option_specs()}
+        try:
+            settings = Settings.load(flags, os.environ if environ is None else environ)
+            if settings.model is not None and not Path(settings.model).expanduser().exists():
+                raise ValueError(f"--model: {settings.model} does not exist")
+            tenancy = build_tenancy(settings)
+        except ValueError as exc:
+            print(f"batchgate: error: {exc}", file=sys.stderr)
+            return 2
+        serve(settings, tenancy)
+        return 0
+    tenancy_cli = _tenancy_cli()
+    if tenancy_cli is not None and tenancy_cli.handles(args):
+        return int(tenancy_cli.run(args))
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

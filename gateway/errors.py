@@ -1,0 +1,209 @@
+"""The gateway's one error family and the one table that maps every error to HTTP.
+
+Every error a client can see, from a malformed body to an engine failure, leaves through
+`APIError` and comes back in OpenAI's shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": null}}
+
+`ERROR_TABLE` decides status, `type` and `code` per `ErrorKind`; engine errors map onto kinds by
+their stable `code` (`ENGINE_ERROR_KINDS`), Starlette's own HTTP errors (unknown route, wrong
+method) by status. Only a bug of ours is a 500 (`ErrorKind.INTERNAL`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.types import EngineError, EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorKind(enum.Enum):
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_API_KEY = "invalid_api_key"
+    NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TOO_LARGE = "request_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    RATE_LIMITED = "rate_limited"
+    OVERLOADED = "overloaded"
+    UNAVAILABLE = "unavailable"
+    GENERATION_FAILED = "generation_failed"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class ErrorSpec:
+    status: int
+    type: str
+    code: str | None
+
+
+ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
+    ErrorKind.INVALID_REQUEST: ErrorSpec(400, "invalid_request_error", None),
+    ErrorKind.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    ErrorKind.INVALID_API_KEY: ErrorSpec(401, "authentication_error", "invalid_api_key"),
+    ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
+    ErrorKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    ErrorKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
+    ErrorKind.REQUEST_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "request_too_large"),
+    ErrorKind.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
+    ErrorKind.RATE_LIMITED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded"),
+    ErrorKind.OVERLOADED: ErrorSpec(503, "server_error", "server_overloaded"),
+    ErrorKind.UNAVAILABLE: ErrorSpec(503, "server_error", "engine_unavailable"),
+    ErrorKind.GENERATION_FAILED: ErrorSpec(500, "server_error", "generation_failed"),
+    ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),
+}
+
+# Engine error `code` -> kind. An engine code missing here is a bug of ours (INTERNAL), on purpose:
+# a new engine error must be given a status deliberately.
+ENGINE_ERROR_KINDS: dict[str, ErrorKind] = {
+    "context_length_exceeded": ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+    "server_overloaded": ErrorKind.OVERLOADED,
+    "engine_unavailable": ErrorKind.UNAVAILABLE,
+    "generation_failed": ErrorKind.GENERATION_FAILED,
+}
+
+# Starlette raises HTTPException for routing and protocol problems; these are the ones it raises.
+_HTTP_STATUS_KINDS: dict[int, ErrorKind] = {
+    400: ErrorKind.INVALID_REQUEST,
+    404: ErrorKind.NOT_FOUND,
+    405: ErrorKind.METHOD_NOT_ALLOWED,
+    413: ErrorKind.REQUEST_TOO_LARGE,
+    415: ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+}
+
+
+class APIError(Exception):
+    """An error to show the client: a kind from `ERROR_TABLE`, a message, and the offending field.
+
+    `retry_after_s` becomes a `Retry-After` header (whole seconds, rounded up); `headers` are
+    extra response headers (e.g. `x-ratelimit-*` from admission, `Allow` on a 405).
+    """
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
+        self._code = code
+        self._type = type_
+
+    @property
+    def spec(self) -> ErrorSpec:
+        return ERROR_TABLE[self.kind]
+
+    @property
+    def status(self) -> int:
+        return self.spec.status
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object, also used as the payload of an SSE error event."""
+        spec = self.spec
+        return {
+            "error": {
+                "message": self.message,
+                "type": self._type or spec.type,
+                "param": self.param,
+                "code": self._code if self._code is not None else spec.code,
+            }
+        }
+
+    def response_headers(self) -> dict[str, str]:
+        headers = dict(self.headers)
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return headers
+
+    def to_response(self) -> Response:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.response_headers())
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(ErrorKind.INVALID_REQUEST, message, param=param)
+
+
+def from_engine_error(exc: EngineError, *, param: str | None = None) -> APIError:
+    """Map an engine error to its APIError by the error's stable `code`."""
+    kind = ENGINE_ERROR_KINDS.get(exc.code)
+    if kind is None:
+        logger.error("engine error with unmapped code %r: %s", exc.code, exc)
+        return APIError(ErrorKind.INTERNAL, "The server had an error while processing your request.")
+    retry_after = exc.retry_after_s if isinstance(exc, EngineOverloadedError) else None
+    if kind is ErrorKind.UNAVAILABLE and retry_after is None:
+        retry_after = 5.0
+    if kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED:
+        param = None
+    return APIError(kind, str(exc) or kind.value, param=param, retry_after_s=retry_after)
+
+
+def from_http_exception(exc: HTTPException) -> APIError:
+    kind = _HTTP_STATUS_KINDS.get(exc.status_code, ErrorKind.INVALID_REQUEST)
+    if exc.status_code >= 500:
+        kind = ErrorKind.INTERNAL
+    headers = dict(exc.headers or {})
+    return APIError(kind, str(exc.detail), headers=headers)
+
+
+def json_error(kind: ErrorKind, message: str) -> dict[str, Any]:
+    return APIError(kind, message).body()
+
+
+def sse_error_event(error: APIError) -> bytes:
+    return b"data: " + json.dumps(error.body(), separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- Starlette exception handlers ------------------------------------------------------------
+
+
+async def _handle_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.to_response()
+
+
+async def _handle_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = from_http_exception(exc)
+    if error.kind is ErrorKind.NOT_FOUND:
+        error.message = f"Unknown request URL: {request.method} {request.url.path}."
+    elif error.kind is ErrorKind.METHOD_NOT_ALLOWED:
+        error.message = f"Method {request.method} is not allowed for {request.url.path}."
+    return error.to_response()
+
+
+async def _handle_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(
+        ErrorKind.INTERNAL, "The server had an error while processing your request."
+    ).to_response()
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    APIError: _handle_api_error,
+    HTTPException: _handle_http_exception,
+    Exception: _handle_unexpected,
+}

@@ -1,0 +1,292 @@
+"""From engine outputs to OpenAI responses: merging choices, gathering, and the SSE event streams.
+
+One API request may be several engine requests (a completions call with a list of prompts); each
+engine request yields outputs for its choices. `Outputs` merges them into one iterator of
+`(choice_index, RequestOutput)` in arrival order, and owns the engine streams: `aclose()` aborts
+whatever has not finished, which frees its KV blocks.
+
+          engine stream 0 (choices 0..n-1) --pump--\\
+          engine stream 1 (choices n..2n-1) --pump--> deque --> gather() / chat_events() / ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from engine.types import EngineError, FinishReason, RequestOutput
+from gateway import responses
+from gateway.errors import APIError, ErrorKind, from_engine_error, sse_error_event
+from gateway.sse import DONE, encode_event
+from gateway.tokens import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Item = tuple[int, RequestOutput]
+
+
+class Outputs:
+    """The merged outputs of one API request's engine streams (see module docstring).
+
+    Contract: iterate with `async for`; `wait_ready(timeout)` waits for the first item without
+    consuming it; `aclose()` must be called on every path (it is idempotent and shielded).
+    A stream that raises instead of reporting an error output surfaces here as that exception.
+    """
+
+    def __init__(self, streams: Sequence[tuple[int, Any]]) -> None:
+        self._streams = [s for _, s in streams]
+        self._items: deque[Item | BaseException] = deque()
+        self._changed = asyncio.Event()
+        self._num_running = len(streams)
+        self._closed = False
+        self._tasks = [asyncio.ensure_future(self._pump(offset, s)) for offset, s in streams]
+
+    async def _pump(self, offset: int, stream: Any) -> None:
+        try:
+            async for out in stream:
+                self._items.append((offset + out.index, out))
+                self._changed.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which maps it
+            self._items.append(exc)
+        finally:
+            self._num_running -= 1
+            self._changed.set()
+
+    async def _wait(self) -> None:
+        while not self._items and self._num_running:
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Whether an item (or the end) is available within `timeout_s`; consumes nothing."""
+        with anyio.move_on_after(timeout_s):
+            await self._wait()
+        return bool(self._items) or not self._num_running
+
+    def first_error(self) -> APIError | None:
+        """The error the next item carries, if it carries one (used before any byte was sent)."""
+        if not self._items:
+            return None
+        return _item_error(self._items[0])
+
+    def __aiter__(self) -> Outputs:
+        return self
+
+    async def __anext__(self) -> Item:
+        await self._wait()
+        if not self._items:
+            raise StopAsyncIteration
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for stream in self._streams:
+                try:
+                    await stream.aclose()
+                except Exception:  # noqa: BLE001 - closing must reach every stream
+                    logger.exception("closing an engine stream failed")
+
+
+def _item_error(item: Item | BaseException) -> APIError | None:
+    if isinstance(item, BaseException):
+        return error_of(item)
+    _, out = item
+    if out.finish_reason is FinishReason.ERROR:
+        return (
+            error_of(out.error)
+            if out.error is not None
+            else APIError(ErrorKind.GENERATION_FAILED, "The generation failed.")
+        )
+    if out.finish_reason is FinishReason.ABORT:
+        return APIError(ErrorKind.UNAVAILABLE, "The request was aborted by the server.", retry_after_s=1.0)
+    return None
+
+
+def error_of(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    logger.error("engine stream raised %r", exc, exc_info=exc)
+    return APIError(ErrorKind.INTERNAL, "The server had an error while processing your request.")
+
+
+@dataclass
+class Job:
+    """What the response builders need to know about one API request."""
+
+    request_id: str
+    created: int
+    model: str
+    num_choices: int
+    num_prompt_tokens: int  # over all prompts
+    tokenizer: Tokenizer
+    logprobs: bool
+    include_usage: bool = False
+    echo_prefixes: list[str] = field(default_factory=list)  # per choice; completions with echo
+    on_usage: Callable[[int], None] = lambda num_completion_tokens: None
+
+
+async def gather(outputs: Outputs, job: Job) -> list[responses.Choice]:
+    """Run every choice to its end; APIError if any choice failed."""
+    choices = [
+        responses.Choice(index=i, prefix=job.echo_prefixes[i] if job.echo_prefixes else "")
+        for i in range(job.num_choices)
+    ]
+    async for index, out in outputs:
+        error = _item_error((index, out))
+        if error is not None:
+            raise error
+        choices[index].add(out)
+        job.on_usage(sum(c.num_output_tokens for c in choices))
+    return choices
+
+
+def chat_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
+    """The `chat.completion` object for gathered choices."""
+    return responses.chat_completion(
+        request_id=job.request_id,
+        created=job.created,
+        model=job.model,
+        choices=choices,
+        num_prompt_tokens=job.num_prompt_tokens,
+        tokenizer=job.tokenizer,
+        with_logprobs=job.logprobs,
+    )
+
+
+def completion_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
+    """The `text_completion` object for gathered choices."""
+    return responses.text_completion(
+        request_id=job.request_id,
+        created=job.created,
+        model=job.model,
+        choices=[
+            responses.completion_choice(
+                c.index,
+                c.text,
+                finish_reason=c.finish_reason,
+                logprobs=responses.completion_logprobs(job.tokenizer, c.logprobs, len(c.prefix))
+                if job.logprobs
+                else None,
+            )
+            for c in choices
+        ],
+        include_usage=True,
+        usage_=responses.usage(job.num_prompt_tokens, sum(c.num_output_tokens for c in choices)),
+    )
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+
+
+async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
+    then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
+    started = [False] * job.num_choices
+    num_output_tokens = [0] * job.num_choices
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        return encode_event(
+            responses.chat_chunk(
+                request_id=job.request_id,
+                created=job.created,
+                model=job.model,
+                choices=choices,
+                include_usage=job.include_usage,
+                usage_=usage,
+            )
+        )
+
+    try:
+        async for index, out in outputs:
+            error = _item_error((index, out))
+            if error is not None:
+                yield sse_error_event(error)
+                break
+            if not started[index]:
+                started[index] = True
+                yield chunk(
+                    [responses.chat_delta(index, {"role": "assistant", "content": "", "refusal": None})]
+                )
+            num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
+            job.on_usage(sum(num_output_tokens))
+            if out.new_text or (job.logprobs and out.logprobs):
+                logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
+                yield chunk([responses.chat_delta(index, {"content": out.new_text}, logprobs=logprobs)])
+            if out.finished:
+                yield chunk([responses.chat_delta(index, {}, finish_reason=_finish_reason(out))])
+        else:
+            if job.include_usage:
+                yield chunk([], responses.usage(job.num_prompt_tokens, sum(num_output_tokens)))
+    except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
+        yield sse_error_event(error_of(exc))
+    yield DONE
+
+
+async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    """`text_completion` chunks (one choice each), the usage chunk (include_usage), `[DONE]`."""
+    echoed = [not job.echo_prefixes] * job.num_choices
+    text_offsets = [len(p) for p in job.echo_prefixes] if job.echo_prefixes else [0] * job.num_choices
+    num_output_tokens = [0] * job.num_choices
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        return encode_event(
+            responses.text_completion(
+                request_id=job.request_id,
+                created=job.created,
+                model=job.model,
+                choices=choices,
+                include_usage=job.include_usage,
+                usage_=usage,
+            )
+        )
+
+    try:
+        async for index, out in outputs:
+            error = _item_error((index, out))
+            if error is not None:
+                yield sse_error_event(error)
+                break
+            num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
+            job.on_usage(sum(num_output_tokens))
+            text = out.new_text
+            if not echoed[index]:
+                echoed[index] = True
+                text = job.echo_prefixes[index] + text
+            logprobs = None
+            if job.logprobs:
+                logprobs = responses.completion_logprobs(job.tokenizer, out.logprobs, text_offsets[index])
+            text_offsets[index] += len(out.new_text)
+            if text or out.finished or logprobs:
+                yield chunk(
+                    [
+                        responses.completion_choice(
+                            index, text, finish_reason=_finish_reason(out), logprobs=logprobs
+                        )
+                    ]
+                )
+        else:
+            if job.include_usage:
+                yield chunk([], responses.usage(job.num_prompt_tokens, sum(num_output_tokens)))
+    except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
+        yield sse_error_event(error_of(exc))
+    yield DONE

@@ -1,0 +1,195 @@
+"""The gateway's settings: read once at start-up, from flags, `BATCHGATE_*` variables and defaults.
+
+Precedence: a command-line flag, else its environment variable, else the default. Every setting
+has one row in the dataclass below (its flag, variable, parser and help come from the field's
+metadata), so `batchgate serve --help` and the README table cannot drift from the code. A bad
+value is a ValueError naming the flag and the variable, raised before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+
+ENV_PREFIX = "BATCHGATE_"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1000' -> 1000 (K/M/G/T and KiB/MiB/GiB/TiB)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"expected a size like 2GiB, 512MB or 1048576, got {text!r}")
+    number, power, suffix = m.group(1), m.group(2).upper(), m.group(3).upper()
+    if suffix == "I":  # "2Gi" is common shorthand for GiB
+        suffix = "IB"
+    base = 1024 if suffix == "IB" else 1000
+    if suffix == "IB" and not power:
+        raise ValueError(f"expected a size like 2GiB, 512MB or 1048576, got {text!r}")
+    value = float(number) * base ** _SIZE_POWERS[power]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _int(text: str) -> int:
+    return int(text.strip())
+
+
+def _float(text: str) -> float:
+    value = float(text.strip())
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _str(text: str) -> str:
+    return text
+
+
+def _opt(
+    default: Any,
+    parse: Callable[[str], Any],
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: tuple[str, ...] = (),
+) -> Any:
+    return field(default=default, metadata={"parse": parse, "help": help, "flag": flag, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `batchgate serve` needs; defaults serve the bundled model on 127.0.0.1:8000."""
+
+    host: str = _opt("127.0.0.1", _str, "address to bind")
+    port: int = _opt(8000, _int, "port to bind")
+    model: str | None = _opt(
+        None, _str, "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M)"
+    )
+    served_model_name: str | None = _opt(None, _str, "the model id clients send and /v1/models lists")
+    dtype: str = _opt(
+        "auto", _str, "weights and KV dtype", choices=("auto", "bfloat16", "float16", "float32")
+    )
+    device: str = _opt("auto", _str, "auto, cpu or cuda[:N]")
+    block_size: int = _opt(16, _int, "tokens per KV-cache block (a power of two)")
+    kv_cache_memory_bytes: int | None = _opt(
+        None,
+        parse_bytes,
+        "KV-cache size, e.g. 2GiB (default: a fraction of free memory)",
+        flag="--kv-cache-memory",
+    )
+    max_num_seqs: int = _opt(64, _int, "most sequences in one batch")
+    max_num_batched_tokens: int = _opt(512, _int, "token budget of one engine step")
+    max_model_len: int | None = _opt(None, _int, "context length (default: the model's, capped by KV memory)")
+    kv_cache_memory_fraction: float = _opt(
+        0.3, _float, "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given"
+    )
+    queue_deadline_s: float | None = _opt(
+        None,
+        _float,
+        "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
+        flag="--queue-deadline",
+    )
+    num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
+    max_body_bytes: int = _opt(
+        DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
+    )
+    tenants: str | None = _opt(None, _str, "tenants/plans TOML file (default: open mode, no API keys)")
+    redis_url: str | None = _opt(None, _str, "Redis for rate limits shared by replicas (default: in-process)")
+    redis_policy: str = _opt(
+        "fail_closed",
+        _str,
+        "when Redis is unreachable: refuse (fail_closed) or admit (fail_open)",
+        choices=("fail_closed", "fail_open"),
+    )
+    keep_alive_s: float = _opt(15.0, _float, "seconds between SSE keep-alive comments", flag="--keep-alive")
+    log_level: str = _opt(
+        "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not self.keep_alive_s > 0:
+            raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
+                )
+        self.engine_config()  # EngineConfig validates its own fields; fail here, before anything starts
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            default_queue_deadline_s=self.queue_deadline_s,
+            num_threads=self.num_threads,
+        )
+
+    @classmethod
+    def load(
+        cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Settings from parsed flags (None = not given), then `BATCHGATE_*` variables, then defaults.
+
+        `flags` values are already parsed (see `option_specs`); environment values are strings.
+        """
+        flags = flags or {}
+        environ = environ or {}
+        values: dict[str, Any] = {}
+        for spec in option_specs():
+            if flags.get(spec.name) is not None:
+                values[spec.name] = flags[spec.name]
+            elif spec.env in environ and environ[spec.env] != "":
+                try:
+                    values[spec.name] = spec.parse(environ[spec.env])
+                except ValueError as exc:
+                    raise ValueError(f"{spec.env}: {exc}") from None
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    name: str
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    default: Any
+    choices: tuple[str, ...]
+
+
+def option_specs() -> list[OptionSpec]:
+    """One row per setting: field name, flag, environment variable, parser, help, default."""
+    specs = []
+    for f in dataclasses.fields(Settings):
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        specs.append(
+            OptionSpec(
+                f.name, flag, env, f.metadata["parse"], f.metadata["help"], f.default, f.metadata["choices"]
+            )
+        )
+    return specs

@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from tests.gateway.fakes import FakeEngine
+
+AppFactory = Callable[..., Starlette]
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def make_app(fake_engine: FakeEngine) -> AppFactory:
+    def make(engine: Any = None, tenancy: Any = None, **settings: Any) -> Starlette:
+        settings.setdefault("keep_alive_s", 5.0)
+        return create_app(Settings(**settings), engine=engine or fake_engine, tenancy=tenancy)
+
+    return make
+
+
+@pytest.fixture
+async def client(make_app: AppFactory) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=make_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+
+
+def client_for(app: Starlette) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+# -- a real server: uvicorn on a free port, in a background thread, over the real engine -----------
+
+
+class LiveServer:
+    """A uvicorn server running `app` on 127.0.0.1 in a daemon thread; `stop()` ends it."""
+
+    def __init__(self, app: Starlette) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say they are TCP,
+        # and without it every response waits ~40 ms for a delayed ACK (Nagle).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread.start()
+        started = threading.Event()
+        for _ in range(1000):  # bounded wait for start-up (a few ms in practice)
+            if self.server.started or not self._thread.is_alive():
+                break
+            started.wait(0.01)
+        if not self.server.started:
+            raise RuntimeError("uvicorn did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=15)
+        self._sock.close()
+
+
+class TinyServer:
+    def __init__(self, engine: Any, server: LiveServer) -> None:
+        self.engine = engine
+        self.server = server
+        self.base_url = server.base_url
+        self.model = engine.model_name
+
+    def openai(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def wait_idle(self, timeout_s: float = 20.0) -> Any:
+        """Poll engine stats until nothing runs or waits and every KV block is free (or fail)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.engine.stats()
+            if (
+                stats.num_running == 0
+                and stats.num_waiting == 0
+                and stats.num_free_blocks == stats.num_total_blocks
+            ):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout_s}s: {stats}")
+            time.sleep(0.02)
+
+
+TINY_MAX_MODEL_LEN = 1024
+TINY_MAX_NUM_SEQS = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Any) -> Any:
+    """The gateway over the real engine with the tiny random model, served by uvicorn."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    engine = AsyncEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            device="cpu",
+            max_model_len=TINY_MAX_MODEL_LEN,
+            max_num_seqs=TINY_MAX_NUM_SEQS,
+            kv_cache_memory_bytes=64 * 1024 * 1024,
+        )
+    )
+    server = LiveServer(create_app(Settings(keep_alive_s=1.0), engine=engine))
+    try:
+        yield TinyServer(engine, server)
+    finally:
+        server.stop()
+        engine.shutdown()
