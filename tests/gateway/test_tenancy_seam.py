@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
+import tenancy
 from engine.types import Priority
 from tests.gateway.conftest import AppFactory, client_for
 from tests.gateway.fakes import FakeEngine
-
-tenancy = pytest.importorskip("tenancy")
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
