@@ -11,6 +11,8 @@ The tenancy package is imported lazily, so the gateway runs (in open mode) witho
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +28,52 @@ class Caller:
     priority: Priority = Priority.PAID
     queue_deadline_s: float | None = None
     tenant: Any = None  # the tenancy.Tenant, when tenancy is on
+    plan: str = "open"  # metrics label: "paid", "free" or "open" (never a tenant-chosen string)
+    internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
 
 
 OPEN_CALLER = Caller(name="")
+
+# Gateway -> replica headers (gateway-only mode). The replica trusts them only with the token.
+INTERNAL_HEADER = "x-batchgate-internal"
+PRIORITY_HEADER = "x-batchgate-priority"
+DEADLINE_HEADER = "x-batchgate-deadline"
+PLAN_HEADER = "x-batchgate-plan"
+FAIRNESS_HEADER = "x-batchgate-fairness"
+
+
+def _token_matches(token: str | None, headers: Mapping[str, str]) -> bool:
+    given = headers.get(INTERNAL_HEADER)
+    return bool(token) and given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def check_internal(token: str | None, headers: Mapping[str, str]) -> None:
+    """Internal endpoints: open when no token is configured, else the token is required (401)."""
+    if token and not _token_matches(token, headers):
+        raise APIError(ErrorKind.INVALID_API_KEY, "This endpoint needs the internal token.")
+
+
+def internal_caller(token: str | None, headers: Mapping[str, str], user: str | None) -> Caller | None:
+    """The caller a gateway vouched for (priority and deadline from its headers), or None."""
+    if not _token_matches(token, headers):
+        return None
+    priority = Priority.FREE if headers.get(PRIORITY_HEADER, "paid").lower() == "free" else Priority.PAID
+    deadline: float | None = None
+    try:
+        raw = headers.get(DEADLINE_HEADER)
+        deadline = float(raw) if raw else None
+        if deadline is not None and not (deadline > 0 and deadline < 1e9):
+            deadline = None
+    except ValueError:
+        deadline = None
+    plan = headers.get(PLAN_HEADER, "open").lower()
+    return Caller(
+        name=headers.get(FAIRNESS_HEADER, user or "")[:200],
+        priority=priority,
+        queue_deadline_s=deadline,
+        plan=plan if plan in ("paid", "free", "open") else "open",
+        internal=True,
+    )
 
 
 class Admission:
@@ -76,6 +121,7 @@ async def authenticate(tenancy: Any, authorization: str | None, user: str | None
         priority=Priority.FREE if plan.priority == "free" else Priority.PAID,
         queue_deadline_s=plan.queue_deadline_seconds,
         tenant=tenant,
+        plan="free" if plan.priority == "free" else "paid",
     )
 
 

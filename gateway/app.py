@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -21,14 +22,16 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import admission, generation, protocol, responses
+from gateway import admission, generation, protocol, responses, telemetry
 from gateway.body import read_json
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, from_engine_error, invalid_request
+from gateway.metrics import Metrics, MetricsMiddleware, TimedStream
 from gateway.openapi import build_openapi
 from gateway.settings import Settings
 from gateway.sse import EventStreamResponse
@@ -68,6 +71,7 @@ class Gateway:
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
+        self.metrics = Metrics(lambda: self.engine)
         if engine is not None:
             self._attach(engine)
 
@@ -171,8 +175,9 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         engine, tokenizer = self._require_engine()
         req = protocol.parse_chat_request(await read_json(request, self.settings.max_body_bytes))
+        # Authenticate before the model check: an unauthenticated caller learns nothing of the server.
+        caller = await self._authenticate(request, req.user)
         self._check_model(req.model)
-        caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
         size = sum(len(m.content) for m in req.messages)
         prompt = await self._tokenize(tokenizer.encode_chat, req.messages, size)
         params = protocol.sampling_params(
@@ -191,13 +196,18 @@ class Gateway:
             logprobs=params.logprobs,
             include_usage=req.include_usage,
         )
-        return await self._generate(request, job, caller, [prompt], params, bool(req.stream), chat=True)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        span = _chat_span("chat", req, params, caller, messages=messages)
+        return await self._generate(
+            request, job, caller, [prompt], params, bool(req.stream), chat=True, span=span
+        )
 
     async def completions(self, request: Request) -> Response:
         engine, tokenizer = self._require_engine()
         req = protocol.parse_completion_request(await read_json(request, self.settings.max_body_bytes))
+        # Authenticate before the model check: an unauthenticated caller learns nothing of the server.
+        caller = await self._authenticate(request, req.user)
         self._check_model(req.model)
-        caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
         size = sum(len(p) for p in req.prompt)
         prompts = await self._tokenize(lambda ps: [tokenizer.encode_prompt(p) for p in ps], req.prompt, size)
         longest = max(prompts, key=len)
@@ -222,7 +232,22 @@ class Gateway:
             include_usage=req.include_usage,
             echo_prefixes=echo,
         )
-        return await self._generate(request, job, caller, prompts, params, bool(req.stream), chat=False)
+        span = _chat_span("text_completion", req, params, caller, messages=list(req.prompt))
+        return await self._generate(
+            request, job, caller, prompts, params, bool(req.stream), chat=False, span=span
+        )
+
+    async def _authenticate(self, request: Request, user: str | None) -> admission.Caller:
+        internal = admission.internal_caller(self.settings.internal_token, request.headers, user)
+        if internal is not None:  # a gateway already authenticated and admitted this request
+            return internal
+        return await admission.authenticate(self.tenancy, request.headers.get("authorization"), user)
+
+    async def internal_stats(self, request: Request) -> Response:
+        """engine.stats() as JSON, for gateways routing by outstanding work."""
+        admission.check_internal(self.settings.internal_token, request.headers)
+        engine, _ = self._require_engine()
+        return JSONResponse(dataclasses.asdict(engine.stats()))
 
     async def _tokenize(self, fn: Callable[[Any], Any], arg: Any, size: int) -> Any:
         if size <= TOKENIZE_INLINE_MAX_CHARS:
@@ -239,21 +264,34 @@ class Gateway:
         stream: bool,
         *,
         chat: bool,
+        span: telemetry.ChatSpan | None = None,
     ) -> Response:
-        held = await admission.admit(
-            self.tenancy,
-            caller,
-            num_prompt_tokens=job.num_prompt_tokens,
-            max_num_tokens=params.max_tokens * job.num_choices,
-            request_id=job.request_id,
-        )
-        job.on_usage = lambda n: held.record(num_prompt_tokens=job.num_prompt_tokens, num_completion_tokens=n)
+        if span is None:
+            operation = "chat" if chat else "text_completion"
+            span = _chat_span(operation, None, params, caller, model=job.model)
+        try:
+            held = await admission.admit(
+                None if caller.internal else self.tenancy,
+                caller,
+                num_prompt_tokens=job.num_prompt_tokens,
+                max_num_tokens=params.max_tokens * job.num_choices,
+                request_id=job.request_id,
+            )
+        except APIError as exc:
+            self.metrics.refused("rate_limit" if exc.kind is ErrorKind.RATE_LIMITED else "unavailable")
+            span.event("gen_ai.admission", **{"batchgate.admitted": False})
+            span.error(exc)
+            span.end(response_id=job.request_id, input_tokens=job.num_prompt_tokens, output_tokens=0)
+            raise
+        span.event("gen_ai.admission", **{"batchgate.admitted": True})
+        held = _Counted(held, self.metrics, caller.plan, job.num_prompt_tokens, span, job.request_id)
+        job.on_usage = held.on_usage
         headers = {"X-Request-Id": job.request_id, **held.headers}
         outputs: generation.Outputs | None = None
         handed_over = False  # once the stream response owns outputs and admission, it closes them
         try:
             outputs = await self._submit(
-                job.request_id, prompts, params, caller, param="messages" if chat else "prompt"
+                job.request_id, prompts, params, caller, param="messages" if chat else "prompt", span=span
             )
             if stream:
                 ready = await outputs.wait_ready(self.settings.keep_alive_s)
@@ -286,6 +324,9 @@ class Gateway:
                 return Response(status_code=499)
             body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
             return JSONResponse(body, headers=headers)
+        except APIError as exc:
+            span.error(exc)
+            raise
         finally:
             if not handed_over:
                 if outputs is not None:
@@ -300,6 +341,7 @@ class Gateway:
         caller: admission.Caller,
         *,
         param: str,
+        span: telemetry.ChatSpan | None = None,
     ) -> generation.Outputs:
         assert self.engine is not None
         streams: list[tuple[int, Any]] = []
@@ -313,15 +355,79 @@ class Gateway:
                     queue_deadline_s=caller.queue_deadline_s,
                     fairness_key=caller.name,
                 )
-                streams.append((i * params.n, self.engine.submit(engine_request)))
+                timed = TimedStream(self.engine.submit(engine_request), self.metrics, span)
+                streams.append((i * params.n, timed))
         except (EngineError, ValueError) as exc:
             for _, submitted in streams:
                 await submitted.aclose()
             if isinstance(exc, EngineError):
+                if exc.code == "engine_unavailable":
+                    self.metrics.refused("unavailable")
                 raise from_engine_error(exc, param=param) from None
             # The engine's own validation (e.g. a token id outside the model's vocabulary).
             raise invalid_request(str(exc), param=param) from None
         return generation.Outputs(streams)
+
+
+class _Counted:
+    """An admission hold that also counts the request's tokens (by plan) when it is settled."""
+
+    def __init__(
+        self,
+        held: admission.Admission,
+        metrics: Metrics,
+        plan: str,
+        num_prompt_tokens: int,
+        span: telemetry.ChatSpan,
+        request_id: str,
+    ) -> None:
+        self._held = held
+        self._span = span
+        self._request_id = request_id
+        self._metrics = metrics
+        self._plan = plan
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_completion_tokens = 0
+        self._closed = False
+        self.headers = held.headers
+
+    def on_usage(self, num_completion_tokens: int) -> None:
+        self._num_completion_tokens = num_completion_tokens
+        self._held.record(
+            num_prompt_tokens=self._num_prompt_tokens, num_completion_tokens=num_completion_tokens
+        )
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._metrics.count_tokens(self._plan, self._num_prompt_tokens, self._num_completion_tokens)
+            self._span.end(
+                response_id=self._request_id,
+                input_tokens=self._num_prompt_tokens,
+                output_tokens=self._num_completion_tokens,
+            )
+        await self._held.close()
+
+
+def _chat_span(
+    operation: str,
+    req: Any,
+    params: SamplingParams,
+    caller: admission.Caller,
+    *,
+    messages: Sequence[Any] | None = None,
+    model: str | None = None,
+) -> telemetry.ChatSpan:
+    return telemetry.ChatSpan(
+        operation,
+        model or req.model,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        tenant=caller.name,
+        priority=caller.priority.name.lower(),
+        messages=messages,
+    )
 
 
 async def _gather_unless_disconnected(
@@ -362,6 +468,10 @@ def create_app(
     is 503 until it is loaded; /health answers at once). `tenancy`: a `tenancy.Tenancy`, or None for
     open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`.
     """
+    if settings.upstreams and engine is None:
+        from gateway.pool import create_proxy_app
+
+        return create_proxy_app(settings, tenancy, owns_tenancy=owns_tenancy)
     gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy)
     routes = [
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
@@ -371,7 +481,14 @@ def create_app(
         Route("/health", gateway.health, methods=["GET"]),
         Route("/ready", gateway.ready, methods=["GET"]),
         Route("/openapi.json", gateway.openapi, methods=["GET"]),
+        Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
+        Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=gateway.lifespan)
+    app = Starlette(
+        routes=routes,
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=gateway.lifespan,
+        middleware=[*telemetry.asgi_middleware(), Middleware(MetricsMiddleware, metrics=gateway.metrics)],
+    )
     app.state.gateway = gateway
     return app

@@ -36,16 +36,23 @@ def _add_serve(subparsers: Any) -> None:
         "variable shown; a flag wins over its variable.",
     )
     for spec in option_specs():
-        default = "none" if spec.default is None else spec.default
+        default = "none" if spec.default in (None, ()) else spec.default
         serve.add_argument(
             spec.flag,
             dest=spec.name,
             type=_argument_type(spec.parse),
             default=None,
+            action="append" if spec.multi else "store",
             choices=spec.choices or None,
             metavar=None if spec.choices else spec.flag.removeprefix("--").replace("-", "_").upper(),
             help=f"{spec.help} [env {spec.env}; default {default}]",
         )
+
+
+def _flag_value(spec: Any, value: Any) -> Any:
+    if spec.multi and value is not None:  # a repeatable flag: a list of parsed tuples
+        return tuple(item for parsed in value for item in parsed)
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,26 +87,31 @@ def build_tenancy(settings: Settings) -> Any | None:
 def serve(settings: Settings, tenancy: Any | None) -> None:
     import uvicorn
 
+    from gateway import telemetry
     from gateway.app import create_app
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    telemetry.setup()  # only when OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER ask for traces
     app = create_app(settings, tenancy=tenancy, owns_tenancy=True)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=10,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=10,
+        )
+    finally:
+        telemetry.shutdown()
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        flags = {spec.name: getattr(args, spec.name) for spec in option_specs()}
+        flags = {spec.name: _flag_value(spec, getattr(args, spec.name)) for spec in option_specs()}
         try:
             settings = Settings.load(flags, os.environ if environ is None else environ)
             if settings.model is not None and not Path(settings.model).expanduser().exists():

@@ -52,8 +52,25 @@ def _float(text: str) -> float:
     return value
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """'256,1024,4096' -> (256, 1024, 4096); '' or '0' -> () (off)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if parts == ["0"]:
+        return ()
+    return tuple(int(p) for p in parts)
+
+
 def _str(text: str) -> str:
     return text
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    """'http://a:8000, http://b:8000' -> ('http://a:8000', 'http://b:8000')."""
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http(s) URL, got {url!r}")
+    return urls
 
 
 def _opt(
@@ -62,9 +79,14 @@ def _opt(
     help: str,
     *,
     flag: str | None = None,
+    env: str | None = None,
     choices: tuple[str, ...] = (),
+    multi: bool = False,
 ) -> Any:
-    return field(default=default, metadata={"parse": parse, "help": help, "flag": flag, "choices": choices})
+    return field(
+        default=default,
+        metadata={"parse": parse, "help": help, "flag": flag, "env": env, "choices": choices, "multi": multi},
+    )
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,17 @@ class Settings:
         flag="--queue-deadline",
     )
     num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
+    batching: str = _opt(
+        "continuous", _str, "continuous batching, or static (the baseline)", choices=("continuous", "static")
+    )
+    length_buckets: tuple[int, ...] = _opt(
+        (256, 1024, 4096),
+        _int_list,
+        "prompt-length bucket boundaries taking turns at prefill, e.g. 256,1024,4096 ('' or 0: off)",
+    )
+    long_prefill_share: float = _opt(
+        0.5, _float, "most of a step's token budget one long prompt may take while shorter ones wait"
+    )
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )
@@ -113,6 +146,27 @@ class Settings:
         choices=("fail_closed", "fail_open"),
     )
     keep_alive_s: float = _opt(15.0, _float, "seconds between SSE keep-alive comments", flag="--keep-alive")
+    upstreams: tuple[str, ...] = _opt(
+        (),
+        _urls,
+        "gateway-only mode: an engine replica's base URL (repeatable; the variable takes a comma-separated "
+        "list); no local model is loaded",
+        flag="--upstream",
+        env="BATCHGATE_UPSTREAMS",
+        multi=True,
+    )
+    internal_token: str | None = _opt(
+        None,
+        _str,
+        "shared secret between gateways and replicas (x-batchgate-internal header); a replica trusts the "
+        "priority and deadline headers of calls that carry it",
+    )
+    health_interval_s: float = _opt(
+        1.0,
+        _float,
+        "gateway-only mode: seconds between upstream health/stats polls",
+        flag="--health-interval",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -122,6 +176,8 @@ class Settings:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not self.health_interval_s > 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         for f in dataclasses.fields(self):
@@ -146,6 +202,9 @@ class Settings:
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             default_queue_deadline_s=self.queue_deadline_s,
             num_threads=self.num_threads,
+            batching=self.batching,
+            length_buckets=self.length_buckets,
+            long_prefill_share=self.long_prefill_share,
         )
 
     @classmethod
@@ -179,6 +238,7 @@ class OptionSpec:
     help: str
     default: Any
     choices: tuple[str, ...]
+    multi: bool = False  # repeatable flag; its values are concatenated
 
 
 def option_specs() -> list[OptionSpec]:
@@ -186,10 +246,17 @@ def option_specs() -> list[OptionSpec]:
     specs = []
     for f in dataclasses.fields(Settings):
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        env = f.metadata.get("env") or ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
         specs.append(
             OptionSpec(
-                f.name, flag, env, f.metadata["parse"], f.metadata["help"], f.default, f.metadata["choices"]
+                f.name,
+                flag,
+                env,
+                f.metadata["parse"],
+                f.metadata["help"],
+                f.default,
+                f.metadata["choices"],
+                f.metadata.get("multi", False),
             )
         )
     return specs

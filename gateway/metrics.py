@@ -1,0 +1,217 @@
+"""Prometheus metrics: one `CollectorRegistry` per app (never the global one), served at /metrics.
+
+Latency histograms and request/token counters are recorded as requests flow; engine gauges
+(running/waiting by priority, KV use, batch size) and engine counters (preemptions, deadline
+refusals) are read from `engine.stats()` at scrape time. Label values come from bounded sets only:
+priority `paid`/`free`, plan `paid`/`free`/`open`, status class `2xx`..`5xx`, refusal reasons from a
+fixed list; never a key, a tenant name or any other client-controlled string.
+
+    batchgate_time_to_first_token_seconds      histogram
+    batchgate_inter_token_latency_seconds      histogram
+    batchgate_e2e_request_latency_seconds      histogram
+    batchgate_queue_time_seconds               histogram (submit -> first output, approximate)
+    batchgate_requests_running{priority}       gauge
+    batchgate_requests_waiting{priority}       gauge (the Helm chart's KEDA query)
+    batchgate_kv_cache_usage_ratio             gauge
+    batchgate_batch_size                       gauge (last engine step)
+    batchgate_preemptions_total                counter
+    batchgate_refusals_total{reason}           counter (rate_limit, deadline, overload, unavailable)
+    batchgate_tokens_total{direction,plan}     counter (direction in|out)
+    batchgate_requests_total{code}             counter (generation endpoints, by status class)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PRIORITIES = ("paid", "free")
+PLANS = ("paid", "free", "open")
+REFUSAL_REASONS = ("rate_limit", "deadline", "overload", "unavailable")
+CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-side counters read from `engine.stats()` at scrape time."""
+
+    def __init__(self, metrics: Metrics, engine_of: Callable[[], Any]) -> None:
+        self._metrics = metrics
+        self._engine_of = engine_of
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self._engine_of()
+        stats = engine.stats() if engine is not None else None
+        running = GaugeMetricFamily(
+            "batchgate_requests_running", "Requests running in the engine", labels=["priority"]
+        )
+        waiting = GaugeMetricFamily(
+            "batchgate_requests_waiting", "Requests waiting to start in the engine", labels=["priority"]
+        )
+        for priority in PRIORITIES:
+            running.add_metric([priority], _by_priority(stats.running_by_priority, priority) if stats else 0)
+            waiting.add_metric([priority], _by_priority(stats.waiting_by_priority, priority) if stats else 0)
+        kv = GaugeMetricFamily("batchgate_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
+        batch = GaugeMetricFamily("batchgate_batch_size", "Sequences in the last engine step")
+        preemptions = CounterMetricFamily("batchgate_preemptions", "Sequences preempted by the engine")
+        if stats is not None:
+            total = stats.num_total_blocks or 1
+            kv.add_metric([], (stats.num_total_blocks - stats.num_free_blocks) / total)
+            batch.add_metric([], stats.last_batch_size)
+            preemptions.add_metric([], stats.num_preemptions)
+        else:
+            kv.add_metric([], 0.0)
+            batch.add_metric([], 0)
+            preemptions.add_metric([], 0)
+        refusals = CounterMetricFamily("batchgate_refusals", "Requests refused, by reason", labels=["reason"])
+        counts = dict(self._metrics.refusals)
+        if stats is not None:
+            # The engine's own deadline refusals (at arrival and in the queue) are "deadline".
+            counts["deadline"] += sum(stats.refusals_by_reason.values())
+        for reason in REFUSAL_REASONS:
+            refusals.add_metric([reason], counts[reason])
+        return [running, waiting, kv, batch, preemptions, refusals]
+
+
+def _by_priority(counts: dict[Any, int], priority: str) -> int:
+    return sum(v for k, v in counts.items() if str(getattr(k, "name", k)).lower() == priority)
+
+
+class Metrics:
+    """The app's metrics; `engine_of()` returns the current engine (None in gateway-only mode)."""
+
+    def __init__(self, engine_of: Callable[[], Any] = lambda: None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "batchgate_time_to_first_token_seconds",
+            "Seconds from submit to the first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "batchgate_inter_token_latency_seconds",
+            "Seconds between consecutive outputs of one choice",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "batchgate_e2e_request_latency_seconds",
+            "Seconds from request arrival to the end of the response (generation endpoints)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "batchgate_queue_time_seconds",
+            "Seconds a request waited before it started (approximated by submit -> first output)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "batchgate_tokens",
+            "Tokens in (prompt) and out (completion), by plan",
+            ["direction", "plan"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "batchgate_requests", "Generation requests answered, by status class", ["code"], registry=r
+        )
+        for plan in PLANS:
+            for direction in ("in", "out"):
+                self.tokens.labels(direction, plan)
+        for code in CODE_CLASSES:
+            self.requests.labels(code)
+        self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
+        r.register(_EngineCollector(self, engine_of))
+
+    def refused(self, reason: str) -> None:
+        if reason in self.refusals:
+            self.refusals[reason] += 1
+
+    def count_tokens(self, plan: str, num_in: int, num_out: int) -> None:
+        plan = plan if plan in PLANS else "open"
+        if num_in:
+            self.tokens.labels("in", plan).inc(num_in)
+        if num_out:
+            self.tokens.labels("out", plan).inc(num_out)
+
+    def request_done(self, status: int, seconds: float) -> None:
+        code = f"{min(max(status // 100, 2), 5)}xx"
+        self.requests.labels(code).inc()
+        self.e2e.observe(seconds)
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class MetricsMiddleware:
+    """ASGI middleware: status class and end-to-end latency of each generation request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_and_watch(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            self.metrics.request_done(status[0], time.perf_counter() - start)
+
+
+class TimedStream:
+    """Wraps one engine stream: TTFT and queue time at its first output, inter-token gaps after."""
+
+    def __init__(self, stream: Any, metrics: Metrics, span: Any = None) -> None:
+        self._stream = stream
+        self._span = span
+        self._metrics = metrics
+        self._submitted = time.perf_counter()
+        self._last: dict[int, float] = {}
+        self._first = True
+        self.request_id = getattr(stream, "request_id", None)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        out = await self._stream.__anext__()
+        now = time.perf_counter()
+        if getattr(out, "new_token_ids", ()):
+            if self._first:
+                self._first = False
+                self._metrics.ttft.observe(now - self._submitted)
+                self._metrics.queue_time.observe(now - self._submitted)
+                if self._span is not None:
+                    self._span.first_token(now - self._submitted)
+            last = self._last.get(out.index)
+            if last is not None:
+                self._metrics.itl.observe(now - last)
+            self._last[out.index] = now
+        if self._span is not None and out.finish_reason is not None:
+            self._span.finish_reason(out.index, str(getattr(out.finish_reason, "value", out.finish_reason)))
+        return out
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

@@ -1,0 +1,102 @@
+"""A tiny OTLP/HTTP (protobuf) trace receiver for tests: collects spans from any process."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+@dataclass
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    kind: int
+    attributes: dict[str, Any]
+    events: list[str] = field(default_factory=list)
+
+
+class OTLPReceiver:
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path == "/v1/traces":
+                    receiver._add(ExportTraceServiceRequest.FromString(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _add(self, request: ExportTraceServiceRequest) -> None:
+        spans = []
+        for rs in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    spans.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name", "")),
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_id=s.parent_span_id.hex(),
+                            kind=s.kind,
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                            events=[e.name for e in s.events],
+                        )
+                    )
+        with self._lock:
+            self.spans.extend(spans)
+
+    def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedSpan]:
+        """Poll (bounded) until `predicate(spans)` is true; returns the spans."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                spans = list(self.spans)
+            if predicate(spans):
+                return spans
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"spans not received in {timeout_s}s: {[(s.service, s.name) for s in spans]}"
+                )
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,170 @@
+"""The pool for real: a gateway and two replicas as processes, real Redis, real HTTP."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.pool.conftest import FREE_KEY, PAID_KEY, PoolCluster
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def ok_count(values: dict) -> float:
+    return values.get(("batchgate_requests_total", (("code", "2xx"),)), 0.0)
+
+
+def chat(http: httpx.Client, model: str, i: int, *, key: str = PAID_KEY, stream: bool = False) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"request number {i}"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
+    headers = {"authorization": f"Bearer {key}"}
+    if not stream:
+        r = http.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in p for p in payloads), payloads
+    return [p for p in payloads if p.get("usage")][-1]["usage"]
+
+
+def test_uniform_load_is_spread_and_metrics_match(cluster: PoolCluster) -> None:
+    before_gw = scrape(cluster.gateway.url)
+    before = [ok_count(scrape(r.url)) for r in cluster.replicas]
+    n = 40
+    with httpx.Client(base_url=cluster.gateway.url, timeout=120) as http, ThreadPoolExecutor(8) as pool:
+        usages = list(
+            pool.map(
+                lambda i: chat(
+                    http, cluster.model, i, key=FREE_KEY if i % 4 == 0 else PAID_KEY, stream=i % 2 == 1
+                ),
+                range(n),
+            )
+        )
+    after = [ok_count(scrape(r.url)) for r in cluster.replicas]
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(served) == n, served
+    for count in served:
+        assert 0.3 * n <= count <= 0.7 * n, served
+    after_gw = scrape(cluster.gateway.url)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after_gw.get(key, 0.0) - before_gw.get(key, 0.0)
+
+    assert delta("batchgate_requests_total", code="2xx") == n
+    assert delta("batchgate_e2e_request_latency_seconds_count") == n
+    # A gateway sees the first token only of streamed requests (half of them).
+    assert delta("batchgate_time_to_first_token_seconds_count") == n // 2
+    out_paid = sum(u["completion_tokens"] for i, u in enumerate(usages) if i % 4 != 0)
+    out_free = sum(u["completion_tokens"] for i, u in enumerate(usages) if i % 4 == 0)
+    assert delta("batchgate_tokens_total", direction="out", plan="paid") == out_paid == 4 * 30
+    assert delta("batchgate_tokens_total", direction="out", plan="free") == out_free == 4 * 10
+    # Replicas count the same requests under the plan the gateway vouched for.
+    replica_free_out = sum(
+        scrape(r.url).get(("batchgate_tokens_total", (("direction", "out"), ("plan", "free"))), 0.0)
+        for r in cluster.replicas
+    )
+    assert replica_free_out >= out_free
+
+
+def test_auth_is_enforced_at_the_gateway(cluster: PoolCluster) -> None:
+    with httpx.Client(base_url=cluster.gateway.url, timeout=30) as http:
+        body = {"model": cluster.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = http.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-wrong"})
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        r = http.post(
+            "/v1/chat/completions",
+            json=body | {"model": "nope"},
+            headers={"authorization": f"Bearer {PAID_KEY}"},
+        )
+        assert r.status_code == 404
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [cluster.model]
+
+
+def test_one_trace_spans_gateway_and_replica_with_genai_attributes(cluster: PoolCluster) -> None:
+    assert cluster.otlp is not None
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    body = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": "a secret prompt"}],
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {PAID_KEY}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    with httpx.Client(base_url=cluster.gateway.url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            text = "".join(r.iter_text())
+    assert text.rstrip().endswith("data: [DONE]")
+    response_id = json.loads(text.split("data: ", 2)[1])["id"]
+
+    def chat_spans(spans: list) -> list:
+        return [s for s in spans if s.trace_id == trace_id and s.name == f"chat {cluster.model}"]
+
+    spans = cluster.otlp.wait_for(lambda spans: len(chat_spans(spans)) == 2)
+    mine = [s for s in spans if s.trace_id == trace_id]
+    services = {s.service for s in mine}
+    assert "batchgate-gateway" in services
+    assert services & {"batchgate-replica0", "batchgate-replica1"}
+    by_service = {s.service: s for s in chat_spans(spans)}
+    gw = by_service.pop("batchgate-gateway")
+    (replica,) = by_service.values()
+    for span in (gw, replica):
+        a = span.attributes
+        assert a["gen_ai.operation.name"] == "chat"
+        assert a["gen_ai.provider.name"] == "batchgate"
+        assert a["gen_ai.request.model"] == cluster.model
+        assert a["gen_ai.request.max_tokens"] == 3
+        assert a["gen_ai.request.temperature"] == 0.5
+        assert abs(a["gen_ai.request.top_p"] - 0.9) < 1e-9
+        assert a["gen_ai.response.id"] == response_id
+        assert a["gen_ai.response.finish_reasons"] == ["length"]
+        assert a["gen_ai.usage.output_tokens"] == 3
+        assert a["gen_ai.usage.input_tokens"] > 0
+        assert a["batchgate.priority"] == "paid"
+        assert {"gen_ai.admission", "gen_ai.first_token", "gen_ai.completion"} <= set(span.events)
+        # Prompt text is not recorded unless the operator opts in.
+        assert not any("secret prompt" in str(v) for v in a.values())
+    assert gw.attributes["batchgate.tenant"] == "acme"
+    # The replica's spans descend from the gateway's: its server span's parent is a gateway span.
+    gateway_ids = {s.span_id for s in mine if s.service == "batchgate-gateway"}
+    replica_roots = [s for s in mine if s.service == replica.service and s.parent_id in gateway_ids]
+    assert replica_roots, [(s.service, s.name, s.parent_id) for s in mine]
+    # The gateway's server span continued the client's traceparent.
+    assert any(s.parent_id == "00f067aa0ba902b7" for s in mine if s.service == "batchgate-gateway")
+
+
+def test_killed_replica_gets_no_requests_and_the_pool_keeps_serving(cluster: PoolCluster) -> None:
+    victim, survivor = cluster.replicas
+    before = ok_count(scrape(survivor.url))
+    victim.kill()
+    n = 10
+    with httpx.Client(base_url=cluster.gateway.url, timeout=120) as http, ThreadPoolExecutor(4) as pool:
+        usages = list(pool.map(lambda i: chat(http, cluster.model, i, stream=i % 2 == 0), range(n)))
+        assert all(u["completion_tokens"] == 4 for u in usages)
+        assert http.get("/ready").status_code == 200  # one healthy upstream is enough
+    assert ok_count(scrape(survivor.url)) - before == n
