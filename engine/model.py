@@ -141,7 +141,7 @@ class LlamaModel:
             v_flat = v_cache.view(-1, num_kv, head_dim)
             k_flat.index_copy_(0, batch.slot_mapping, k)
             v_flat.index_copy_(0, batch.slot_mapping, v)
-            attn = self._attention(q, k_flat, v_flat, batch)
+            attn = self._attention(q, k, v, k_flat, v_flat, batch)
             hidden = residual + F.linear(attn, layer["o"])  # type: ignore[arg-type]
             residual = hidden
             x = self._rms_norm(hidden, layer["post_norm"])  # type: ignore[arg-type]
@@ -153,7 +153,13 @@ class LlamaModel:
         return F.linear(last, self.lm_head).float()
 
     def _attention(
-        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         spec = self.spec
         num_heads, num_kv, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -173,11 +179,14 @@ class LlamaModel:
         for p in batch.prefills:
             q_len, ctx = p.end - p.start, p.slots.shape[0]
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
-            keys = k_flat[p.slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, hd]
-            values = v_flat[p.slots].transpose(0, 1).unsqueeze(0)
             if ctx == q_len:
+                # No earlier context: the chunk's own K/V are all there is, no need to read the cache.
+                keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, kv, q, hd]
+                values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
             else:
+                keys = k_flat[p.slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, hd]
+                values = v_flat[p.slots].transpose(0, 1).unsqueeze(0)
                 # Query i (absolute position ctx - q_len + i) sees context slots j <= that position.
                 rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (ctx - q_len)
                 mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
