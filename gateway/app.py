@@ -473,6 +473,14 @@ def create_app(
 
         return create_proxy_app(settings, tenancy, owns_tenancy=owns_tenancy)
     gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy)
+    return build_starlette(gateway, Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]))
+
+
+def build_starlette(gateway: Any, internal: Route) -> Starlette:
+    """The public routes every role serves, plus its one internal route, with errors and metrics.
+
+    Shared by the in-process gateway and the proxy (gateway/pool.py): both expose the same API.
+    """
     routes = [
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
@@ -482,7 +490,7 @@ def create_app(
         Route("/ready", gateway.ready, methods=["GET"]),
         Route("/openapi.json", gateway.openapi, methods=["GET"]),
         Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
-        Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
+        internal,
     ]
     app = Starlette(
         routes=routes,

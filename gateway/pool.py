@@ -30,15 +30,14 @@ from typing import Any
 import anyio
 import httpx
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import admission, protocol, telemetry
 from gateway.body import read_json
-from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, sse_error_event
-from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.errors import APIError, ErrorKind, sse_error_event
+from gateway.metrics import Metrics
 from gateway.openapi import build_openapi
 from gateway.settings import Settings
 from gateway.sse import DONE, EventStreamResponse
@@ -611,23 +610,7 @@ def _span(operation: str, req: Any, caller: admission.Caller, messages: Any) -> 
 def create_proxy_app(
     settings: Settings, tenancy: Any | None = None, *, owns_tenancy: bool = False
 ) -> Starlette:
+    from gateway.app import build_starlette
+
     gateway = ProxyGateway(settings, tenancy, owns_tenancy)
-    routes = [
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/models", gateway.list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
-        Route("/health", gateway.health, methods=["GET"]),
-        Route("/ready", gateway.ready, methods=["GET"]),
-        Route("/openapi.json", gateway.openapi, methods=["GET"]),
-        Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
-        Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
-    ]
-    app = Starlette(
-        routes=routes,
-        exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=gateway.lifespan,
-        middleware=[*telemetry.asgi_middleware(), Middleware(MetricsMiddleware, metrics=gateway.metrics)],
-    )
-    app.state.gateway = gateway
-    return app
+    return build_starlette(gateway, Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]))
