@@ -198,15 +198,12 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason.value if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else None
 
 
-async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
-    """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
-    then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
-    started = [False] * job.num_choices
-    num_output_tokens = [0] * job.num_choices
+def _chunk_encoder(job: Job, build: Callable[..., dict[str, Any]]) -> Callable[..., bytes]:
+    """An SSE encoder of one stream's chunks: `build` is the chunk shape (chat or completion)."""
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
         return encode_event(
-            responses.chat_chunk(
+            build(
                 request_id=job.request_id,
                 created=job.created,
                 model=job.model,
@@ -215,6 +212,17 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                 usage_=usage,
             )
         )
+
+    return chunk
+
+
+async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
+    then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
+    started = [False] * job.num_choices
+    num_output_tokens = [0] * job.num_choices
+
+    chunk = _chunk_encoder(job, responses.chat_chunk)
 
     try:
         async for index, out in outputs:
@@ -248,17 +256,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     text_offsets = [len(p) for p in job.echo_prefixes] if job.echo_prefixes else [0] * job.num_choices
     num_output_tokens = [0] * job.num_choices
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-        return encode_event(
-            responses.text_completion(
-                request_id=job.request_id,
-                created=job.created,
-                model=job.model,
-                choices=choices,
-                include_usage=job.include_usage,
-                usage_=usage,
-            )
-        )
+    chunk = _chunk_encoder(job, responses.text_completion)
 
     try:
         async for index, out in outputs:
