@@ -7,8 +7,6 @@ layer's cache. Admission is a check-then-act pair (`can_allocate` / `allocate`) 
 
 from __future__ import annotations
 
-from collections import deque
-
 from engine.sequence import Sequence
 
 
@@ -18,7 +16,9 @@ class BlockManager:
             raise ValueError(f"the KV cache must hold at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack, lowest ids on top: blocks just freed are reused first, so the cache's working set
+        # stays small and warm instead of cycling through (and page-faulting in) the whole cache.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owner: dict[int, tuple[str, int]] = {}
 
     @property
@@ -39,7 +39,7 @@ class BlockManager:
         if needed > len(self._free):
             return False
         for _ in range(needed):
-            block = self._free.popleft()
+            block = self._free.pop()
             self._owner[block] = seq.seq_id
             seq.block_table.append(block)
         return True

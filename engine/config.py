@@ -44,6 +44,11 @@ class EngineConfig:
     # None: no deadline.
     default_queue_deadline_s: float | None = None
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Weight format of the layers' projections (engine/quant.py): "none" (dtype only), "int4" (an
+    # extra Q4_1-style int4 copy used by steps of at most `int4_max_batch` tokens; CPU + bf16 only)
+    # or "auto" (int4 when the model is a Q4_1 GGUF, which int4 holds exactly, on CPU in bf16).
+    quantization: str = "auto"
+    int4_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -58,6 +63,10 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.quantization not in ("auto", "none", "int4"):
+            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.int4_max_batch < 0:
+            raise ValueError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
         self.length_buckets = tuple(int(b) for b in self.length_buckets)

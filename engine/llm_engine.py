@@ -28,7 +28,14 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
-from engine.runner import ModelRunner, StepResult, plan_num_blocks, resolve_device, resolve_dtype
+from engine.runner import (
+    ModelRunner,
+    StepResult,
+    plan_num_blocks,
+    resolve_device,
+    resolve_dtype,
+    resolve_int4_max_rows,
+)
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.types import (
@@ -56,7 +63,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        loaded = load_model(config.model, config.cache_dir, dtype, device)
+        int4_max_rows = resolve_int4_max_rows(config, device, dtype)
+        # int4 is recovered from float32 weights (exact for Q4_1); the model casts them to `dtype`.
+        load_dtype = torch.float32 if int4_max_rows else dtype
+        loaded = load_model(config.model, config.cache_dir, load_dtype, device)
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
@@ -66,7 +76,7 @@ class LLMEngine:
             config.max_model_len or loaded.spec.max_position_embeddings, num_blocks * config.block_size
         )
         self.max_model_len = max_len
-        self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len)
+        self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len, int4_max_rows)
         del loaded.weights  # the runner holds (fused) copies
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -91,10 +101,11 @@ class LLMEngine:
         self._last_batch_size = 0
         self._num_steps = 0
         logger.info(
-            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens, max_model_len %d",
             self.model_name,
             dtype,
             device,
+            f", int4 weights for steps of <= {int4_max_rows} tokens" if int4_max_rows else "",
             num_blocks,
             config.block_size,
             max_len,

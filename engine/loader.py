@@ -91,6 +91,22 @@ class ModelSpec:
         )
 
 
+def is_q4_1_gguf(model: str | None) -> bool:
+    """Whether `model` (None: the bundled one) is a GGUF file whose layer matrices are all Q4_1,
+    the format engine/quant.py recovers exactly as int4."""
+    path = bundled_model_path() if model is None else Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return False
+    from gguf import GGUFReader
+
+    kinds = {
+        t.tensor_type.name
+        for t in GGUFReader(str(path)).tensors
+        if t.name.startswith("blk.") and len(t.shape) == 2
+    }
+    return kinds == {"Q4_1"}
+
+
 def _file_fingerprint(path: Path) -> str:
     st = path.stat()
     key = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"

@@ -4,13 +4,15 @@ forward pass and sampling."""
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import psutil
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -46,6 +48,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
+def resolve_int4_max_rows(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """Rows up to which steps use int4 weights (0: never), from `config.quantization`."""
+    if config.quantization == "none" or config.int4_max_batch == 0:
+        return 0
+    usable = device.type == "cpu" and dtype == torch.bfloat16
+    if config.quantization == "int4":
+        if not usable:
+            raise ValueError("quantization int4 needs the CPU and dtype bfloat16")
+        return config.int4_max_batch
+    return config.int4_max_batch if usable and is_q4_1_gguf(config.model) else 0
+
+
 def kv_bytes_per_token(model: LoadedModel, dtype: torch.dtype) -> int:
     s = model.spec
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -73,6 +87,19 @@ def plan_num_blocks(
     return int(num_blocks)
 
 
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor. Zeros, not garbage: decode attention reads whole blocks, and
+    the unwritten tail of a sequence's last block is masked to probability 0, which a NaN left in
+    fresh memory would still turn into NaN (0 * NaN). On the CPU the memory is an anonymous mapping:
+    zero pages that cost no memory and no start-up time until a block is first written. (Advising
+    transparent huge pages for it measured no faster at batch 32.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 @dataclass
 class StepResult:
     """Sequences that sampled a token this step, with the token and its logprob (if asked)."""
@@ -91,16 +118,18 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        int4_max_rows: int = 0,
     ) -> None:
         self.block_size = config.block_size
         self.device = device
         self.dtype = dtype
-        self.model = LlamaModel(model.spec, model.weights, max_positions=max_model_len)
+        self.model = LlamaModel(
+            model.spec, model.weights, max_model_len, dtype=dtype, int4_max_rows=int4_max_rows
+        )
         spec = model.spec
-        shape = (num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
-        # torch.empty: pages are touched only when written, so a large cache costs nothing upfront.
+        shape = (spec.num_kv_heads, num_blocks, config.block_size, spec.head_dim)  # see engine/model.py
         self.kv_caches = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            (zeroed_cache(shape, dtype, device), zeroed_cache(shape, dtype, device))
             for _ in range(spec.num_layers)
         ]
         self.eos_token_ids = spec.eos_token_ids
@@ -145,14 +174,16 @@ class ModelRunner:
         slot_mapping = (
             tables[row_of_token, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
         )
-        decode_slots = decode_pad = None
+        decode_blocks = decode_bias = None
         if decode_seqs:
+            d = len(decode_seqs)
             ctx = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], device=self.device)
-            max_ctx = int(ctx.max())
-            decode_slots = self._slots(tables[: len(decode_seqs)], max_ctx)
-            pad = torch.arange(max_ctx, device=self.device).unsqueeze(0) >= ctx.unsqueeze(1)
-            decode_slots = decode_slots.masked_fill(pad, 0)
-            decode_pad = pad.view(len(decode_seqs), 1, 1, max_ctx)
+            num_blocks = -(-int(ctx.max()) // self.block_size)
+            decode_blocks = tables[:d, :num_blocks].reshape(-1)
+            width = num_blocks * self.block_size
+            pad = torch.arange(width, device=self.device).unsqueeze(0) >= ctx.unsqueeze(1)
+            decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device)
+            decode_bias = decode_bias.masked_fill_(pad, float("-inf")).view(1, d, 1, width)
         prefills = [
             PrefillSlice(
                 start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0]
@@ -164,8 +195,8 @@ class ModelRunner:
             positions=pos_t,
             slot_mapping=slot_mapping,
             num_decode=len(decode_seqs),
-            decode_slots=decode_slots,
-            decode_pad=decode_pad,
+            decode_blocks=decode_blocks,
+            decode_bias=decode_bias,
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )

@@ -27,9 +27,28 @@ def bundled_dir(cache_dir: Path) -> Path:
     return resolve_model_dir(None, cache_dir)
 
 
+def snap_to_q4_1(weight: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """`weight` [N, K] rounded onto a Q4_1 grid (per 32 along K: w = d * q + m, q in 0..15, d and m
+    in fp16), as llama.cpp's quantizer would store it."""
+    n, k = weight.shape
+    g = weight.float().view(n, k // group, group)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    d = ((high - low) / 15).half().float()
+    m = low.half().float()
+    q = ((g - m) / d).round().clamp(0, 15)
+    return (q * d + m).view(n, k)
+
+
 def make_tiny_model(
-    target: Path, tokenizer_dir: Path, model_type: str = "llama", seed: int = 0, **overrides: Any
+    target: Path,
+    tokenizer_dir: Path,
+    model_type: str = "llama",
+    seed: int = 0,
+    q4_1: bool = False,
+    **overrides: Any,
 ) -> Path:
+    """A random-weight model of `model_type` with the real tokenizer; `q4_1` snaps every layer
+    projection onto a Q4_1 grid, like the weights of a Q4_1 GGUF file."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings: dict[str, Any] = dict(
@@ -51,6 +70,11 @@ def make_tiny_model(
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if q4_1:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".layers." in name and name.endswith("proj.weight"):
+                    param.copy_(snap_to_q4_1(param))
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     for name in TOKENIZER_FILES:
