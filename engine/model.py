@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import ModelSpec
+from engine.native import DecodeAttention
 from engine.quant import Linear
 
 
@@ -43,8 +44,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode: int  # the first D tokens are single decode tokens
-    decode_blocks: torch.Tensor | None  # [D * B] each decode sequence's B block ids (padded), flat
-    decode_bias: torch.Tensor | None  # [1, D, 1, B * block_size] float: 0 for context, -inf for padding
+    decode_tables: torch.Tensor | None  # [D, B] int64 block ids of each decode sequence (padded)
+    decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
 
@@ -94,11 +95,14 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype | None = None,
         int4_max_rows: int = 0,
+        decode_attention: DecodeAttention | None = None,
     ) -> None:
         """`weights` are cast to `dtype` (default: theirs). With `int4_max_rows` > 0 every layer's
         projections also get an int4 copy (engine/quant.py), quantized from the weights as given
-        (pass float32 for exact Q4_1 recovery), used by steps of at most that many tokens."""
+        (pass float32 for exact Q4_1 recovery), used by steps of at most that many tokens.
+        `decode_attention`: the native paged kernel (engine/native.py), or None for the torch path."""
         self.spec = spec
+        self.decode_attention = decode_attention
         w = weights
         dtype = dtype or w["model.embed_tokens.weight"].dtype
 
@@ -158,6 +162,11 @@ class LlamaModel:
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.sin[batch.positions].unsqueeze(1)
         num_tokens = hidden.shape[0]
+        gathered = (
+            self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
+            if self.decode_attention is None
+            else None
+        )
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
@@ -169,7 +178,7 @@ class LlamaModel:
             k = self._rope(k, cos, sin)
             k_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-            attn = self._attention(q, k, v, k_cache, v_cache, batch)
+            attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
             hidden = residual + layer.o(attn)
             residual = hidden
             x = self._rms_norm(hidden, layer.post_norm)
@@ -179,6 +188,20 @@ class LlamaModel:
         last = self._rms_norm(last, self.norm)
         return self.lm_head(last).float()
 
+    @staticmethod
+    def _decode_gather_plan(batch: ForwardBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the torch decode path: the blocks to gather, flat [D * B], and the additive mask
+        [1, D, 1, B * block_size] (0 on context, -inf on padding), built once per forward."""
+        if not batch.num_decode:
+            return None
+        assert batch.decode_tables is not None and batch.decode_lens is not None
+        d, width = batch.decode_tables.shape[0], batch.decode_tables.shape[1] * block_size
+        pad = torch.arange(width, device=batch.decode_lens.device).unsqueeze(
+            0
+        ) >= batch.decode_lens.unsqueeze(1)
+        bias = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
+        return batch.decode_tables.reshape(-1), bias.view(1, d, 1, width)
+
     def _attention(
         self,
         q: torch.Tensor,
@@ -187,23 +210,28 @@ class LlamaModel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
+        gathered: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         spec = self.spec
         num_heads, num_kv, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         group = num_heads // num_kv
         out = torch.empty_like(q)
         d = batch.num_decode
-        if d:
-            assert batch.decode_blocks is not None and batch.decode_bias is not None
-            ctx = batch.decode_bias.shape[-1]
-            by_block = (num_kv, k_cache.shape[1], -1)
-            keys = k_cache.view(by_block).index_select(1, batch.decode_blocks).view(num_kv, d, ctx, head_dim)
-            values = (
-                v_cache.view(by_block).index_select(1, batch.decode_blocks).view(num_kv, d, ctx, head_dim)
+        if d and self.decode_attention is not None:
+            assert batch.decode_tables is not None and batch.decode_lens is not None
+            out[:d] = self.decode_attention(
+                q[:d], k_cache, v_cache, batch.decode_tables, batch.decode_lens, self.scale
             )
+        elif d:
+            assert gathered is not None
+            blocks, bias = gathered
+            ctx = bias.shape[-1]
+            by_block = (num_kv, k_cache.shape[1], -1)
+            keys = k_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim)
+            values = v_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim)
             qg = q[:d].view(d, num_kv, group, head_dim).transpose(0, 1)  # [kv, D, g, hd]
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [kv, D, g, L]
-            scores = scores.mul_(self.scale).add_(batch.decode_bias)
+            scores = scores.mul_(self.scale).add_(bias)
             probs = scores.softmax(dim=-1).to(q.dtype)
             out[:d] = torch.matmul(probs, values).transpose(0, 1).reshape(d, num_heads, head_dim)
         k_flat = k_cache.view(num_kv, -1, head_dim)

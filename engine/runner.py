@@ -14,6 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
+from engine.native import resolve_decode_attention
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
@@ -121,10 +122,16 @@ class ModelRunner:
         int4_max_rows: int = 0,
     ) -> None:
         self.block_size = config.block_size
+        decode_attention = resolve_decode_attention(config.attention_backend, device)
         self.device = device
         self.dtype = dtype
         self.model = LlamaModel(
-            model.spec, model.weights, max_model_len, dtype=dtype, int4_max_rows=int4_max_rows
+            model.spec,
+            model.weights,
+            max_model_len,
+            dtype=dtype,
+            int4_max_rows=int4_max_rows,
+            decode_attention=decode_attention,
         )
         spec = model.spec
         shape = (spec.num_kv_heads, num_blocks, config.block_size, spec.head_dim)  # see engine/model.py
@@ -174,16 +181,11 @@ class ModelRunner:
         slot_mapping = (
             tables[row_of_token, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
         )
-        decode_blocks = decode_bias = None
+        decode_tables = decode_lens = None
         if decode_seqs:
             d = len(decode_seqs)
-            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], device=self.device)
-            num_blocks = -(-int(ctx.max()) // self.block_size)
-            decode_blocks = tables[:d, :num_blocks].reshape(-1)
-            width = num_blocks * self.block_size
-            pad = torch.arange(width, device=self.device).unsqueeze(0) >= ctx.unsqueeze(1)
-            decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device)
-            decode_bias = decode_bias.masked_fill_(pad, float("-inf")).view(1, d, 1, width)
+            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], device=self.device)
+            decode_tables = tables[:d, : -(-int(decode_lens.max()) // self.block_size)].contiguous()
         prefills = [
             PrefillSlice(
                 start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0]
@@ -195,8 +197,8 @@ class ModelRunner:
             positions=pos_t,
             slot_mapping=slot_mapping,
             num_decode=len(decode_seqs),
-            decode_blocks=decode_blocks,
-            decode_bias=decode_bias,
+            decode_tables=decode_tables,
+            decode_lens=decode_lens,
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )

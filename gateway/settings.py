@@ -123,6 +123,19 @@ class Settings:
         flag="--queue-deadline",
     )
     num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
+    quantization: str = _opt(
+        "auto",
+        _str,
+        "int4 weights for small decode steps (CPU, bf16): int4, none, or auto (for a Q4_1 GGUF)",
+        choices=("auto", "none", "int4"),
+    )
+    int4_max_batch: int = _opt(8, _int, "largest step (tokens) that runs on the int4 weights")
+    attention_backend: str = _opt(
+        "auto",
+        _str,
+        "decode attention: native (C++ kernel on the paged cache, CPU), torch, or auto",
+        choices=("auto", "native", "torch"),
+    )
     batching: str = _opt(
         "continuous", _str, "continuous batching, or static (the baseline)", choices=("continuous", "static")
     )
@@ -202,6 +215,9 @@ class Settings:
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             default_queue_deadline_s=self.queue_deadline_s,
             num_threads=self.num_threads,
+            quantization=self.quantization,
+            int4_max_batch=self.int4_max_batch,
+            attention_backend=self.attention_backend,
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
