@@ -8,7 +8,10 @@ runs. Without a compiler the engine falls back to the torch path (`attention_bac
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +31,16 @@ _loaded: DecodeAttention | None = None
 _error: str | None = None
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a venv's own (the `ninja` package) is not on it unless the
+    venv is activated."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def paged_decode_attention() -> DecodeAttention:
     """The compiled op `(q, k_cache, v_cache, block_tables, context_lens, scale) -> out`; raises
     RuntimeError (with the compiler's reason) if it cannot be built here."""
@@ -36,6 +49,8 @@ def paged_decode_attention() -> DecodeAttention:
         if _loaded is None and _error is None:
             try:
                 from torch.utils.cpp_extension import load
+
+                _put_ninja_on_path()
 
                 load(
                     name="batchgate_native",

@@ -77,3 +77,15 @@ def test_backend_setting() -> None:
     assert resolve_decode_attention("auto", cuda) is None
     with pytest.raises(ValueError, match="CPU-only"):
         resolve_decode_attention("native", cuda)
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.native as native
+
+    def broken() -> None:
+        raise RuntimeError("the native paged attention kernel could not be built: no compiler")
+
+    monkeypatch.setattr(native, "paged_decode_attention", broken)
+    assert native.resolve_decode_attention("auto", torch.device("cpu")) is None
+    with pytest.raises(RuntimeError, match="no compiler"):
+        native.resolve_decode_attention("native", torch.device("cpu"))
