@@ -48,10 +48,10 @@ class EngineConfig:
     # extra Q4_1-style int4 copy used by steps of at most `int4_max_batch` tokens; CPU + bf16 only)
     # or "auto" (int4 when the model is a Q4_1 GGUF, which int4 holds exactly, on CPU in bf16).
     quantization: str = "auto"
-    # Decode attention: "native" (engine/native.py, a C++ kernel reading the paged cache in place;
-    # CPU only, compiled on first use), "torch" (gather blocks, then batched matmuls), or "auto"
-    # (native on the CPU when it builds, else torch).
-    attention_backend: str = "auto"
+    # "native" (engine/native.py: C++ kernels for decode attention straight from the paged cache
+    # and the fused elementwise ops; CPU only, compiled on first use), "torch" (plain torch ops),
+    # or "auto" (native on the CPU when they build, else torch).
+    kernels: str = "auto"
     int4_max_batch: int = 8
 
     def __post_init__(self) -> None:
@@ -69,10 +69,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
-        if self.attention_backend not in ("auto", "native", "torch"):
-            raise ValueError(
-                f"attention_backend must be auto, native or torch, got {self.attention_backend!r}"
-            )
+        if self.kernels not in ("auto", "native", "torch"):
+            raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if self.int4_max_batch < 0:
             raise ValueError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
         if self.batching not in ("continuous", "static"):

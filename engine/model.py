@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.loader import ModelSpec
-from engine.native import DecodeAttention
 from engine.quant import Linear
 
 
@@ -95,14 +95,14 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype | None = None,
         int4_max_rows: int = 0,
-        decode_attention: DecodeAttention | None = None,
+        kernels: Any = None,
     ) -> None:
         """`weights` are cast to `dtype` (default: theirs). With `int4_max_rows` > 0 every layer's
         projections also get an int4 copy (engine/quant.py), quantized from the weights as given
         (pass float32 for exact Q4_1 recovery), used by steps of at most that many tokens.
-        `decode_attention`: the native paged kernel (engine/native.py), or None for the torch path."""
+        `kernels`: the native CPU kernels (engine/native.py), or None for plain torch ops."""
         self.spec = spec
-        self.decode_attention = decode_attention
+        self.kernels = kernels
         w = weights
         dtype = dtype or w["model.embed_tokens.weight"].dtype
 
@@ -141,9 +141,43 @@ class LlamaModel:
         self.sin = emb.sin().to(self.dtype)
         self.scale = spec.head_dim**-0.5
 
+    # ---- the elementwise parts: native fused kernels, or the torch ops they replace ----------
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, self.spec.rms_norm_eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         return weight * (x.float() * torch.rsqrt(var + self.spec.rms_norm_eps)).to(x.dtype)
+
+    def _add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual add fused into the next norm."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, weight, self.spec.rms_norm_eps), residual
+        residual = residual + x
+        return self._rms_norm(residual, weight), residual
+
+    @staticmethod
+    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rope_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v as [T, heads, head_dim] views or tensors."""
+        spec = self.spec
+        t, h, kv, d = qkv.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if self.kernels is not None:
+            self.kernels.rope_(qkv, positions, self.cos, self.sin, h + kv, d)
+            heads = qkv.view(t, h + 2 * kv, d)
+            return heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        q = self._rope(qkv[:, : h * d].view(t, h, d), cos, sin)
+        k = self._rope(qkv[:, h * d : (h + kv) * d].view(t, kv, d), cos, sin)
+        return q, k, qkv[:, (h + kv) * d :].view(t, kv, d)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,41 +185,33 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    # ---- the forward pass ---------------------------------------------------------------------
+
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into `kv_caches`; return float32 logits [S, vocab]."""
-        spec = self.spec
-        num_heads, num_kv, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = num_heads * head_dim, num_kv * head_dim
+        num_kv, head_dim = self.spec.num_kv_heads, self.spec.head_dim
         hidden = F.embedding(batch.input_ids, self.embed)
-        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[batch.positions].unsqueeze(1)
-        num_tokens = hidden.shape[0]
         gathered = (
-            self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
-            if self.decode_attention is None
-            else None
+            None if self.kernels is not None else self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
         )
+        residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            residual = hidden
-            x = self._rms_norm(hidden, layer.input_norm)
-            qkv = layer.qkv(x)
-            q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv, head_dim)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+            if residual is None:
+                residual = hidden
+                x = self._rms_norm(hidden, layer.input_norm)
+            else:
+                x, residual = self._add_rms_norm(hidden, residual, layer.input_norm)
+            q, k, v = self._rope_qkv(layer.qkv(x), batch.positions)
             k_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
-            hidden = residual + layer.o(attn)
-            residual = hidden
-            x = self._rms_norm(hidden, layer.post_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = residual + layer.down(F.silu(gate) * up)
-        last = hidden.index_select(0, batch.logits_indices)
-        last = self._rms_norm(last, self.norm)
+            x, residual = self._add_rms_norm(layer.o(attn), residual, layer.post_norm)
+            hidden = layer.down(self._silu_mul(layer.gate_up(x)))
+        assert residual is not None
+        rows = batch.logits_indices
+        last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)
         return self.lm_head(last).float()
 
     @staticmethod
@@ -217,9 +243,9 @@ class LlamaModel:
         group = num_heads // num_kv
         out = torch.empty_like(q)
         d = batch.num_decode
-        if d and self.decode_attention is not None:
+        if d and self.kernels is not None:
             assert batch.decode_tables is not None and batch.decode_lens is not None
-            out[:d] = self.decode_attention(
+            out[:d] = self.kernels.paged_decode_attention(
                 q[:d], k_cache, v_cache, batch.decode_tables, batch.decode_lens, self.scale
             )
         elif d:

@@ -1,9 +1,11 @@
-"""The engine's one C++ kernel: decode attention straight from the paged KV cache, on the CPU.
+"""The engine's C++ kernels for the CPU (engine/csrc/kernels.cpp): decode attention straight from
+the paged KV cache, and the fused elementwise parts of a layer (RMSNorm with the residual add, RoPE
+in place).
 
-Compiled with the machine's C++ compiler on first use (about 15 s on 2 cores) through
+Compiled with the machine's C++ compiler on first use (about 20 s on 2 cores) through
 `torch.utils.cpp_extension`, then cached (under $TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions) and loaded in well under a second. `-march=native`: it is built where it
-runs. Without a compiler the engine falls back to the torch path (`attention_backend="auto"`).
+runs. Without a compiler the engine falls back to plain torch ops (`kernels="auto"`).
 """
 
 from __future__ import annotations
@@ -13,21 +15,17 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-
-DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 
 _lock = threading.Lock()
-_loaded: DecodeAttention | None = None
+_loaded: Any = None
 _error: str | None = None
 
 
@@ -41,9 +39,9 @@ def _put_ninja_on_path() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def paged_decode_attention() -> DecodeAttention:
-    """The compiled op `(q, k_cache, v_cache, block_tables, context_lens, scale) -> out`; raises
-    RuntimeError (with the compiler's reason) if it cannot be built here."""
+def native_kernels() -> Any:
+    """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, rms_norm, add_rms_norm,
+    rope_); raises RuntimeError (with the compiler's reason) if they cannot be built."""
     global _loaded, _error
     with _lock:
         if _loaded is None and _error is None:
@@ -51,35 +49,35 @@ def paged_decode_attention() -> DecodeAttention:
                 from torch.utils.cpp_extension import load
 
                 _put_ninja_on_path()
-
                 load(
-                    name="batchgate_native",
+                    name="batchgate_kernels",
                     sources=[str(SOURCE)],
                     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially
                     # without it; the runtime is torch's own libgomp (same soname, already loaded).
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    # -ffp-contract=off: no implicit FMA, so fused ops round as torch's do.
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=False,
                 )
-                _loaded = torch.ops.batchgate.paged_decode_attention
+                _loaded = torch.ops.batchgate
             except Exception as exc:  # noqa: BLE001 - any build failure means "not available"
                 _error = f"{type(exc).__name__}: {exc}"
         if _loaded is None:
-            raise RuntimeError(f"the native paged attention kernel could not be built: {_error}")
+            raise RuntimeError(f"the native CPU kernels could not be built: {_error}")
         return _loaded
 
 
-def resolve_decode_attention(backend: str, device: torch.device) -> DecodeAttention | None:
-    """The kernel for `backend` ("auto", "native", "torch") on `device`; None means the torch path."""
-    if backend == "torch" or device.type != "cpu":
-        if backend == "native" and device.type != "cpu":
-            raise ValueError("attention_backend native is CPU-only")
+def resolve_kernels(setting: str, device: torch.device) -> Any | None:
+    """The native kernels for `setting` ("auto", "native", "torch") on `device`; None: torch ops."""
+    if setting == "torch" or device.type != "cpu":
+        if setting == "native" and device.type != "cpu":
+            raise ValueError("kernels native is CPU-only")
         return None
     try:
-        return paged_decode_attention()
+        return native_kernels()
     except RuntimeError as exc:
-        if backend == "native":
+        if setting == "native":
             raise
-        logger.warning("%s; decode attention falls back to the torch path", exc)
+        logger.warning("%s; the engine falls back to torch ops", exc)
         return None

@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
-from engine.native import resolve_decode_attention
+from engine.native import resolve_kernels
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
@@ -122,7 +122,7 @@ class ModelRunner:
         int4_max_rows: int = 0,
     ) -> None:
         self.block_size = config.block_size
-        decode_attention = resolve_decode_attention(config.attention_backend, device)
+        kernels = resolve_kernels(config.kernels, device)
         self.device = device
         self.dtype = dtype
         self.model = LlamaModel(
@@ -131,7 +131,7 @@ class ModelRunner:
             max_model_len,
             dtype=dtype,
             int4_max_rows=int4_max_rows,
-            decode_attention=decode_attention,
+            kernels=kernels,
         )
         spec = model.spec
         shape = (spec.num_kv_heads, num_blocks, config.block_size, spec.head_dim)  # see engine/model.py

@@ -130,10 +130,10 @@ class Settings:
         choices=("auto", "none", "int4"),
     )
     int4_max_batch: int = _opt(8, _int, "largest step (tokens) that runs on the int4 weights")
-    attention_backend: str = _opt(
+    kernels: str = _opt(
         "auto",
         _str,
-        "decode attention: native (C++ kernel on the paged cache, CPU), torch, or auto",
+        "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
         choices=("auto", "native", "torch"),
     )
     batching: str = _opt(
@@ -217,7 +217,7 @@ class Settings:
             num_threads=self.num_threads,
             quantization=self.quantization,
             int4_max_batch=self.int4_max_batch,
-            attention_backend=self.attention_backend,
+            kernels=self.kernels,
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,

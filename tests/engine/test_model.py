@@ -46,7 +46,7 @@ def test_greedy_matches_transformers_chunked_and_batched(shaped_model: Path, bac
 
     reference = AutoModelForCausalLM.from_pretrained(shaped_model, dtype=torch.float32)
     # A token budget of 8 forces chunked prefill; three prompts of different lengths share steps.
-    engine = tiny_engine(shaped_model, max_num_batched_tokens=8, attention_backend=backend)
+    engine = tiny_engine(shaped_model, max_num_batched_tokens=8, kernels=backend)
     prompts = [list(range(100, 100 + n)) for n in (5, 19, 33)]
     requests = [GenerationRequest(f"r{i}", p, greedy(24)) for i, p in enumerate(prompts)]
     outputs = run_all(engine, requests)

@@ -1,11 +1,11 @@
-"""The native paged decode-attention kernel against plain attention over the same context."""
+"""The native CPU kernels against the torch ops they replace."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.native import paged_decode_attention, resolve_decode_attention
+from engine.native import native_kernels, resolve_kernels
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
@@ -36,7 +36,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-unty
 def test_kernel_matches_attention_over_the_gathered_context(
     dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, tol: float
 ) -> None:
-    op = paged_decode_attention()
+    op = native_kernels().paged_decode_attention
     torch.manual_seed(0)
     block_size, num_blocks = 4, 40
     k_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
@@ -59,7 +59,7 @@ def test_kernel_matches_attention_over_the_gathered_context(
 
 
 def test_kernel_refuses_out_of_range_blocks_and_lengths() -> None:
-    op = paged_decode_attention()
+    op = native_kernels().paged_decode_attention
     k = torch.zeros(1, 4, 2, 8)
     q = torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="block id out of range"):
@@ -70,22 +70,78 @@ def test_kernel_refuses_out_of_range_blocks_and_lengths() -> None:
         op(q, k, k, torch.tensor([[0]]), torch.tensor([0]), 1.0)
 
 
-def test_backend_setting() -> None:
+def test_kernels_setting() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_decode_attention("auto", cpu) is paged_decode_attention()
-    assert resolve_decode_attention("torch", cpu) is None
-    assert resolve_decode_attention("auto", cuda) is None
+    assert resolve_kernels("auto", cpu) is native_kernels()
+    assert resolve_kernels("native", cpu) is native_kernels()
+    assert resolve_kernels("torch", cpu) is None
+    assert resolve_kernels("auto", cuda) is None
     with pytest.raises(ValueError, match="CPU-only"):
-        resolve_decode_attention("native", cuda)
+        resolve_kernels("native", cuda)
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.native as native
 
     def broken() -> None:
-        raise RuntimeError("the native paged attention kernel could not be built: no compiler")
+        raise RuntimeError("the native CPU kernels could not be built: no compiler")
 
-    monkeypatch.setattr(native, "paged_decode_attention", broken)
-    assert native.resolve_decode_attention("auto", torch.device("cpu")) is None
+    monkeypatch.setattr(native, "native_kernels", broken)
+    assert native.resolve_kernels("auto", torch.device("cpu")) is None
     with pytest.raises(RuntimeError, match="no compiler"):
-        native.resolve_decode_attention("native", torch.device("cpu"))
+        native.resolve_kernels("native", torch.device("cpu"))
+
+
+# ---- the fused elementwise kernels: the torch ops they replace, as in engine/model.py ---------------
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+
+
+def torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return w * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's spacing at b's magnitude."""
+    spacing = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(1e-3)
+    return ((a.float() - b.float()).abs() / spacing).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 96: several OpenMP chunks
+def test_rms_norm_and_residual_add(dtype: torch.dtype, rows: int) -> None:
+    k = native_kernels()
+    torch.manual_seed(0)
+    x, residual = torch.randn(rows, 96).to(dtype), torch.randn(rows, 96).to(dtype)
+    w = (torch.rand(96) + 0.5).to(dtype)
+    tol = 4 if dtype == torch.float32 else 1  # the sum of squares adds in another order
+    assert ulps(k.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5)) <= tol
+    summed = residual + x
+    out = k.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, summed)  # updated in place, rounded as torch rounds
+    assert ulps(out, torch_rms_norm(summed, w, 1e-5)) <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    t, h, kv, d = 6, 4, 2, 16
+    qkv = torch.randn(t, (h + 2 * kv) * d).to(dtype)
+    angles = torch.rand(50, d // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    positions = torch.tensor([0, 3, 49, 7, 7, 1])
+    heads = qkv.view(t, h + 2 * kv, d)
+    want_qk = torch_rope(heads[:, : h + kv], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    want_v = heads[:, h + kv :].clone()
+    native_kernels().rope_(qkv, positions, cos, sin, h + kv, d)
+    assert torch.equal(heads[:, : h + kv], want_qk)
+    assert torch.equal(heads[:, h + kv :], want_v)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        native_kernels().rope_(qkv, torch.tensor([0, 0, 0, 0, 0, 50]), cos, sin, h + kv, d)

@@ -1,0 +1,327 @@
+// The engine's CPU kernels (engine/native.py builds and loads them):
+//
+// - paged_decode_attention: decode attention straight from the paged KV cache;
+// - rms_norm, add_rms_norm, rope_: the elementwise parts of a layer, fused. Each replaces 5-10
+//   torch ops (and as many dispatches) and rounds exactly where the torch ops they replace round,
+//   so results match the torch path (bitwise for bf16, except for the order of the sum of squares
+//   in rms_norm). (SiLU-and-multiply stays two torch ops: their vectorized exp beat ours.)
+//
+// Decode attention:
+// One query token per sequence attends to its whole context, read block by block through its
+// block table: no gathered copy of K/V (the torch path copies every layer's context out of the
+// cache and reads it twice more). Work is split over (sequence, KV head) pairs; each pair's
+// `group` query heads share one pass over that head's keys and values. Softmax and sums in fp32.
+//
+// q:            [D, num_heads, head_dim]                      (bf16 / fp16 / fp32)
+// k/v_cache:    [num_kv_heads, num_blocks, block_size, head_dim] (same dtype as q)
+// block_tables: [D, max_blocks] int64, context_lens: [D] int64
+// returns:      [D, num_heads, head_dim]
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);
+}
+
+// float -> bf16, round to nearest even, as c10's conversion, but branch-free so loops vectorize.
+template <>
+inline c10::BFloat16 round_to<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return c10::BFloat16(static_cast<uint16_t>(is_nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// Loops marked `omp simd` are vectorized, reductions included, without -ffast-math for the file.
+// Built with -ffp-contract=off, so that the elementwise kernels round exactly as the torch ops
+// they replace; attention asks for its fused multiply-adds explicitly (std::fma).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum = std::fma(a[d], b[d], sum);
+  return sum;
+}
+
+// exp(x) for softmax: Cephes' expf, relative error ~1e-7, written so that a loop of it vectorizes
+// (std::exp is a scalar libm call per element). Inputs are clamped to [-87, 88].
+inline float fast_exp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                      at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv, max_blocks = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / num_kv, h = work % num_kv;
+      const int64_t ctx = lens[s];
+      scores.assign(group * ctx, 0.f);
+      for (int64_t g = 0; g < group; ++g)
+        load_row(q_ptr + (s * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
+      const T* k_head = k_ptr + h * num_blocks * block_size * head_dim;
+      const T* v_head = v_ptr + h * num_blocks * block_size * head_dim;
+      // Scores: q . k for every context token, block by block.
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const int64_t block = tables[s * max_blocks + t0 / block_size];
+        const int64_t n = std::min(block_size, ctx - t0);
+        const T* kb = k_head + block * block_size * head_dim;
+        for (int64_t i = 0; i < n; ++i) {
+          load_row(kb + i * head_dim, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * ctx + t0 + i] = dot(qf.data() + g * head_dim, row.data(), head_dim) * fscale;
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * ctx;
+        float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < ctx; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; ++t) {
+          sg[t] = fast_exp(sg[t] - m);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
+      }
+      // Weighted sum of values.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const int64_t block = tables[s * max_blocks + t0 / block_size];
+        const int64_t n = std::min(block_size, ctx - t0);
+        const T* vb = v_head + block * block_size * head_dim;
+        for (int64_t i = 0; i < n; ++i) {
+          load_row(vb + i * head_dim, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * ctx + t0 + i];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] = std::fma(p, row[d], ag[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out_ptr + (s * num_heads + h * group + g) * head_dim;
+        const float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = round_to<T>(ag[d]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "batch mismatch");
+  auto qc = q.contiguous();
+  auto kc = k_cache.contiguous();
+  auto vc = v_cache.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  const int64_t* t = tables.data_ptr<int64_t>();
+  const int64_t* l = lens.data_ptr<int64_t>();
+  const int64_t bs = k_cache.size(2), max_blocks = tables.size(1);
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(l[s] >= 1 && l[s] <= max_blocks * bs, "context length out of range");
+    for (int64_t b = 0; b < (l[s] + bs - 1) / bs; ++b)
+      TORCH_CHECK(t[s * max_blocks + b] >= 0 && t[s * max_blocks + b] < k_cache.size(1), "block id out of range");
+  }
+  auto out = at::empty_like(qc);
+  switch (q.scalar_type()) {
+    case at::kBFloat16: decode_attention<c10::BFloat16>(qc, kc, vc, tables, lens, scale, out); break;
+    case at::kHalf: decode_attention<c10::Half>(qc, kc, vc, tables, lens, scale, out); break;
+    case at::kFloat: decode_attention<float>(qc, kc, vc, tables, lens, scale, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+// ---- fused elementwise kernels ----------------------------------------------------------------
+
+// Rows in parallel only when there is enough work: a decode step's [32, 576] runs inline, with no
+// OpenMP region at all.
+inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)), and optionally residual = round(x + residual) first.
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t cols, float eps) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> v(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * cols;
+      float sum = 0.f;
+      if (residual != nullptr) {
+        T* rr = residual + r * cols;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) {
+          rr[c] = round_to<T>(to_float(xr[c]) + to_float(rr[c]));
+          v[c] = to_float(rr[c]);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) v[c] = to_float(xr[c]);
+      }
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) sum += v[c] * v[c];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+      T* o = out + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) o[c] = round_to<T>(to_float(w[c]) * to_float(round_to<T>(v[c] * inv)));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: bad shapes");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and w must share a dtype");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (rounded), then returns rms_norm(residual); `residual` is updated in place.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  w.dim() == 1 && w.size(0) == x.size(1),
+              "add_rms_norm: bad shapes");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: dtypes differ");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// In place on the first `num_heads` heads of each row of qkv [T, heads_total * D] (q's heads, then
+// k's): x = round(round(x * cos) + round(rotate_half(x) * sin)), cos/sin [max_pos, D] rows by position.
+template <typename T>
+void rope_rows(T* base, const int64_t* p, const T* cs, const T* sn, int64_t rows, int64_t stride, int64_t num_heads,
+               int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, row_grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(head_dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cs + p[r] * head_dim;
+      const T* s = sn + p[r] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = base + r * stride + h * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) x[d] = to_float(v[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) {
+          // rotate_half: (-x[half:], x[:half]); negation is exact in any dtype.
+          const float rot = d < half ? -x[d + half] : x[d - half];
+          const float a = to_float(round_to<T>(x[d] * to_float(c[d])));
+          const float b = to_float(round_to<T>(rot * to_float(s[d])));
+          v[d] = round_to<T>(a + b);
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+           int64_t num_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) >= num_heads * head_dim, "rope_: bad qkv");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == qkv.size(0), "rope_: bad positions");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim && cos.sizes() == sin.sizes(),
+              "rope_: bad cos/sin");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope_: dtypes");
+  auto pos = positions.contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < qkv.size(0); ++r)
+    TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "rope_: position out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
+    rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), p, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), qkv.size(0),
+                        qkv.size(1), num_heads, head_dim);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(batchgate, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+}
