@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.bf16_parity
 
 For the 8 parity prompts (tests/engine/test_parity_real.py), runs transformers' fp32 `generate`
-(the reference), our engine in fp32 and in bf16, and reports per prompt the first token where each
-departs from the reference, with the reference's top-2 logit gap at that step: bf16 keeps ~8 bits
-of mantissa, so a departure where the gap is small is rounding, not a bug.
+(the reference), our engine in fp32, in bf16, and in bf16 with int4 decode steps (the served
+default for the bundled Q4_1 model: engine/quant.py), and reports per prompt the first token where
+each departs from the reference, with the reference's top-2 logit gap at that step: bf16 keeps ~8
+bits of mantissa, so a departure where the gap is small is rounding, not a bug.
 """
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ def main() -> None:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     reference.generation_config.eos_token_id = None
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    variants = {
+        "float32": ("float32", "none"),
+        "bfloat16": ("bfloat16", "none"),
+        "bf16+int4": ("bfloat16", "int4"),
+    }
     engines = {
-        d: LLMEngine(EngineConfig(dtype=d, max_model_len=2048, kv_cache_memory_bytes=256 << 20))
-        for d in ("float32", "bfloat16")
+        label: LLMEngine(
+            EngineConfig(dtype=d, quantization=q, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+        )
+        for label, (d, q) in variants.items()
     }
     tok = engines["float32"].tokenizer
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
@@ -52,10 +60,12 @@ def main() -> None:
                 top2 = reference(torch.tensor([prompt + ref[:k]])).logits[0, -1].topk(2).values
             row.append(f"{dtype}: departs at token {k} (fp32 top-2 gap {float(top2[0] - top2[1]):.3f})")
         rows.append(row)
-    identical = sum("bfloat16: identical" in r[2] for r in rows)
-    print(
-        f"bf16 identical to the fp32 reference for all {NUM_TOKENS} tokens: {identical}/{len(rows)} prompts"
-    )
+    for i, label in enumerate(variants, start=1):
+        identical = sum(f"{label}: identical" in r[i] for r in rows)
+        print(
+            f"{label} identical to the fp32 reference for all {NUM_TOKENS} tokens: "
+            f"{identical}/{len(rows)} prompts"
+        )
     for r in rows:
         print(" | ".join(r))
 
