@@ -361,6 +361,7 @@ class LLMEngine:
             waiting_by_bucket=waiting.count_by_bucket(),
             waiting_by_priority_and_bucket=waiting.count_by_priority_and_bucket(),
             num_priority_preemptions=self.scheduler.num_priority_preemptions,
+            num_fairness_preemptions=self.scheduler.num_fairness_preemptions,
             prefill_tokens_per_s=self.meter.prefill_tokens_per_s,
             decode_steps_per_s=self.meter.decode_steps_per_s,
             batching=self.config.batching,

@@ -18,6 +18,8 @@ recomputed later) happens for two reasons:
   lowest-ranked lower-class sequence goes, even if already scheduled this step, unless it has been
   preempted `max_preemptions_per_seq` times. The sequence it made room for is admitted in the same
   step; nobody of the victim's class is.
+- fair share: every slot is taken and a waiting sequence's tenant (fairness key) runs at least two
+  fewer sequences of its class than another tenant; that tenant's newest sequence goes (same bound).
 
 Length buckets: while shorter prompts (of the same or a higher class) wait and a slot is free, the
 prefill chunks of longer prompts share at most `long_prefill_share` of the step's budget, so a burst
@@ -159,6 +161,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
+        self.num_fairness_preemptions = 0
         self.static = config.batching == "static"
         # Static batching: whether the current batch still takes members, how many it took, and who
         # they are (a member preempted for memory may come back while the batch runs).
@@ -273,9 +276,14 @@ class Scheduler:
             if want == 0:
                 skip.add(self.waiting.bucket(seq))
                 continue
+            out_of_turn = False
             if len(self.running) >= self.config.max_num_seqs and not self._evict_for(step, seq):
-                step.admitting = False
-                return
+                fair = self._evict_for_fairness(step, priority)
+                if fair is None:
+                    step.admitting = False
+                    return
+                seq, out_of_turn = fair, True
+                want, long = self._chunk_limit(step, seq, joining=True)
             # The watermark keeps blocks back for running sequences to grow into, when there are any.
             reserve = self.config.watermark_blocks if self.running else 0
             chunk = self._fit_chunk(seq, want, reserve)
@@ -286,7 +294,10 @@ class Scheduler:
                 # a lower one) may take the blocks it is waiting for.
                 step.admitting = False
                 return
-            self.waiting.pop(seq)
+            if out_of_turn:
+                self.waiting.remove(seq)
+            else:
+                self.waiting.pop(seq)
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
             seq.mark_admitted()
             self.running.append(seq)
@@ -336,6 +347,42 @@ class Scheduler:
         self.num_priority_preemptions += 1
         step.admit_below = min(step.admit_below, int(victim.priority))
         return True
+
+    def _evict_for_fairness(self, step: _Step, priority: Priority) -> Sequence | None:
+        """All slots are taken: if a waiting sequence of `priority` belongs to a fairness key (tenant)
+        that runs at least two fewer sequences of the class than the heaviest key, preempt that
+        key's newest sequence and return the waiting one, to be admitted out of turn; else None.
+
+        So a tenant's first request does not wait for another tenant's to finish. Bounded like
+        priority preemption (`max_preemptions_per_seq`); each swap moves the two keys toward an
+        equal share, so it cannot ping-pong. Costs one pass over the waiting queue."""
+        if self.static:
+            return None
+        counts: dict[str, int] = {}
+        for s in self.running:
+            if s.priority == priority:
+                counts[s.fairness_key] = counts.get(s.fairness_key, 0) + 1
+        bound = self.config.max_preemptions_per_seq
+        movable = [s for s in self.running if s.priority == priority and s.num_preemptions < bound]
+        if not movable:
+            return None
+        heaviest = max(counts[s.fairness_key] for s in movable)
+        waiting = next(
+            (
+                s
+                for s in self.waiting
+                if s.priority == priority and counts.get(s.fairness_key, 0) <= heaviest - 2
+            ),
+            None,
+        )
+        if waiting is None:
+            return None
+        victim = max((s for s in movable if counts[s.fairness_key] == heaviest), key=_rank)
+        step.drop(victim)
+        self._preempt(victim)
+        step.preempted.append(victim)
+        self.num_fairness_preemptions += 1
+        return waiting
 
     def _preempt_for_priority(self, step: _Step, seq: Sequence, want: int, reserve: int) -> int:
         """Preempt lower-class sequences until `seq` fits `want` tokens (or none is left to take);

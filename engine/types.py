@@ -163,6 +163,7 @@ class EngineStats:
     waiting_by_bucket: dict[str, int] = field(default_factory=dict)  # over classes, by prompt length
     waiting_by_priority_and_bucket: dict[str, dict[str, int]] = field(default_factory=dict)
     num_priority_preemptions: int = 0  # of num_preemptions, those made for a higher class
+    num_fairness_preemptions: int = 0  # of num_preemptions, those made for another tenant's turn
     prefill_tokens_per_s: float = 0.0  # per busy second, over recent steps
     decode_steps_per_s: float = 0.0  # steps per busy second, over recent steps
     batching: str = "continuous"

@@ -958,3 +958,58 @@ def test_random_workloads_under_every_policy_keep_every_invariant(seed: int) -> 
     assert len(sched.waiting) == 0 and sched.waiting.count_by_bucket() == dict.fromkeys(
         sched.waiting.labels, 0
     )
+
+
+# ---- fair share between tenants of one class ------------------------------------------------------------
+
+
+def tenant_seq(key: str, max_tokens: int = 20) -> Sequence:
+    seq = make_seq(4, max_tokens=max_tokens, priority=FREE)
+    seq.fairness_key = key
+    return seq
+
+
+def test_a_tenant_with_nothing_running_takes_a_slot_from_the_heaviest_tenant() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    heavy = [tenant_seq("heavy") for _ in range(5)]
+    for s in heavy:
+        sched.add(s)
+    run_step(sched)
+    assert [s.fairness_key for s in sched.running] == ["heavy"] * 4
+    light = tenant_seq("light", max_tokens=2)
+    sched.add(light)
+    out = run_step(sched)
+    assert out.preempted == (heavy[3],)  # the newest of the heaviest tenant
+    assert light in [c.seq for c in out.prefills]  # admitted in the same step
+    assert sched.num_fairness_preemptions == 1
+    run_until_done(sched)
+    assert_all_done(sched, [*heavy, light])
+
+
+def test_no_fairness_preemption_between_balanced_tenants_or_across_classes_or_past_the_bound() -> None:
+    # A key that runs one fewer than the heaviest is not behind enough: 2 (a) vs 1 (b).
+    sched = make_scheduler(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=64)
+    for key in ("a", "a", "b"):
+        sched.add(tenant_seq(key))
+    run_step(sched)
+    sched.add(tenant_seq("b"))
+    out = run_step(sched)
+    assert out.preempted == () and sched.num_fairness_preemptions == 0
+    # Bound 0: never preempted for fairness.
+    sched = make_scheduler(
+        num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, max_preemptions_per_seq=0
+    )
+    for key in ("a", "a"):
+        sched.add(tenant_seq(key))
+    run_step(sched)
+    sched.add(tenant_seq("b"))
+    assert run_step(sched).preempted == ()
+    # A paid sequence's tenant does not count against free tenants (priority handles classes).
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    paid = make_seq(4, max_tokens=20, priority=PAID)
+    paid.fairness_key = "a"
+    sched.add(paid)
+    sched.add(tenant_seq("a"))
+    run_step(sched)
+    sched.add(tenant_seq("b"))
+    assert run_step(sched).preempted == ()
