@@ -183,9 +183,9 @@ class ModelRunner:
         )
         decode_tables = decode_lens = None
         if decode_seqs:
-            d = len(decode_seqs)
-            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs], device=self.device)
-            decode_tables = tables[:d, : -(-int(decode_lens.max()) // self.block_size)].contiguous()
+            lens = [s.num_computed_tokens + 1 for s in decode_seqs]
+            decode_lens = torch.tensor(lens, device=self.device)
+            decode_tables = tables[: len(lens), : -(-max(lens) // self.block_size)].contiguous()
         prefills = [
             PrefillSlice(
                 start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0]

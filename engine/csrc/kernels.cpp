@@ -116,17 +116,23 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         load_row(q_ptr + (s * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       const T* k_head = k_ptr + h * num_blocks * block_size * head_dim;
       const T* v_head = v_ptr + h * num_blocks * block_size * head_dim;
-      // Scores: q . k for every context token, block by block.
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const int64_t block = tables[s * max_blocks + t0 / block_size];
-        const int64_t n = std::min(block_size, ctx - t0);
-        const T* kb = k_head + block * block_size * head_dim;
-        for (int64_t i = 0; i < n; ++i) {
-          load_row(kb + i * head_dim, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * ctx + t0 + i] = dot(qf.data() + g * head_dim, row.data(), head_dim) * fscale;
+      // Visits the context's rows of one head's cache in order, block by block through the table,
+      // converted to fp32 in `row`: f(t, row) for t in [0, ctx).
+      const int64_t* table = tables + s * max_blocks;
+      auto for_each_row = [&](const T* head, auto&& f) {
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+          const T* rows = head + table[t0 / block_size] * block_size * head_dim;
+          const int64_t n = std::min(block_size, ctx - t0);
+          for (int64_t i = 0; i < n; ++i) {
+            load_row(rows + i * head_dim, row.data(), head_dim);
+            f(t0 + i, row.data());
+          }
         }
-      }
+      };
+      // Scores: q . k for every context token.
+      for_each_row(k_head, [&](int64_t t, const float* r) {
+        for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(qf.data() + g * head_dim, r, head_dim) * fscale;
+      });
       // Softmax per query head.
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * ctx;
@@ -145,20 +151,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
       // Weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const int64_t block = tables[s * max_blocks + t0 / block_size];
-        const int64_t n = std::min(block_size, ctx - t0);
-        const T* vb = v_head + block * block_size * head_dim;
-        for (int64_t i = 0; i < n; ++i) {
-          load_row(vb + i * head_dim, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * ctx + t0 + i];
-            float* ag = acc.data() + g * head_dim;
+      for_each_row(v_head, [&](int64_t t, const float* r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] = std::fma(p, row[d], ag[d]);
-          }
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] = std::fma(p, r[d], ag[d]);
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         T* o = out_ptr + (s * num_heads + h * group + g) * head_dim;
         const float* ag = acc.data() + g * head_dim;
