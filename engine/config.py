@@ -53,6 +53,10 @@ class EngineConfig:
     # or "auto" (native on the CPU when they build, else torch).
     kernels: str = "auto"
     int4_max_batch: int = 8
+    # Automatic prefix caching (engine/block_manager.py): full KV blocks are shared by content
+    # between requests of the same cache salt, so a repeated prefix (a system prompt, a chat's
+    # earlier turns) is not computed again.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

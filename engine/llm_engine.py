@@ -78,7 +78,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len, int4_max_rows)
         del loaded.weights  # the runner holds (fused) copies
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -101,7 +101,7 @@ class LLMEngine:
         self._last_batch_size = 0
         self._num_steps = 0
         logger.info(
-            "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             self.model_name,
             dtype,
             device,
@@ -109,6 +109,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             max_len,
+            "on" if config.enable_prefix_caching else "off",
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -181,6 +182,7 @@ class LLMEngine:
                 arrival_time=now,
                 deadline=None if deadline_s is None else now + deadline_s,
                 fairness_key=request.fairness_key,
+                cache_salt=request.cache_salt,
                 generator=generator,
             )
             seqs.append(seq)
@@ -262,6 +264,7 @@ class LLMEngine:
             new_text=text,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
             logprobs=(logprob,) if logprob is not None else (),
             error=error,
@@ -365,6 +368,8 @@ class LLMEngine:
             prefill_tokens_per_s=self.meter.prefill_tokens_per_s,
             decode_steps_per_s=self.meter.decode_steps_per_s,
             batching=self.config.batching,
+            prefix_cache_queried_tokens=self.block_manager.num_queried_tokens,
+            prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
         )
 
     def load_snapshot(self) -> LoadSnapshot:

@@ -272,17 +272,21 @@ class Scheduler:
             if self.static and not self._may_join_batch(seq):
                 step.admitting = False
                 return
+            self.blocks.take_cached_prefix(seq)
             want, long = self._chunk_limit(step, seq, joining=True)
             if want == 0:
+                self.blocks.release_cached_prefix(seq)
                 skip.add(self.waiting.bucket(seq))
                 continue
             out_of_turn = False
             if len(self.running) >= self.config.max_num_seqs and not self._evict_for(step, seq):
+                self.blocks.release_cached_prefix(seq)
                 fair = self._evict_for_fairness(step, priority)
                 if fair is None:
                     step.admitting = False
                     return
                 seq, out_of_turn = fair, True
+                self.blocks.take_cached_prefix(seq)
                 want, long = self._chunk_limit(step, seq, joining=True)
             # The watermark keeps blocks back for running sequences to grow into, when there are any.
             reserve = self.config.watermark_blocks if self.running else 0
@@ -292,18 +296,29 @@ class Scheduler:
             if chunk == 0:
                 # No room: wait for running sequences to finish. Nobody behind it (in this class or
                 # a lower one) may take the blocks it is waiting for.
+                self.blocks.release_cached_prefix(seq)
                 step.admitting = False
                 return
             if out_of_turn:
                 self.waiting.remove(seq)
             else:
                 self.waiting.pop(seq)
+            self._count_cache_lookup(seq)
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
             seq.mark_admitted()
             self.running.append(seq)
             step.add(ScheduledChunk(seq, chunk), decode=False, long=long)
             if self.static:
                 self._join_batch(seq)
+
+    def _count_cache_lookup(self, seq: Sequence) -> None:
+        """Prefix-cache accounting at admission; a choice's first admission sets what its usage
+        reports as cached prompt tokens (a recompute after preemption is the engine's business)."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        self.blocks.count_lookup(seq.num_tokens, seq.num_computed_tokens)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def _chunk_limit(self, step: _Step, seq: Sequence, joining: bool) -> tuple[int, bool]:
         """The most tokens `seq` may prefill now, and whether the long-prompt share bounds it."""
@@ -391,7 +406,7 @@ class Scheduler:
         if not victims:
             return self._fit_chunk(seq, want, reserve)
         bs = self.blocks.block_size
-        reclaimable = sum(len(v.block_table) for v in victims)
+        reclaimable = sum(self.blocks.reclaimable(v) for v in victims)
         best = (len(seq.block_table) + max(0, self.blocks.num_free_blocks + reclaimable - reserve)) * bs
         if min(want, best - seq.num_computed_tokens) <= self._fit_chunk(seq, want, reserve):
             return self._fit_chunk(seq, want, reserve)
@@ -457,3 +472,4 @@ class Scheduler:
         """Advance progress after the forward pass ran `output`."""
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.blocks.register_full_blocks(chunk.seq)

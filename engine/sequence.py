@@ -41,7 +41,8 @@ class Sequence:
 
     `num_computed_tokens` counts tokens whose K/V are in the cache. The tokens still to compute are
     `token_ids[num_computed_tokens:]`: the rest of the prompt while prefilling, else the one token
-    sampled last step. After preemption `num_computed_tokens` is 0 and everything is recomputed.
+    sampled last step. After preemption `num_computed_tokens` is 0 and everything is recomputed
+    (except what the prefix cache still holds). Admission may start it above 0: the cached prefix.
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class Sequence:
         arrival_time: float = 0.0,
         deadline: float | None = None,
         fairness_key: str = "",
+        cache_salt: str = "",
         generator: torch.Generator | None = None,
     ) -> None:
         self.request_id = request_id
@@ -66,10 +68,16 @@ class Sequence:
         self.arrival_time = arrival_time
         self.deadline = deadline
         self.fairness_key = fairness_key
+        self.cache_salt = cache_salt  # prefix-cache namespace (engine/block_manager.py)
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix caching (engine/block_manager.py): hashes of the full blocks (memo), how many of
+        # the held blocks are registered, and the prompt tokens found cached at first admission.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens = 0
         self.admission_order = -1  # set each time it is (re)admitted to running
         self.num_preemptions = 0
         self.started = False  # first prefill chunk has been scheduled (deadline met)

@@ -78,6 +78,9 @@ class GenerationRequest:
     queue_deadline_s: float | None = None
     # Fair-share key within a priority class (e.g. a tenant id); opaque to the engine.
     fairness_key: str = ""
+    # Prefix-cache namespace: requests share cached prompt blocks only with requests of the same
+    # salt (the gateway passes the tenant, so tenants cannot observe each other's prompts).
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: FinishReason | None = None
+    # Prompt tokens whose K/V came from the prefix cache when this choice was first admitted.
+    num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     error: EngineError | None = None
 
@@ -167,3 +172,5 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # per busy second, over recent steps
     decode_steps_per_s: float = 0.0  # steps per busy second, over recent steps
     batching: str = "continuous"
+    prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up in the cache
+    prefix_cache_hit_tokens: int = 0  # of those, found there (not computed)

@@ -40,6 +40,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     clock: Callable[[], float] | None = None,
     watermark_blocks: int = 1,
+    prefix_caching: bool = False,
     **policy: Any,
 ) -> Scheduler:
     """`policy`: other SchedulerConfig fields (length_buckets, long_prefill_share, batching, ...)."""
@@ -49,7 +50,7 @@ def make_scheduler(
         watermark_blocks=watermark_blocks,
         **policy,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size), clock or FakeClock())
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), clock or FakeClock())
 
 
 def make_seq(
@@ -60,16 +61,20 @@ def make_seq(
     deadline: float | None = None,
     request_id: str | None = None,
     fairness_key: str = "",
+    prompt: list[int] | None = None,
+    cache_salt: str = "",
 ) -> Sequence:
-    """A sequence whose prompt tokens are 100, 101, ... (distinct, so chunk contents are checkable)."""
+    """A sequence whose prompt tokens are 100, 101, ... (distinct, so chunk contents are checkable)
+    unless `prompt` is given (then `prompt_len` is ignored)."""
     return Sequence(
         request_id if request_id is not None else f"req-{next(_request_ids)}",
         0,
-        list(range(100, 100 + prompt_len)),
+        list(prompt) if prompt is not None else list(range(100, 100 + prompt_len)),
         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         priority=priority,
         deadline=deadline,
         fairness_key=fairness_key,
+        cache_salt=cache_salt,
     )
 
 
@@ -130,11 +135,29 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
 
 
 def check_blocks(sched: Scheduler) -> None:
-    """No block is owned twice, and owned plus free blocks are exactly the whole cache."""
-    owned = [b for s in sched.sequences() for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block handed out twice"
-    free = list(sched.blocks._free)
-    assert len(free) == len(set(free)) and not set(free) & set(owned)
-    assert sorted(owned + free) == list(range(sched.blocks.num_blocks))
+    """Every block is either held (by as many sequences as its reference count says, and by more
+    than one only if it is a registered, full block) or free, never both; free blocks are exactly
+    the rest of the cache."""
+    bm = sched.blocks
+    holders: dict[int, int] = {}
+    for seq in sched.sequences():
+        assert len(seq.block_table) == len(set(seq.block_table)), seq
+        for b in seq.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    for b, n in holders.items():
+        assert bm._refs[b] == n, (b, bm._refs[b], n)
+        assert n == 1 or b in bm._hash_of, f"unregistered block {b} shared"
+    free = list(bm._free) + list(bm._evictable)
+    assert len(free) == len(set(free)) and not set(free) & set(holders)
+    assert all(bm._refs[b] == 0 for b in free)
+    assert sorted(list(holders) + free) == list(range(bm.num_blocks))
+    assert all(b in bm._hash_of for b in bm._evictable)
+    assert {bm._block_of[h] for h in bm._hash_of.values()} == set(bm._hash_of)
+    # A registered block a sequence holds is one of its full, computed blocks, with its own content.
+    for seq in sched.sequences():
+        for i, b in enumerate(seq.block_table):
+            if b in bm._hash_of:
+                assert (i + 1) * bm.block_size <= seq.num_computed_tokens, (seq, i)
+                assert bm._hashes(seq, i + 1)[i] == bm._hash_of[b], (seq, i)
     for seq in sched.waiting:
         assert not seq.block_table and seq.num_computed_tokens == 0, seq

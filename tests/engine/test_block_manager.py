@@ -127,10 +127,113 @@ def test_never_hands_out_a_block_twice() -> None:
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_freeing_a_block_owned_by_another_sequence_is_an_invariant_error() -> None:
+def test_freeing_a_block_more_often_than_it_was_taken_is_an_invariant_error() -> None:
     bm = BlockManager(num_blocks=2, block_size=4)
     a, b = make_seq(1), make_seq(1)
     assert bm.allocate(a, 1)
-    b.block_table = list(a.block_table)  # corrupted bookkeeping
-    with pytest.raises(AssertionError, match="owned by"):
-        bm.free(b)
+    b.block_table = list(a.block_table)  # corrupted bookkeeping: b never took the block
+    bm.free(b)
+    with pytest.raises(AssertionError, match="held by nobody"):
+        bm.free(a)
+
+
+# ---- prefix caching -------------------------------------------------------------------------------
+
+
+def computed(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> Sequence:
+    """Give `seq` slots for its tokens (or the first `num_tokens`), mark them computed, register."""
+    n = seq.num_tokens if num_tokens is None else num_tokens
+    assert bm.allocate(seq, n)
+    seq.num_computed_tokens = n
+    bm.register_full_blocks(seq)
+    return seq
+
+
+def test_a_repeated_prefix_is_taken_from_the_cache_and_shared() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = computed(bm, make_seq(0, prompt=list(range(14))))  # blocks 0-2 full, block 3 partial
+    assert bm.num_cached_blocks == 3
+    b = make_seq(0, prompt=list(range(12)) + [99, 98, 97])  # shares 3 full blocks, then differs
+    assert bm.take_cached_prefix(b) == 12
+    assert b.block_table == a.block_table[:3] and b.num_computed_tokens == 12
+    assert bm.num_free_blocks == 16 - 4  # nothing new was taken
+    assert bm.reclaimable(b) == 0 and bm.reclaimable(a) == 1
+    bm.free(a)  # b still holds the shared three
+    assert bm.num_free_blocks == 16 - 3
+    computed(bm, b)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+    # Freed, the blocks keep their content: a later request still hits.
+    c = make_seq(0, prompt=list(range(13)))
+    assert bm.take_cached_prefix(c) == 12
+    bm.free(c)
+
+
+def test_the_last_token_is_always_computed() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    computed(bm, make_seq(0, prompt=list(range(8))))
+    again = make_seq(0, prompt=list(range(8)))  # the same two full blocks
+    assert bm.take_cached_prefix(again) == 4  # the second block is recomputed for the logits
+    assert again.num_uncomputed_tokens == 4
+
+
+def test_hits_stop_at_the_first_different_block_and_chain_on_the_prefix() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    computed(bm, make_seq(0, prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]))
+    # Same second and third blocks after a different first one: no hit (the whole prefix counts).
+    other = make_seq(0, prompt=[0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
+    assert bm.take_cached_prefix(other) == 0
+    mid = make_seq(0, prompt=[1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13])
+    assert bm.take_cached_prefix(mid) == 4
+
+
+def test_salts_keep_caches_apart() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    computed(bm, make_seq(0, prompt=list(range(9)), cache_salt="tenant-a"))
+    assert bm.take_cached_prefix(make_seq(0, prompt=list(range(9)), cache_salt="tenant-b")) == 0
+    assert bm.take_cached_prefix(make_seq(0, prompt=list(range(9)), cache_salt="tenant-a")) == 8
+
+
+def test_without_prefix_caching_nothing_is_registered_or_found() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    computed(bm, make_seq(0, prompt=list(range(9))))
+    assert bm.num_cached_blocks == 0
+    assert bm.take_cached_prefix(make_seq(0, prompt=list(range(9)))) == 0
+
+
+def test_cached_blocks_are_evicted_only_when_no_clean_block_is_left_oldest_first() -> None:
+    bm = BlockManager(num_blocks=5, block_size=2, enable_prefix_caching=True)
+    old = computed(bm, make_seq(0, prompt=[1, 2, 3, 4]))
+    new = computed(bm, make_seq(0, prompt=[5, 6]))
+    bm.free(old)
+    bm.free(new)
+    assert bm.num_free_blocks == 5 and bm.num_cached_blocks == 3
+    # Two clean blocks are used before any cached one.
+    filler = make_seq(0, prompt=[7, 8, 9])
+    assert bm.allocate(filler, 3)
+    assert bm.num_cached_blocks == 3
+    # The next block evicts the least recently freed: `old`'s second block (a sequence's tail goes
+    # first), then its first; `new`'s block survives.
+    assert bm.allocate(filler, 5)
+    assert bm.take_cached_prefix(make_seq(0, prompt=[1, 2, 3, 4, 0])) == 2
+    assert bm.take_cached_prefix(make_seq(0, prompt=[5, 6, 0])) == 2
+
+
+def test_the_same_prefix_computed_twice_at_once_registers_one_copy() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = computed(bm, make_seq(0, prompt=list(range(5))))
+    b = computed(bm, make_seq(0, prompt=list(range(5))))  # admitted before a registered: own copy
+    assert bm.num_cached_blocks == 1
+    bm.free(b)
+    bm.free(a)
+    assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 1
+
+
+def test_release_of_an_unadmitted_prefix_returns_it() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    computed(bm, make_seq(0, prompt=list(range(9))))
+    seq = make_seq(0, prompt=list(range(9)))
+    bm.take_cached_prefix(seq)
+    bm.release_cached_prefix(seq)
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    assert bm.take_cached_prefix(seq) == 8  # still cached, and takeable again

@@ -273,3 +273,49 @@ def test_policy_settings_are_validated() -> None:
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_prefix_caching_changes_no_output_and_reports_cached_tokens(
+    engine: LLMEngine, tiny_model_dir: Path
+) -> None:
+    """A shared system-prompt-like prefix, then different tails; an exact repeat; a different salt.
+    Token for token the same outputs (and logprobs within float error) as an engine without prefix
+    caching, with the cached prompt tokens reported."""
+    assert engine.config.enable_prefix_caching  # the default
+    uncached = tiny_engine(tiny_model_dir, enable_prefix_caching=False)
+    system = list(range(300, 323))  # 23 tokens: 5 full blocks of 4
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
+
+    def requests(tag: str) -> list[list[GenerationRequest]]:
+        return [
+            [GenerationRequest(f"{tag}-first", system + [5, 6, 7], params)],
+            [
+                GenerationRequest(f"{tag}-tail{i}", system + list(range(40 + i, 50 + 3 * i)), params)
+                for i in range(3)
+            ],
+            [GenerationRequest(f"{tag}-repeat", system + [5, 6, 7], params)],
+            [GenerationRequest(f"{tag}-salted", system + [5, 6, 7], params, cache_salt="other")],
+        ]
+
+    expected: dict[str, list[Any]] = {}
+    for wave in requests("x"):
+        for key, outs in run_all(uncached, wave).items():
+            expected[key[0][2:]] = outs
+    before = engine.block_manager.num_hit_tokens
+    got: dict[str, list[Any]] = {}
+    for wave in requests("y"):
+        for key, outs in run_all(engine, wave).items():
+            got[key[0][2:]] = outs
+    for name, outs in expected.items():
+        assert tokens_of(got[name]) == tokens_of(outs), name
+        lp = [p.logprob for o in got[name] for p in o.logprobs]
+        ref = [p.logprob for o in outs for p in o.logprobs]
+        assert lp == pytest.approx(ref, abs=1e-4), name
+        assert all(o.num_cached_tokens == 0 for o in outs)
+    cached = {name: outs[-1].num_cached_tokens for name, outs in got.items()}
+    assert cached["first"] in (0, 20)  # the module's engine may have seen this prefix already
+    assert cached["tail0"] == cached["tail1"] == cached["tail2"] == 20
+    assert cached["repeat"] == 24  # 26 tokens: 6 full blocks (the 7th, partial, is computed)
+    assert cached["salted"] == 0
+    assert engine.block_manager.num_hit_tokens - before == sum(cached.values())
+    assert_idle(engine)

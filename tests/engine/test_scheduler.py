@@ -449,8 +449,9 @@ def test_finishing_everything_returns_every_block() -> None:
     assert sched.schedule().is_empty
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_arrivals_aborts_and_priorities_keep_every_invariant(seed: int) -> None:
+def test_random_arrivals_aborts_and_priorities_keep_every_invariant(seed: int, prefix_caching: bool) -> None:
     rng = random.Random(1000 + seed)
     block_size = rng.choice([1, 2, 4, 16])
     num_blocks = rng.randint(2, 24)
@@ -461,6 +462,7 @@ def test_random_arrivals_aborts_and_priorities_keep_every_invariant(seed: int) -
         max_num_seqs=rng.randint(1, 8),
         max_num_batched_tokens=rng.randint(1, 40),
         watermark_blocks=rng.choice([0, 1]),
+        prefix_caching=prefix_caching,
     )
     seqs: list[Sequence] = []
     for step in range(5000):
@@ -904,8 +906,9 @@ def test_static_batching_takes_more_steps_than_continuous() -> None:
 # ---- every policy at once keeps every invariant ---------------------------------------------------
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_under_every_policy_keep_every_invariant(seed: int) -> None:
+def test_random_workloads_under_every_policy_keep_every_invariant(seed: int, prefix_caching: bool) -> None:
     rng = random.Random(5000 + seed)
     block_size = rng.choice([2, 4])
     num_blocks = rng.randint(6, 32)
@@ -922,6 +925,7 @@ def test_random_workloads_under_every_policy_keep_every_invariant(seed: int) -> 
         long_prefill_share=rng.choice([0.25, 0.5, 1.0]),
         max_preemptions_per_seq=rng.choice([0, 1, 3]),
         batching=rng.choice(["continuous", "continuous", "static"]),
+        prefix_caching=prefix_caching,
     )
     seqs: list[Sequence] = []
     for step in range(5000):
@@ -1013,3 +1017,63 @@ def test_no_fairness_preemption_between_balanced_tenants_or_across_classes_or_pa
     run_step(sched)
     sched.add(tenant_seq("b"))
     assert run_step(sched).preempted == ()
+
+
+# ---- prefix caching ------------------------------------------------------------------------------
+
+
+def test_a_cached_prefix_is_not_prefilled_again() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=64, prefix_caching=True)
+    first = make_seq(0, max_tokens=2, prompt=list(range(10)))
+    sched.add(first)
+    run_until_done(sched)
+    second = make_seq(0, max_tokens=2, prompt=list(range(8)) + [50, 51, 52])
+    sched.add(second)
+    out = run_step(sched)
+    # Two full blocks (8 tokens) were computed by `first`: only the last 3 tokens are prefilled.
+    assert scheduled(out) == {second.request_id: 3}
+    assert second.num_cached_tokens == 8
+    assert sched.blocks.num_hit_tokens == 8 and sched.blocks.num_queried_tokens == 10 + 11
+    run_until_done(sched)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_a_preempted_sequence_recomputes_only_what_the_cache_lost() -> None:
+    sched = make_scheduler(
+        num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, prefix_caching=True
+    )
+    free = make_seq(0, max_tokens=8, priority=FREE, prompt=list(range(13)))
+    sched.add(free)
+    run_step(sched)  # 13 prompt tokens in 4 blocks: 3 full ones registered
+    paid = make_seq(0, max_tokens=2, priority=PAID, prompt=list(range(200, 213)))
+    sched.add(paid)
+    out = run_step(sched)  # 4 + 4 blocks > 8 - watermark: the free one is preempted for priority
+    assert free in out.preempted
+    run_until_done(sched)
+    assert free.status == SequenceStatus.FINISHED_LENGTH
+    # Re-admitted, it found its own registered blocks again (nothing else needed them).
+    assert sched.blocks.num_hit_tokens >= 12
+    assert free.num_cached_tokens == 0  # usage reports the first admission only
+
+
+def test_a_failed_admission_gives_the_cached_prefix_back() -> None:
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True
+    )
+    warm = make_seq(0, max_tokens=1, prompt=list(range(9)))
+    sched.add(warm)
+    run_until_done(sched)
+    hog = make_seq(0, max_tokens=8, prompt=list(range(300, 316)))  # 4 blocks, then up to 6
+    sched.add(hog)
+    run_step(sched)
+    late = make_seq(0, max_tokens=1, prompt=list(range(9)) + list(range(400, 410)))  # 5 blocks
+    sched.add(late)
+    run_step(sched)
+    # It took the one cached block left, found no room beyond it (the watermark keeps the last
+    # free block for the running hog) and waits holding nothing, with nothing counted as computed.
+    assert late.status == SequenceStatus.WAITING
+    assert late.block_table == [] and late.num_computed_tokens == 0
+    assert sched.blocks.num_free_blocks == 1 and sched.blocks.num_hit_tokens == 0
+    check_blocks(sched)
+    run_until_done(sched)
+    assert late.status == SequenceStatus.FINISHED_LENGTH
