@@ -196,6 +196,11 @@ class LlamaModel:
         gathered = (
             None if self.kernels is not None else self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
         )
+        # int4 weights only for steps that only decode: every prompt is prefilled on the same bf16
+        # weights however it is chunked or however much of it the prefix cache held, so a
+        # (greedy) request's answer does not depend on that. (The int4 copy holds the file's exact
+        # Q4_1 values, the bf16 one rounds them: near-ties of the two can differ.)
+        int4_ok = not batch.prefills
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -203,12 +208,12 @@ class LlamaModel:
                 x = self._rms_norm(hidden, layer.input_norm)
             else:
                 x, residual = self._add_rms_norm(hidden, residual, layer.input_norm)
-            q, k, v = self._rope_qkv(layer.qkv(x), batch.positions)
+            q, k, v = self._rope_qkv(layer.qkv(x, int4_ok), batch.positions)
             k_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
-            x, residual = self._add_rms_norm(layer.o(attn), residual, layer.post_norm)
-            hidden = layer.down(self._silu_mul(layer.gate_up(x)))
+            x, residual = self._add_rms_norm(layer.o(attn, int4_ok), residual, layer.post_norm)
+            hidden = layer.down(self._silu_mul(layer.gate_up(x, int4_ok)), int4_ok)
         assert residual is not None
         rows = batch.logits_indices
         last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)

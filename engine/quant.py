@@ -85,7 +85,8 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 @dataclass
 class Linear:
     """`x @ weight.T + bias` over one of three copies of the weight: int4 for batches of at most
-    `int4_max_rows` rows, else the oneDNN-packed bf16 weight, else the plain one."""
+    `int4_max_rows` rows (when the caller allows), else the oneDNN-packed bf16 weight, else the
+    plain one."""
 
     weight: torch.Tensor | None  # [N, K] plain; None when `packed` holds it
     bias: torch.Tensor | None = None
@@ -108,8 +109,10 @@ class Linear:
         packed = pack_for_onednn(weight)
         return cls(None if packed is not None else weight, bias, int4, int4_max_rows, packed)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+    def __call__(self, x: torch.Tensor, int4_ok: bool = True) -> torch.Tensor:
+        """`int4_ok=False` keeps even a small batch on the bf16 weights (the model passes it for
+        steps that prefill, see engine/model.py)."""
+        if self.int4 is not None and int4_ok and x.shape[0] <= self.int4_max_rows:
             y = int4_mm(x, self.int4)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:

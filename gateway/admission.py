@@ -31,6 +31,12 @@ class Caller:
     plan: str = "open"  # metrics label: "paid", "free" or "open" (never a tenant-chosen string)
     internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
 
+    @property
+    def cache_salt(self) -> str:
+        """Prefix-cache namespace: each tenant its own, so no tenant can time another's prompts;
+        one shared namespace in open mode (no tenants, one trust domain)."""
+        return "" if self.plan == "open" else self.name
+
 
 OPEN_CALLER = Caller(name="")
 

@@ -358,6 +358,7 @@ class Gateway:
                     priority=caller.priority,
                     queue_deadline_s=caller.queue_deadline_s,
                     fairness_key=caller.name,
+                    cache_salt=caller.cache_salt if self.settings.prefix_caching == "tenant" else "",
                 )
                 timed = TimedStream(self.engine.submit(engine_request), self.metrics, span)
                 streams.append((i * params.n, timed))

@@ -142,6 +142,16 @@ class Job:
     include_usage: bool = False
     echo_prefixes: list[str] = field(default_factory=list)  # per choice; completions with echo
     on_usage: Callable[[int], None] = lambda num_completion_tokens: None
+    # Prompt tokens found in the prefix cache, per engine request (its choices share the prompt).
+    cached_by_request: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, out: RequestOutput) -> None:
+        seen = self.cached_by_request.get(out.request_id, 0)
+        self.cached_by_request[out.request_id] = max(seen, out.num_cached_tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_by_request.values())
 
 
 async def gather(outputs: Outputs, job: Job) -> list[responses.Choice]:
@@ -155,6 +165,7 @@ async def gather(outputs: Outputs, job: Job) -> list[responses.Choice]:
         if error is not None:
             raise error
         choices[index].add(out)
+        job.observe(out)
         job.on_usage(sum(c.num_output_tokens for c in choices))
     return choices
 
@@ -169,6 +180,7 @@ def chat_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
         num_prompt_tokens=job.num_prompt_tokens,
         tokenizer=job.tokenizer,
         with_logprobs=job.logprobs,
+        num_cached_tokens=job.num_cached_tokens,
     )
 
 
@@ -190,7 +202,9 @@ def completion_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, 
             for c in choices
         ],
         include_usage=True,
-        usage_=responses.usage(job.num_prompt_tokens, sum(c.num_output_tokens for c in choices)),
+        usage_=responses.usage(
+            job.num_prompt_tokens, sum(c.num_output_tokens for c in choices), job.num_cached_tokens
+        ),
     )
 
 
@@ -201,7 +215,7 @@ def _finish_reason(out: RequestOutput) -> str | None:
 def _chunk_encoder(job: Job, build: Callable[..., dict[str, Any]]) -> Callable[..., bytes]:
     """An SSE encoder of one stream's chunks: `build` is the chunk shape (chat or completion)."""
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         return encode_event(
             build(
                 request_id=job.request_id,
@@ -236,6 +250,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                     [responses.chat_delta(index, {"role": "assistant", "content": "", "refusal": None})]
                 )
             num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
+            job.observe(out)
             job.on_usage(sum(num_output_tokens))
             if out.new_text or (job.logprobs and out.logprobs):
                 logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
@@ -244,7 +259,9 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                 yield chunk([responses.chat_delta(index, {}, finish_reason=_finish_reason(out))])
         else:
             if job.include_usage:
-                yield chunk([], responses.usage(job.num_prompt_tokens, sum(num_output_tokens)))
+                yield chunk(
+                    [], responses.usage(job.num_prompt_tokens, sum(num_output_tokens), job.num_cached_tokens)
+                )
     except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
         yield sse_error_event(error_of(exc))
     yield DONE
@@ -265,6 +282,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                 yield sse_error_event(error)
                 break
             num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
+            job.observe(out)
             job.on_usage(sum(num_output_tokens))
             text = out.new_text
             if not echoed[index]:
@@ -284,7 +302,9 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                 )
         else:
             if job.include_usage:
-                yield chunk([], responses.usage(job.num_prompt_tokens, sum(num_output_tokens)))
+                yield chunk(
+                    [], responses.usage(job.num_prompt_tokens, sum(num_output_tokens), job.num_cached_tokens)
+                )
     except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
         yield sse_error_event(error_of(exc))
     yield DONE

@@ -15,6 +15,8 @@ fixed list; never a key, a tenant name or any other client-controlled string.
     batchgate_kv_cache_usage_ratio             gauge
     batchgate_batch_size                       gauge (last engine step)
     batchgate_preemptions_total                counter
+    batchgate_prefix_cache_queries_total       counter (prompt tokens looked up at admission)
+    batchgate_prefix_cache_hits_total          counter (of those, found cached: hit rate = hits / queries)
     batchgate_refusals_total{reason}           counter (rate_limit, deadline, overload, unavailable)
     batchgate_tokens_total{direction,plan}     counter (direction in|out)
     batchgate_requests_total{code}             counter (generation endpoints, by status class)
@@ -65,15 +67,23 @@ class _EngineCollector(Collector):
         kv = GaugeMetricFamily("batchgate_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
         batch = GaugeMetricFamily("batchgate_batch_size", "Sequences in the last engine step")
         preemptions = CounterMetricFamily("batchgate_preemptions", "Sequences preempted by the engine")
+        queries = CounterMetricFamily(
+            "batchgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission"
+        )
+        hits = CounterMetricFamily("batchgate_prefix_cache_hits", "Prompt tokens found in the prefix cache")
         if stats is not None:
             total = stats.num_total_blocks or 1
             kv.add_metric([], (stats.num_total_blocks - stats.num_free_blocks) / total)
             batch.add_metric([], stats.last_batch_size)
             preemptions.add_metric([], stats.num_preemptions)
+            queries.add_metric([], stats.prefix_cache_queried_tokens)
+            hits.add_metric([], stats.prefix_cache_hit_tokens)
         else:
             kv.add_metric([], 0.0)
             batch.add_metric([], 0)
             preemptions.add_metric([], 0)
+            queries.add_metric([], 0)
+            hits.add_metric([], 0)
         refusals = CounterMetricFamily("batchgate_refusals", "Requests refused, by reason", labels=["reason"])
         counts = dict(self._metrics.refusals)
         if stats is not None:
@@ -81,7 +91,7 @@ class _EngineCollector(Collector):
             counts["deadline"] += sum(stats.refusals_by_reason.values())
         for reason in REFUSAL_REASONS:
             refusals.add_metric([reason], counts[reason])
-        return [running, waiting, kv, batch, preemptions, refusals]
+        return [running, waiting, kv, batch, preemptions, queries, hits, refusals]
 
 
 def _by_priority(counts: dict[Any, int], priority: str) -> int:

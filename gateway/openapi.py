@@ -48,7 +48,16 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
     "Usage": {
         "type": "object",
         "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-        "properties": {"prompt_tokens": _INT0, "completion_tokens": _INT0, "total_tokens": _INT0},
+        "properties": {
+            "prompt_tokens": _INT0,
+            "completion_tokens": _INT0,
+            "total_tokens": _INT0,
+            "prompt_tokens_details": {
+                "type": "object",
+                "required": ["cached_tokens"],
+                "properties": {"cached_tokens": _INT0},
+            },
+        },
     },
     "TopLogprob": {
         "type": "object",

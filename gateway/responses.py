@@ -29,11 +29,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens whose K/V came
+    from the prefix cache (as OpenAI reports its own prompt caching)."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -89,6 +92,7 @@ def chat_completion(
     num_prompt_tokens: int,
     tokenizer: Tokenizer,
     with_logprobs: bool,
+    num_cached_tokens: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -105,7 +109,7 @@ def chat_completion(
             }
             for c in choices
         ],
-        "usage": usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices)),
+        "usage": usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices), num_cached_tokens),
     }
 
 

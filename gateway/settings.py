@@ -136,6 +136,13 @@ class Settings:
         "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
         choices=("auto", "native", "torch"),
     )
+    prefix_caching: str = _opt(
+        "tenant",
+        _str,
+        "reuse the KV of repeated prompt prefixes: within each tenant (tenant), across tenants (global), "
+        "or off",
+        choices=("tenant", "global", "off"),
+    )
     batching: str = _opt(
         "continuous", _str, "continuous batching, or static (the baseline)", choices=("continuous", "static")
     )
@@ -218,6 +225,7 @@ class Settings:
             quantization=self.quantization,
             int4_max_batch=self.int4_max_batch,
             kernels=self.kernels,
+            enable_prefix_caching=self.prefix_caching != "off",
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,

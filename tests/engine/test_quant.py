@@ -106,6 +106,36 @@ def test_decode_logits_on_int4_match_bf16_on_q4_1_weights(
     assert torch.equal(on_int4.argmax(-1)[clear], on_bf16.argmax(-1)[clear])
 
 
+def test_prompts_are_prefilled_on_bf16_however_small_the_step(
+    tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int4 serves only steps that only decode: a prompt's logits must not depend on whether it was
+    prefilled whole, in chunks, or after a cached prefix (int4 and bf16 differ at near-ties)."""
+    model = make_tiny_model(
+        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
+    )
+    calls = {"n": 0}
+    real_mm = quant.int4_mm
+
+    def counting_mm(x: torch.Tensor, w: quant.Int4Weight) -> torch.Tensor:
+        calls["n"] += 1
+        return real_mm(x, w)
+
+    monkeypatch.setattr(quant, "int4_mm", counting_mm)
+    engine = tiny_engine(model, dtype="bfloat16", quantization="int4", int4_max_batch=8)
+    per_step = 4 * len(engine.runner.model.layers)
+    engine.add_request(GenerationRequest("a", [5, 6, 7], greedy(3)))
+    engine.step()  # a 3-token prefill: small enough for int4, but a prefill
+    assert calls["n"] == 0
+    engine.step()  # a's decode alone
+    assert calls["n"] == per_step
+    engine.add_request(GenerationRequest("b", [5, 6, 7, 8], greedy(2)))
+    engine.step()  # a's decode with b's prefill: 5 rows, still bf16
+    assert calls["n"] == per_step
+    run_all(engine, [])
+    assert calls["n"] > per_step  # the later decode-only steps
+
+
 def test_engine_on_int4_serves_and_frees_everything(tmp_path: Path, real_model_dir: Path) -> None:
     model = make_tiny_model(tmp_path / "q4", real_model_dir, q4_1=True)
     engine = tiny_engine(model, dtype="bfloat16", quantization="int4")

@@ -68,6 +68,7 @@ async def test_chat_completion_shape_and_usage(client: httpx.AsyncClient, fake_e
         "prompt_tokens": num_prompt,
         "completion_tokens": 8,
         "total_tokens": num_prompt + 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert request.sampling.max_tokens == 256 - num_prompt  # default: the context left
     assert request.priority is Priority.PAID and request.fairness_key == ""

@@ -26,7 +26,7 @@ def test_metrics_count_requests_and_tokens(tiny_server) -> None:
     base = tiny_server.base_url
     with httpx.Client(base_url=base, timeout=60) as http:
         before = scrape(http.get("/metrics").text)
-        prompt_tokens = out_tokens = 0
+        prompt_tokens = out_tokens = cached_tokens = 0
         n = 4
         for i in range(n):
             body = {
@@ -49,6 +49,7 @@ def test_metrics_count_requests_and_tokens(tiny_server) -> None:
                 u = r.json()["usage"]
             prompt_tokens += u["prompt_tokens"]
             out_tokens += u["completion_tokens"]
+            cached_tokens += u["prompt_tokens_details"]["cached_tokens"]
         bad = http.post("/v1/chat/completions", json={"model": tiny_server.model})
         assert bad.status_code == 400
         r = http.get("/metrics")
@@ -73,6 +74,9 @@ def test_metrics_count_requests_and_tokens(tiny_server) -> None:
     assert 0.0 <= get(after, "batchgate_kv_cache_usage_ratio") <= 1.0
     assert ("batchgate_batch_size", ()) in after
     assert ("batchgate_preemptions_total", ()) in after
+    # Every prompt was looked up once; what usage reported cached is what the cache counted.
+    assert delta("batchgate_prefix_cache_queries_total") == prompt_tokens
+    assert delta("batchgate_prefix_cache_hits_total") == cached_tokens > 0
     for reason in ("rate_limit", "deadline", "overload", "unavailable"):
         assert ("batchgate_refusals_total", (("reason", reason),)) in after
 

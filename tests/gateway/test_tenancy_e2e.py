@@ -109,6 +109,22 @@ def test_success_carries_rate_limit_headers(server: Any) -> None:
     assert raw.parse().choices[0].message.content is not None
 
 
+def test_prefix_cache_hits_stay_within_a_tenant(server: Any) -> None:
+    messages = [
+        {"role": "system", "content": "Answer as a lighthouse keeper would, briefly."},
+        {"role": "user", "content": "A prompt long enough to fill two KV blocks of sixteen tokens " * 2},
+    ]
+
+    def cached(key: str) -> int:
+        r = client(server, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        assert r.usage is not None and r.usage.prompt_tokens > 32
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("sk-acme") == 0
+    assert cached("sk-acme") >= 32  # the same tenant's repeat
+    assert cached("sk-slow") == 0  # another tenant's identical prompt: its own namespace
+
+
 def test_rate_limit_is_a_429_and_the_sdk_retry_waits_retry_after(server: Any) -> None:
     # 60 requests/minute: a bucket of 60 that refills one request per second. The SDK (2 retries)
     # drains it; each attempt is recorded, so the wait between a 429 and its retry can be checked.
