@@ -191,7 +191,6 @@ class LlamaModel:
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into `kv_caches`; return float32 logits [S, vocab]."""
-        num_kv, head_dim = self.spec.num_kv_heads, self.spec.head_dim
         hidden = F.embedding(batch.input_ids, self.embed)
         gathered = (
             None if self.kernels is not None else self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
@@ -209,8 +208,7 @@ class LlamaModel:
             else:
                 x, residual = self._add_rms_norm(hidden, residual, layer.input_norm)
             q, k, v = self._rope_qkv(layer.qkv(x, int4_ok), batch.positions)
-            k_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            v_cache.view(num_kv, -1, head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            self._write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
             x, residual = self._add_rms_norm(layer.o(attn, int4_ok), residual, layer.post_norm)
             hidden = layer.down(self._silu_mul(layer.gate_up(x, int4_ok)), int4_ok)
@@ -218,6 +216,22 @@ class LlamaModel:
         rows = batch.logits_indices
         last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)
         return self.lm_head(last).float()
+
+    def _write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Each new token's K/V [T, kv_heads, head_dim] into its slot of every KV head."""
+        if self.kernels is not None:
+            self.kernels.write_kv_(k_cache, v_cache, k, v, slots)
+            return
+        num_kv, head_dim = self.spec.num_kv_heads, self.spec.head_dim
+        k_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
     @staticmethod
     def _decode_gather_plan(batch: ForwardBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,6 +1,7 @@
 // The engine's CPU kernels (engine/native.py builds and loads them):
 //
 // - paged_decode_attention: decode attention straight from the paged KV cache;
+// - write_kv_: a step's new K/V into their cache slots, both in one pass;
 // - rms_norm, add_rms_norm, rope_: the elementwise parts of a layer, fused. Each replaces 5-10
 //   torch ops (and as many dispatches) and rounds exactly where the torch ops they replace round,
 //   so results match the torch path (bitwise for bf16, except for the order of the sum of squares
@@ -24,6 +25,10 @@
 
 #include <algorithm>
 #include <cmath>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BATCHGATE_AVX512_BF16 1
+#endif
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -91,6 +96,133 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// Softmax of each of `rows` rows of `n` scores, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = fast_exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+  }
+}
+
+#ifdef BATCHGATE_AVX512_BF16
+// The bf16 fast path (CPUs with AVX512-BF16, e.g. Zen 4, Sapphire Rapids), for head_dim HD and
+// G query heads per KV head known at compile time, so that the queries (G x HD bf16) and the value
+// accumulators (G x HD fp32) stay in registers for a whole context. q . k straight from bf16 with
+// the dot-product instruction (exact products, fp32 sums); values converted to fp32 and
+// accumulated with FMAs; the output rounded to bf16 to nearest even, as `round_to`.
+inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <int G, int HD>
+void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
+                           at::Tensor& out) {
+  constexpr int KR = HD / 32;  // zmm registers of bf16 per row
+  constexpr int VR = HD / 16;  // zmm registers of fp32 per row
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t num_kv = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t max_blocks = block_tables.size(1);
+  using T = c10::BFloat16;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+
+  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / num_kv, h = work % num_kv;
+      const int64_t ctx = lens[s];
+      scores.resize(G * ctx);
+      float* sc = scores.data();
+      const int64_t* table = tables + s * max_blocks;
+      const T* k_head = k_ptr + h * num_blocks * block_size * HD;
+      const T* v_head = v_ptr + h * num_blocks * block_size * HD;
+      __m512bh qv[G][KR];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < KR; ++j)
+          qv[g][j] = (__m512bh)_mm512_loadu_si512(q_ptr + (s * num_heads + h * G + g) * HD + j * 32);
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const T* rows = k_head + table[t0 / block_size] * block_size * HD;
+        const int64_t n = std::min(block_size, ctx - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          __m512bh kv[KR];
+          for (int j = 0; j < KR; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(rows + i * HD + j * 32);
+          for (int g = 0; g < G; ++g) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int j = 0; j < KR; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
+            sc[g * ctx + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
+          }
+        }
+      }
+      softmax_rows(sc, G, ctx);
+      __m512 acc[G][VR];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const T* rows = v_head + table[t0 / block_size] * block_size * HD;
+        const int64_t n = std::min(block_size, ctx - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          __m512 v[VR];
+          for (int j = 0; j < VR; ++j) v[j] = load_bf16x16(rows + i * HD + j * 16);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(sc[g * ctx + t0 + i]);
+            for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        T* o = out_ptr + (s * num_heads + h * G + g) * HD;
+        for (int j = 0; j < VR; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
+      }
+    }
+  });
+}
+
+template <int HD>
+bool decode_attention_bf16_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out) {
+  switch (group) {
+    case 1: decode_attention_bf16<1, HD>(q, k, v, tables, lens, scale, out); return true;
+    case 2: decode_attention_bf16<2, HD>(q, k, v, tables, lens, scale, out); return true;
+    case 3: decode_attention_bf16<3, HD>(q, k, v, tables, lens, scale, out); return true;
+    case 4: decode_attention_bf16<4, HD>(q, k, v, tables, lens, scale, out); return true;
+    case 8: decode_attention_bf16<8, HD>(q, k, v, tables, lens, scale, out); return true;
+    default: return false;
+  }
+}
+#endif
+
+// The fast path's shapes where the CPU has it; false: use the portable kernel.
+bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                           const at::Tensor& lens, double scale, at::Tensor& out) {
+#ifdef BATCHGATE_AVX512_BF16
+  if (q.scalar_type() != at::kBFloat16) return false;
+  const int64_t group = q.size(1) / k.size(0);
+  const float fscale = static_cast<float>(scale);
+  if (q.size(2) == 64) return decode_attention_bf16_group<64>(group, q, k, v, tables, lens, fscale, out);
+  if (q.size(2) == 128) return decode_attention_bf16_group<128>(group, q, k, v, tables, lens, fscale, out);
+#endif
+  (void)q, (void)k, (void)v, (void)tables, (void)lens, (void)scale, (void)out;
+  return false;
+}
+
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -133,22 +265,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       for_each_row(k_head, [&](int64_t t, const float* r) {
         for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(qf.data() + g * head_dim, r, head_dim) * fscale;
       });
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * ctx;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < ctx; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; ++t) {
-          sg[t] = fast_exp(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, ctx);
       // Weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(v_head, [&](int64_t t, const float* r) {
@@ -194,6 +311,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(t[s * max_blocks + b] >= 0 && t[s * max_blocks + b] < k_cache.size(1), "block id out of range");
   }
   auto out = at::empty_like(qc);
+  if (decode_attention_fast(qc, kc, vc, tables, lens, scale, out)) return out;
   switch (q.scalar_type()) {
     case at::kBFloat16: decode_attention<c10::BFloat16>(qc, kc, vc, tables, lens, scale, out); break;
     case at::kHalf: decode_attention<c10::Half>(qc, kc, vc, tables, lens, scale, out); break;
@@ -309,6 +427,39 @@ void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, c
   });
 }
 
+// k/v: [T, num_kv, head_dim] (rows may be strided, e.g. views into the fused QKV output; the last
+// dimension contiguous) -> the caches' slots `slot_mapping` [T] of each KV head. One pass for
+// both, instead of two index_copy_ calls on transposed views.
+void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(), "write_kv_: bad caches");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3),
+              "write_kv_: bad k/v shapes");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv_: head_dim must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "write_kv_: dtypes");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == k.size(0), "write_kv_: slots");
+  auto slots = slot_mapping.contiguous();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t tokens = k.size(0), num_kv = k.size(1), head_dim = k.size(2);
+  const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "write_kv_: slot out of range");
+  const int64_t elt = k.element_size(), row_bytes = head_dim * elt;
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < num_kv; ++h) {
+        const int64_t dst = ((h * num_slots) + sl[t]) * row_bytes;
+        std::memcpy(kc + dst, ks + (t * k.stride(0) + h * k.stride(1)) * elt, row_bytes);
+        std::memcpy(vc + dst, vs + (t * v.stride(0) + h * v.stride(1)) * elt, row_bytes);
+      }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(batchgate, m) {
@@ -317,6 +468,7 @@ TORCH_LIBRARY(batchgate, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
@@ -324,4 +476,5 @@ TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
+  m.impl("write_kv_", &write_kv_);
 }

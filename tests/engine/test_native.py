@@ -29,7 +29,12 @@ def reference(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-unty
     [
         (torch.float32, 4, 2, 16, 1e-5),
         (torch.float32, 9, 3, 64, 1e-5),
-        (torch.bfloat16, 9, 3, 64, 2e-2),
+        (torch.bfloat16, 9, 3, 64, 2e-2),  # SmolLM2's shape; the AVX512-BF16 path where the CPU has it
+        (torch.bfloat16, 4, 4, 64, 2e-2),
+        (torch.bfloat16, 8, 4, 64, 2e-2),
+        (torch.bfloat16, 8, 2, 128, 2e-2),  # Llama-3's head_dim and group
+        (torch.bfloat16, 10, 2, 64, 2e-2),  # a group of 5: the portable kernel
+        (torch.bfloat16, 4, 2, 48, 2e-2),  # an unusual head_dim: the portable kernel
         (torch.float16, 8, 8, 32, 2e-3),
     ],
 )
@@ -145,3 +150,22 @@ def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype) -> None:
     assert torch.equal(heads[:, h + kv :], want_v)
     with pytest.raises(RuntimeError, match="position out of range"):
         native_kernels().rope_(qkv, torch.tensor([0, 0, 0, 0, 0, 50]), cos, sin, h + kv, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
+    kernels = native_kernels()
+    torch.manual_seed(0)
+    num_kv, num_blocks, block_size, head_dim, tokens = 3, 10, 4, 16, 7
+    qkv = torch.randn(tokens, (2 + 2 * num_kv) * head_dim).to(dtype)
+    heads = qkv.view(tokens, 2 + 2 * num_kv, head_dim)
+    k, v = heads[:, 2 : 2 + num_kv], heads[:, 2 + num_kv :]  # strided views, as the model passes
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    caches = [torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    want[0].view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    want[1].view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+    kernels.write_kv_(caches[0], caches[1], k, v, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv_(caches[0], caches[1], k, v, slots + num_blocks * block_size)
