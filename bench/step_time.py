@@ -1,0 +1,71 @@
+"""Decode-step time of the engine in process, at a fixed batch: where a step's time goes.
+
+    python -m bench.step_time --batch 32             # median of 4 windows of 8 steps, in ms
+    python -m bench.step_time --batch 32 --profile   # plus torch.profiler's table of 10 steps
+
+`batch` sequences share a 40-token prompt and decode greedily (EOS ignored); the windows start after
+10 warm-up steps, so contexts run from ~50 to ~90 tokens. Engine settings are the defaults (the
+bundled model, bf16 where the CPU has it), overridable with --set FIELD=VALUE (EngineConfig fields,
+e.g. --set kernels=torch --set quantization=none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+
+def _value(text: str) -> Any:
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    args = parser.parse_args()
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.types import GenerationRequest, SamplingParams
+
+    overrides = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
+    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides))
+    params = SamplingParams(max_tokens=10 + 8 * args.windows + 20, ignore_eos=True, temperature=0.0)
+    for i in range(args.batch):
+        engine.add_request(GenerationRequest(f"r{i}", list(range(100, 140)), params))
+    for _ in range(10):
+        engine.step()
+    windows = []
+    for _ in range(args.windows):
+        start = time.perf_counter()
+        for _ in range(8):
+            engine.step()
+        windows.append((time.perf_counter() - start) / 8 * 1000)
+    print(
+        f"batch {args.batch}: decode step {statistics.median(windows):.1f} ms median, "
+        f"{min(windows):.1f} ms best ({', '.join(f'{w:.1f}' for w in windows)})"
+    )
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            for _ in range(10):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
