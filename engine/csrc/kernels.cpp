@@ -96,6 +96,37 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// A decode batch's tensors as raw pointers and sizes, shared by the attention kernels below.
+template <typename T>
+struct PagedBatch {
+  int64_t num_seqs, num_heads, head_dim, num_kv, group, num_blocks, block_size, max_blocks;
+  const T *q, *k, *v;
+  const int64_t *tables, *lens;
+  T* out;
+
+  PagedBatch(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out_)
+      : num_seqs(q_.size(0)), num_heads(q_.size(1)), head_dim(q_.size(2)), num_kv(k_cache.size(0)),
+        group(q_.size(1) / k_cache.size(0)), num_blocks(k_cache.size(1)), block_size(k_cache.size(2)),
+        max_blocks(block_tables.size(1)), q(q_.data_ptr<T>()), k(k_cache.data_ptr<T>()),
+        v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int64_t>()),
+        lens(context_lens.data_ptr<int64_t>()), out(out_.data_ptr<T>()) {}
+
+  const T* query(int64_t s, int64_t head) const { return q + (s * num_heads + head) * head_dim; }
+  T* output(int64_t s, int64_t head) const { return out + (s * num_heads + head) * head_dim; }
+
+  // f(t0, rows, n) for each block of sequence s's context in KV head h of `cache` (k or v): the
+  // block's first context position, its rows [n, head_dim], and how many of them are context.
+  template <typename F>
+  void for_each_block(const T* cache, int64_t s, int64_t h, F&& f) const {
+    const int64_t ctx = lens[s];
+    const int64_t* table = tables + s * max_blocks;
+    const T* head = cache + h * num_blocks * block_size * head_dim;
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size)
+      f(t0, head + table[t0 / block_size] * block_size * head_dim, std::min(block_size, ctx - t0));
+  }
+};
+
 // Softmax of each of `rows` rows of `n` scores, in place.
 inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
   for (int64_t g = 0; g < rows; ++g) {
@@ -132,34 +163,19 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
                            at::Tensor& out) {
   constexpr int KR = HD / 32;  // zmm registers of bf16 per row
   constexpr int VR = HD / 16;  // zmm registers of fp32 per row
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
-  const int64_t num_kv = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t max_blocks = block_tables.size(1);
   using T = c10::BFloat16;
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
-
-  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
+  const PagedBatch<T> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  at::parallel_for(0, b.num_seqs * b.num_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / num_kv, h = work % num_kv;
-      const int64_t ctx = lens[s];
+      const int64_t s = work / b.num_kv, h = work % b.num_kv;
+      const int64_t ctx = b.lens[s];
       scores.resize(G * ctx);
       float* sc = scores.data();
-      const int64_t* table = tables + s * max_blocks;
-      const T* k_head = k_ptr + h * num_blocks * block_size * HD;
-      const T* v_head = v_ptr + h * num_blocks * block_size * HD;
       __m512bh qv[G][KR];
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < KR; ++j)
-          qv[g][j] = (__m512bh)_mm512_loadu_si512(q_ptr + (s * num_heads + h * G + g) * HD + j * 32);
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const T* rows = k_head + table[t0 / block_size] * block_size * HD;
-        const int64_t n = std::min(block_size, ctx - t0);
+        for (int j = 0; j < KR; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(b.query(s, h * G + g) + j * 32);
+      b.for_each_block(b.k, s, h, [&](int64_t t0, const T* rows, int64_t n) {
         for (int64_t i = 0; i < n; ++i) {
           __m512bh kv[KR];
           for (int j = 0; j < KR; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(rows + i * HD + j * 32);
@@ -169,14 +185,12 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
             sc[g * ctx + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
           }
         }
-      }
+      });
       softmax_rows(sc, G, ctx);
       __m512 acc[G][VR];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const T* rows = v_head + table[t0 / block_size] * block_size * HD;
-        const int64_t n = std::min(block_size, ctx - t0);
+      b.for_each_block(b.v, s, h, [&](int64_t t0, const T* rows, int64_t n) {
         for (int64_t i = 0; i < n; ++i) {
           __m512 v[VR];
           for (int j = 0; j < VR; ++j) v[j] = load_bf16x16(rows + i * HD + j * 16);
@@ -185,9 +199,9 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
             for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
           }
         }
-      }
+      });
       for (int g = 0; g < G; ++g) {
-        T* o = out_ptr + (s * num_heads + h * G + g) * HD;
+        T* o = b.output(s, h * G + g);
         for (int j = 0; j < VR; ++j)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
       }
@@ -227,48 +241,35 @@ template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                       at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv, max_blocks = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  const PagedBatch<T> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  const int64_t group = b.group, head_dim = b.head_dim;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b.num_seqs * b.num_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / num_kv, h = work % num_kv;
-      const int64_t ctx = lens[s];
+      const int64_t s = work / b.num_kv, h = work % b.num_kv;
+      const int64_t ctx = b.lens[s];
       scores.assign(group * ctx, 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        load_row(q_ptr + (s * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
-      const T* k_head = k_ptr + h * num_blocks * block_size * head_dim;
-      const T* v_head = v_ptr + h * num_blocks * block_size * head_dim;
-      // Visits the context's rows of one head's cache in order, block by block through the table,
-      // converted to fp32 in `row`: f(t, row) for t in [0, ctx).
-      const int64_t* table = tables + s * max_blocks;
-      auto for_each_row = [&](const T* head, auto&& f) {
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-          const T* rows = head + table[t0 / block_size] * block_size * head_dim;
-          const int64_t n = std::min(block_size, ctx - t0);
+      for (int64_t g = 0; g < group; ++g) load_row(b.query(s, h * group + g), qf.data() + g * head_dim, head_dim);
+      // Visits the context's rows of one head's cache in order, converted to fp32 in `row`:
+      // f(t, row) for t in [0, ctx).
+      auto for_each_row = [&](const T* cache, auto&& f) {
+        b.for_each_block(cache, s, h, [&](int64_t t0, const T* rows, int64_t n) {
           for (int64_t i = 0; i < n; ++i) {
             load_row(rows + i * head_dim, row.data(), head_dim);
             f(t0 + i, row.data());
           }
-        }
+        });
       };
       // Scores: q . k for every context token.
-      for_each_row(k_head, [&](int64_t t, const float* r) {
+      for_each_row(b.k, [&](int64_t t, const float* r) {
         for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(qf.data() + g * head_dim, r, head_dim) * fscale;
       });
       softmax_rows(scores.data(), group, ctx);
       // Weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(v_head, [&](int64_t t, const float* r) {
+      for_each_row(b.v, [&](int64_t t, const float* r) {
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * ctx + t];
           float* ag = acc.data() + g * head_dim;
@@ -277,7 +278,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
       });
       for (int64_t g = 0; g < group; ++g) {
-        T* o = out_ptr + (s * num_heads + h * group + g) * head_dim;
+        T* o = b.output(s, h * group + g);
         const float* ag = acc.data() + g * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) o[d] = round_to<T>(ag[d]);

@@ -67,12 +67,9 @@ def test_quantization_setting_resolves_per_model_device_and_dtype(tiny_model_dir
         EngineConfig(quantization="int8")
 
 
-def test_decode_logits_on_int4_match_bf16_on_q4_1_weights(
-    tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = make_tiny_model(
-        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
-    )
+@pytest.fixture
+def int4_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the int4 matmuls run (int4_calls["n"])."""
     calls = {"n": 0}
     real_mm = quant.int4_mm
 
@@ -81,23 +78,32 @@ def test_decode_logits_on_int4_match_bf16_on_q4_1_weights(
         return real_mm(x, w)
 
     monkeypatch.setattr(quant, "int4_mm", counting_mm)
+    return calls
+
+
+def test_decode_logits_on_int4_match_bf16_on_q4_1_weights(
+    tmp_path: Path, real_model_dir: Path, int4_calls: dict[str, int]
+) -> None:
+    model = make_tiny_model(
+        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
+    )
     engine = tiny_engine(model, dtype="bfloat16", quantization="int4", int4_max_batch=2)
     for i, n in enumerate((7, 30)):
         engine.add_request(GenerationRequest(f"r{i}", list(range(200, 200 + n)), greedy(4)))
     engine.step()  # both prompts' prefill: 37 tokens, on the bf16 weights
-    assert calls["n"] == 0
+    assert int4_calls["n"] == 0
     out = engine.scheduler.schedule()
     assert len(out.decodes) == 2
     batch = engine.runner.build_batch(out)
     layers = engine.runner.model.layers
     with torch.inference_mode():
         on_int4 = engine.runner.model.forward(batch, engine.runner.kv_caches)
-        assert calls["n"] == 4 * len(layers)  # qkv, o, gate_up, down of every layer
+        assert int4_calls["n"] == 4 * len(layers)  # qkv, o, gate_up, down of every layer
         for layer in layers:
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 linear.int4_max_rows = 0
         on_bf16 = engine.runner.model.forward(batch, engine.runner.kv_caches)
-    assert calls["n"] == 4 * len(layers)
+    assert int4_calls["n"] == 4 * len(layers)
     assert not torch.equal(on_int4, on_bf16)
     # Same weights, different kernels: bf16 rounding apart, and the same choice where it is clear.
     assert (on_int4 - on_bf16).abs().max() <= 0.02 * on_bf16.abs().max()
@@ -107,33 +113,25 @@ def test_decode_logits_on_int4_match_bf16_on_q4_1_weights(
 
 
 def test_prompts_are_prefilled_on_bf16_however_small_the_step(
-    tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, real_model_dir: Path, int4_calls: dict[str, int]
 ) -> None:
     """int4 serves only steps that only decode: a prompt's logits must not depend on whether it was
     prefilled whole, in chunks, or after a cached prefix (int4 and bf16 differ at near-ties)."""
     model = make_tiny_model(
         tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
     )
-    calls = {"n": 0}
-    real_mm = quant.int4_mm
-
-    def counting_mm(x: torch.Tensor, w: quant.Int4Weight) -> torch.Tensor:
-        calls["n"] += 1
-        return real_mm(x, w)
-
-    monkeypatch.setattr(quant, "int4_mm", counting_mm)
     engine = tiny_engine(model, dtype="bfloat16", quantization="int4", int4_max_batch=8)
     per_step = 4 * len(engine.runner.model.layers)
     engine.add_request(GenerationRequest("a", [5, 6, 7], greedy(3)))
     engine.step()  # a 3-token prefill: small enough for int4, but a prefill
-    assert calls["n"] == 0
+    assert int4_calls["n"] == 0
     engine.step()  # a's decode alone
-    assert calls["n"] == per_step
+    assert int4_calls["n"] == per_step
     engine.add_request(GenerationRequest("b", [5, 6, 7, 8], greedy(2)))
     engine.step()  # a's decode with b's prefill: 5 rows, still bf16
-    assert calls["n"] == per_step
+    assert int4_calls["n"] == per_step
     run_all(engine, [])
-    assert calls["n"] > per_step  # the later decode-only steps
+    assert int4_calls["n"] > per_step  # the later decode-only steps
 
 
 def test_engine_on_int4_serves_and_frees_everything(tmp_path: Path, real_model_dir: Path) -> None:
