@@ -9,7 +9,12 @@ token and takes priority, deadline and plan from `x-batchgate-*` headers (gatewa
 Routing: per model (each replica's /v1/models), to the healthy replica with the least outstanding
 work: the tokens it reports waiting and running (GET /v1/internal/stats, polled every
 `--health-interval` seconds together with /ready) plus the tokens this gateway has in flight there
-(prompt estimate + max_tokens of each request it sent). A replica failing its poll, or a call,
+(prompt estimate + max_tokens of each request it sent). With prefix affinity (bounded-load
+rendezvous hashing): each request has a preferred order of replicas, from a hash of its tenant and
+the start of its prompt (the first message, or the prompt's first 512 characters), and goes to the
+first in that order whose load is within `--route-affinity-tokens` of the least loaded. So requests
+sharing a system prompt meet the KV blocks that replica's prefix cache holds for it, while no
+replica takes more than that margin above the rest. A replica failing its poll, or a call,
 gets no new requests until a poll finds it ready again. A replica that fails before the client got
 its first byte is retried on another; one that dies mid-stream ends the client's stream with an
 SSE error event in OpenAI's shape, then `[DONE]`.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import random
@@ -146,12 +152,38 @@ class Pool:
                 out.setdefault(m, u.created.get(m, 0))
         return out
 
-    def pick(self, model: str, exclude: set[str]) -> Upstream | None:
+    def pick(
+        self, model: str, exclude: set[str], affinity: bytes = b"", slack_tokens: int = 0
+    ) -> Upstream | None:
+        """The least-loaded candidate; with an `affinity` key, the candidate that key ranks first
+        among those whose load is at most `slack_tokens` above the least."""
         candidates = [u for u in self.healthy() if model in u.models and u.url not in exclude]
         if not candidates:
             return None
         best = min(u.load for u in candidates)
+        if affinity and slack_tokens > 0:
+            near = [u for u in candidates if u.load <= best + slack_tokens]
+            return max(near, key=lambda u: _rendezvous(affinity, u.url))
         return random.choice([u for u in candidates if u.load == best])
+
+
+def _rendezvous(key: bytes, url: str) -> bytes:
+    return hashlib.blake2b(key + b"\0" + url.encode(), digest_size=8).digest()
+
+
+def affinity_key(caller: admission.Caller, body: dict[str, Any]) -> bytes:
+    """What requests that could share cached prompt blocks have in common: the tenant (the prefix
+    cache's namespace) and the start of the prompt."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        lead: Any = messages[0]
+    else:
+        prompt = body.get("prompt")
+        # A batch of prompts (strings or token lists): its first; else the prompt (text or ids).
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        lead = prompt[0] if batch else prompt
+    text = (lead if isinstance(lead, str) else json.dumps(lead, sort_keys=True, default=str))[:512]
+    return caller.cache_salt.encode() + b"\0" + text.encode()
 
 
 @dataclass
@@ -347,7 +379,13 @@ class ProxyGateway:
             with span.use():
                 _inject_trace_context(headers)
                 call, upstream_response, first, frames = await self._send(
-                    path, body["model"], content, headers, num_prompt + max_tokens, stream
+                    path,
+                    body["model"],
+                    content,
+                    headers,
+                    num_prompt + max_tokens,
+                    stream,
+                    affinity_key(caller, body),
                 )
             out_headers = {
                 k: v for k, v in upstream_response.headers.items() if k.lower() not in _DROP_HEADERS
@@ -408,7 +446,14 @@ class ProxyGateway:
                 await held.close()
 
     async def _send(
-        self, path: str, model: str, content: bytes, headers: dict[str, str], tokens: int, stream: bool
+        self,
+        path: str,
+        model: str,
+        content: bytes,
+        headers: dict[str, str],
+        tokens: int,
+        stream: bool,
+        affinity: bytes = b"",
     ) -> tuple[_Call, httpx.Response, bytes | asyncio.Future[bytes], AsyncIterator[bytes]]:
         """Send to the least-loaded healthy replica, failing over until one answers.
 
@@ -419,7 +464,7 @@ class ProxyGateway:
         tried: set[str] = set()
         last: tuple[_Call, httpx.Response, bytes, AsyncIterator[bytes]] | None = None
         while True:
-            up = self.pool.pick(model, tried)
+            up = self.pool.pick(model, tried, affinity, self.settings.route_affinity_tokens)
             if up is None:
                 if last is not None:
                     return last

@@ -187,6 +187,12 @@ class Settings:
         "gateway-only mode: seconds between upstream health/stats polls",
         flag="--health-interval",
     )
+    route_affinity_tokens: int = _opt(
+        4096,
+        _int,
+        "gateway-only mode: extra outstanding tokens a replica may carry and still get a request whose "
+        "tenant and leading prompt it is preferred for (prefix-cache hits); 0: least loaded only",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -198,6 +204,8 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.route_affinity_tokens < 0:
+            raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         for f in dataclasses.fields(self):

@@ -162,6 +162,10 @@ def start_cluster(
             redis_url,
             "--health-interval",
             "0.2",
+            # Least loaded only: the spread test counts requests per replica (prefix affinity is
+            # tested against fake replicas in test_proxy.py).
+            "--route-affinity-tokens",
+            "0",
         ],
         workdir,
         env,

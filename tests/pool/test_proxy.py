@@ -15,8 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.admission import OPEN_CALLER, Caller
 from gateway.app import create_app
 from gateway.cli import _flag_value, build_parser
+from gateway.pool import Pool, affinity_key
 from gateway.settings import Settings, option_specs
 from tests.gateway.conftest import LiveServer
 
@@ -177,6 +179,10 @@ def body(stream: bool = False) -> dict[str, Any]:
     }
 
 
+def post(proxy: LiveServer, request: dict[str, Any]) -> httpx.Response:
+    return httpx.post(proxy.base_url + "/v1/chat/completions", json=request, timeout=10)
+
+
 def events_of(r: httpx.Response) -> list[str]:
     return [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
 
@@ -239,6 +245,57 @@ def test_unready_replica_gets_no_requests_until_ready_again(
     wait_for(lambda: len(upstreams(proxy, healthy=True)) == 1)
     assert httpx.post(proxy.base_url + "/v1/chat/completions", json=body(), timeout=10).status_code == 200
     assert len(replicas[0].calls) == 1
+
+
+def test_requests_sharing_a_system_prompt_go_to_one_replica(
+    proxy: LiveServer, replicas: list[FakeReplica]
+) -> None:
+    """Prefix affinity: same tenant and first message -> the same replica (its prefix cache holds
+    that prompt's blocks); different first messages spread over the replicas."""
+    for i in range(8):
+        request = body() | {
+            "messages": [
+                {"role": "system", "content": "You are the support bot of Acme."},
+                {"role": "user", "content": f"question {i}"},
+            ]
+        }
+        assert post(proxy, request).status_code == 200
+    assert sorted(len(r.calls) for r in replicas) == [0, 8]
+    for i in range(24):
+        request = body() | {"messages": [{"role": "user", "content": f"a different start {i}"}]}
+        assert post(proxy, request).status_code == 200
+    assert min(len(r.calls) for r in replicas) > 0
+
+
+def test_affinity_is_bounded_by_load() -> None:
+    pool = Pool(("http://a:1", "http://b:2", "http://c:3"), None, 1.0)
+    for u in pool.upstreams:
+        u.healthy, u.models = True, ("m",)
+    key = affinity_key(OPEN_CALLER, {"messages": [{"role": "system", "content": "shared"}]})
+    preferred = pool.pick("m", set(), key, slack_tokens=100)
+    assert preferred is not None
+    assert all(pool.pick("m", set(), key, slack_tokens=100) is preferred for _ in range(20))
+    preferred.reported_tokens = 100  # at the margin above the others: still preferred
+    assert pool.pick("m", set(), key, slack_tokens=100) is preferred
+    preferred.reported_tokens = 101  # beyond it: the next in the key's order, among the least loaded
+    second = pool.pick("m", set(), key, slack_tokens=100)
+    assert second is not None and second is not preferred
+    assert pool.pick("m", {second.url}, key, slack_tokens=100) not in (preferred, second)  # failover
+    assert pool.pick("m", set(), key, slack_tokens=0) is not preferred  # affinity off: least loaded
+    asyncio.run(pool.aclose())
+
+
+def test_affinity_key_is_the_tenant_and_the_start_of_the_prompt() -> None:
+    acme, other = Caller(name="acme", plan="paid"), Caller(name="other", plan="paid")
+    system = {"role": "system", "content": "Be brief."}
+    chat = lambda user: {"messages": [system, {"role": "user", "content": user}]}  # noqa: E731
+    assert affinity_key(acme, chat("a")) == affinity_key(acme, chat("b"))
+    assert affinity_key(acme, chat("a")) != affinity_key(other, chat("a"))
+    assert affinity_key(Caller(name="x"), chat("a")) == affinity_key(Caller(name="y"), chat("a"))  # open
+    ids = list(range(1000))
+    assert affinity_key(acme, {"prompt": ids}) == affinity_key(acme, {"prompt": [*ids, 5]})
+    assert affinity_key(acme, {"prompt": [1, 2, 3]}) != affinity_key(acme, {"prompt": [1, 2, 4]})
+    assert affinity_key(acme, {"prompt": ["first", "second"]}) == affinity_key(acme, {"prompt": "first"})
 
 
 def test_internal_upstreams_endpoint_needs_the_token(proxy: LiveServer) -> None:
