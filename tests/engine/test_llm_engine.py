@@ -51,6 +51,23 @@ def test_preemption_under_kv_pressure_keeps_outputs(tiny_model_dir: Path, engine
     assert_idle(small)
 
 
+def test_shared_prefixes_under_kv_pressure_keep_outputs(tiny_model_dir: Path, engine: LLMEngine) -> None:
+    """Prefix sharing, preemption and eviction at once: six prompts with a common 12-token start
+    on a cache too small for all of them give what each gives alone on an uncached engine."""
+    common = list(range(600, 612))
+    prompts = [common + list(range(700 + 9 * i, 705 + 13 * i)) for i in range(6)]
+    uncached = tiny_engine(tiny_model_dir, enable_prefix_caching=False)
+    expected = [alone(uncached, p, greedy(24)) for p in prompts]
+    per_block = 2 * 2 * 2 * 16 * 4 * 4  # K+V, layers, kv heads, head_dim, fp32 bytes, block_size
+    small = tiny_engine(tiny_model_dir, kv_cache_memory_bytes=40 * per_block, max_model_len=160)
+    outputs = run_all(small, [GenerationRequest(f"s{i}", p, greedy(24)) for i, p in enumerate(prompts)])
+    assert small.scheduler.num_preemptions > 0
+    assert small.block_manager.num_hit_tokens > 0
+    for i in range(len(prompts)):
+        assert tokens_of(outputs[(f"s{i}", 0)]) == expected[i]
+    assert_idle(small)
+
+
 def test_batching_does_not_change_results(engine: LLMEngine) -> None:
     expected = [alone(engine, p, greedy(16)) for p in PROMPTS[:3]]
     # Arrivals at different steps, mixed with sampled requests of other lengths.
