@@ -13,7 +13,8 @@ class EngineConfig:
     `model`: a GGUF file, a Hugging Face folder (config.json + safetensors), or None for the bundled
     SmolLM2-135M-Instruct. `dtype`: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
     "bfloat16", "float16" or "float32". `device`: "auto" (CUDA when available), "cpu" or "cuda[:N]".
-    KV memory: `kv_cache_memory_bytes` when set, else `kv_cache_memory_fraction` of free memory
+    KV memory: `kv_cache_memory_bytes` when set, else `kv_cache_memory_fraction` of free memory (on
+    the CPU, within the cgroup's memory limit: a pod's limit, not the node's free memory)
     (capped by what `max_num_seqs` sequences of `max_model_len` tokens could ever use).
     """
 

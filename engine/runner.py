@@ -7,6 +7,7 @@ import logging
 import math
 import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -66,6 +67,34 @@ def kv_bytes_per_token(model: LoadedModel, dtype: torch.dtype) -> int:
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def cgroup_memory_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes the container's memory limit (cgroup v2, else v1) still allows this process group,
+    or None when there is no limit. A pod's limit is usually far below the node's free memory,
+    which is what psutil reports inside a container."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),  # v2
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # v1
+    ):
+        try:
+            raw = (root / limit_file).read_text().strip()
+            if raw == "max":
+                return None
+            limit = int(raw)
+            if limit >= 1 << 60:  # v1 writes "unlimited" as a page-rounded 2**63 - 1
+                return None
+            return max(0, limit - int((root / usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_memory() -> int:
+    """Free memory for the KV cache on the CPU: the machine's, capped by the container's limit."""
+    free = psutil.virtual_memory().available
+    limited = cgroup_memory_available()
+    return free if limited is None else min(free, limited)
+
+
 def plan_num_blocks(
     config: EngineConfig, model: LoadedModel, dtype: torch.dtype, device: torch.device
 ) -> int:
@@ -74,9 +103,7 @@ def plan_num_blocks(
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     else:
-        free = (
-            torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-        )
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
         budget = int(free * config.kv_cache_memory_fraction)
     max_len = config.max_model_len or model.spec.max_position_embeddings
     useful = config.max_num_seqs * -(-max_len // config.block_size)
