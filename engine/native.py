@@ -40,8 +40,9 @@ def _put_ninja_on_path() -> None:
 
 
 def native_kernels() -> Any:
-    """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, rms_norm, add_rms_norm,
-    rope_); raises RuntimeError (with the compiler's reason) if they cannot be built."""
+    """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, write_kv_, rms_norm,
+    add_rms_norm, rope_, silu_mul); raises RuntimeError (with the compiler's reason) if they cannot
+    be built."""
     global _loaded, _error
     with _lock:
         if _loaded is None and _error is None:

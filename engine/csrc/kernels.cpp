@@ -5,7 +5,9 @@
 // - rms_norm, add_rms_norm, rope_: the elementwise parts of a layer, fused. Each replaces 5-10
 //   torch ops (and as many dispatches) and rounds exactly where the torch ops they replace round,
 //   so results match the torch path (bitwise for bf16, except for the order of the sum of squares
-//   in rms_norm). (SiLU-and-multiply stays two torch ops: their vectorized exp beat ours.)
+//   in rms_norm);
+// - silu_mul: SiLU-and-multiply in one pass, bf16 with AVX-512 only (a portable version with an
+//   auto-vectorized exp lost to torch's two ops, so elsewhere the model keeps those).
 //
 // Decode attention:
 // One query token per sequence attends to its whole context, read block by block through its
@@ -428,6 +430,69 @@ void rope_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, c
   });
 }
 
+// silu(gate) * up for gate_up = [gate | up] rows of a bf16 [rows, 2 * n] tensor -> [rows, n], rounded
+// as the two torch ops round (silu in fp32 to bf16, then the product in fp32 to bf16). AVX-512 only:
+// elsewhere (and for other dtypes) the model keeps the torch ops.
+#ifdef BATCHGATE_AVX512_BF16
+// exp(x), x <= 0 here (the argument is -|x| or below): 2^n * p(r), r = x - n ln 2 in two parts,
+// p Cephes' degree-6 polynomial; relative error ~1e-7, as torch's vectorized exp.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512i bf16_bits(__m512 x) {  // 16 floats -> their bf16 (RNE) in the low halves
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, "silu_mul: bad input");
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: bf16 only");
+#ifdef BATCHGATE_AVX512_BF16
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = at::empty({rows, n}, gate_up.options());
+  const auto* in = gate_up.data_ptr<c10::BFloat16>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = in + r * 2 * n;
+      const c10::BFloat16* u = g + n;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 x = load_bf16x16(g + j);
+        // x * sigmoid(x) computed as torch's silu does: x / (1 + exp(-x)).
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        const __m512 silu_b = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(silu), 16));
+        const __m512 y = _mm512_mul_ps(silu_b, load_bf16x16(u + j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + r * n + j), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "silu_mul: needs AVX512-BF16");
+#endif
+}
+
+bool has_fast_silu_mul() {
+#ifdef BATCHGATE_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 // k/v: [T, num_kv, head_dim] (rows may be strided, e.g. views into the fused QKV output; the last
 // dimension contiguous) -> the caches' slots `slot_mapping` [T] of each KV head. One pass for
 // both, instead of two index_copy_ calls on transposed views.
@@ -469,6 +534,8 @@ TORCH_LIBRARY(batchgate, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("has_fast_silu_mul() -> bool", &has_fast_silu_mul);  // no tensors: a catch-all kernel
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
@@ -478,4 +545,5 @@ TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("write_kv_", &write_kv_);
+  m.impl("silu_mul", &silu_mul);
 }

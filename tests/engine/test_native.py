@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.native import native_kernels, resolve_kernels
 
@@ -169,3 +170,20 @@ def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv_(caches[0], caches[1], k, v, slots + num_blocks * block_size)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 48), (5, 1536), (32, 1536), (100, 64)])
+def test_silu_mul_rounds_as_the_torch_ops(rows: int, n: int) -> None:
+    if not native_kernels().has_fast_silu_mul():
+        pytest.skip("the fused SiLU-and-multiply needs AVX512-BF16; the model uses the torch ops")
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * n) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # exp's range ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = native_kernels().silu_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # exp differs from torch's by an ulp of fp32 at most: a bf16 rounding flips only rarely.
+    differ = got != want
+    assert differ.float().mean().item() < 1e-3
+    assert torch.allclose(got.float()[differ], want.float()[differ], rtol=1e-2)
