@@ -336,3 +336,19 @@ def test_prefix_caching_changes_no_output_and_reports_cached_tokens(
     assert cached["salted"] == 0
     assert engine.block_manager.num_hit_tokens - before == sum(cached.values())
     assert_idle(engine)
+
+
+def test_a_conversation_s_next_turn_reuses_the_previous_answer(engine: LLMEngine) -> None:
+    """Blocks filled while decoding are cached too: a follow-up whose prompt is the earlier
+    prompt, the answer and a new message computes only the tail."""
+    prompt = list(range(900, 923))
+    first = run_all(engine, [GenerationRequest("turn1", prompt, greedy(20))])[("turn1", 0)]
+    answer = tokens_of(first)
+    follow_up = prompt + answer + [5, 6, 7]
+    second = run_all(engine, [GenerationRequest("turn2", follow_up, greedy(4))])[("turn2", 0)]
+    # Every full block of prompt + answer except the answer's last token, which was sampled but
+    # never fed back (its K/V were never computed).
+    block_size = engine.block_manager.block_size
+    assert second[-1].num_cached_tokens == (len(prompt) + len(answer) - 1) // block_size * block_size
+    assert second[-1].num_cached_tokens >= 40
+    assert_idle(engine)
