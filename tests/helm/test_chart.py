@@ -578,6 +578,19 @@ def test_gateway_upstreams_point_at_the_engine_service(rendered):
     assert env["BATCHGATE_UPSTREAMS"]["value"] == "http://a:8000,http://b:8000"
 
 
+def test_prefix_caching_and_route_affinity_settings(rendered):
+    docs = rendered()
+    engine_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-engine"), "engine"))
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert "BATCHGATE_PREFIX_CACHING" not in engine_env  # the server's default (tenant)
+    assert "BATCHGATE_ROUTE_AFFINITY_TOKENS" not in gateway_env
+    docs = rendered(sets=("engine.prefixCaching=global", "gateway.routeAffinityTokens=0"))
+    engine_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-engine"), "engine"))
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert engine_env["BATCHGATE_PREFIX_CACHING"]["value"] == "global"
+    assert gateway_env["BATCHGATE_ROUTE_AFFINITY_TOKENS"]["value"] == "0"
+
+
 @pytest.mark.parametrize("scenario", ["default", "cpu", "gpu"])
 def test_pods_run_non_root_with_a_read_only_root(rendered, scenario):
     for deployment in find(rendered(*SCENARIOS[scenario]), "Deployment"):
@@ -734,6 +747,7 @@ BAD_VALUES = {
         "Does not match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$'",
     ),
     "kv cache as a fraction word": ((), (), ("engine.kvCacheMemory=half",), "engine.kvCacheMemory"),
+    "unknown prefix caching mode": ((), (), ("engine.prefixCaching=shared",), "engine.prefixCaching"),
     "typo in gpu values file": (
         (VALUES_GPU,),
         ("engine.nodeselector.a=b",),
