@@ -103,12 +103,15 @@ class LlamaModel:
         `kernels`: the native CPU kernels (engine/native.py), or None for plain torch ops."""
         self.spec = spec
         self.kernels = kernels
-        # The native SiLU-and-multiply exists where the CPU has AVX512-BF16 (bf16 only).
-        self.fused_silu_mul = (
-            kernels is not None and bool(kernels.has_fast_silu_mul()) and spec.intermediate_size % 16 == 0
-        )
         w = weights
         dtype = dtype or w["model.embed_tokens.weight"].dtype
+        # The native SiLU-and-multiply exists where the CPU has AVX512-BF16, for bf16 only.
+        self.fused_silu_mul = (
+            kernels is not None
+            and dtype == torch.bfloat16
+            and bool(kernels.has_fast_silu_mul())
+            and spec.intermediate_size % 16 == 0
+        )
 
         def linear(names: list[str], bias: bool = False) -> Linear:
             source = (
@@ -163,7 +166,7 @@ class LlamaModel:
         return self._rms_norm(residual, weight), residual
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused_silu_mul and gate_up.dtype == torch.bfloat16:
+        if self.fused_silu_mul:
             return self.kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -1,6 +1,6 @@
 """The engine's C++ kernels for the CPU (engine/csrc/kernels.cpp): decode attention straight from
-the paged KV cache, and the fused elementwise parts of a layer (RMSNorm with the residual add, RoPE
-in place).
+the paged KV cache, K/V writes into it, and the fused elementwise parts of a layer (RMSNorm with the
+residual add, RoPE in place, SiLU-and-multiply).
 
 Compiled with the machine's C++ compiler on first use (about 20 s on 2 cores) through
 `torch.utils.cpp_extension`, then cached (under $TORCH_EXTENSIONS_DIR, by default

@@ -385,7 +385,7 @@ class ProxyGateway:
                     headers,
                     num_prompt + max_tokens,
                     stream,
-                    affinity_key(caller, body),
+                    affinity_key(caller, body) if self.settings.route_affinity_tokens else b"",
                 )
             out_headers = {
                 k: v for k, v in upstream_response.headers.items() if k.lower() not in _DROP_HEADERS
