@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import admission, generation, protocol, responses, telemetry
+from gateway import admission, embeddings, generation, protocol, responses, telemetry
 from gateway.body import read_json
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, from_engine_error, invalid_request
 from gateway.metrics import Metrics, MetricsMiddleware, TimedStream
@@ -62,6 +62,7 @@ class Gateway:
         tenancy: Any | None,
         engine_factory: EngineFactory,
         owns_tenancy: bool,
+        embedder: embeddings.EmbeddingService | None = None,
     ) -> None:
         self.settings = settings
         self.tenancy = tenancy
@@ -73,6 +74,7 @@ class Gateway:
         self.load_error: str | None = None
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine)
+        self.embeddings = embeddings.Embeddings(settings, self.metrics, self._authenticate, tenancy, embedder)
         if engine is not None:
             self._attach(engine)
 
@@ -98,6 +100,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         loader = asyncio.ensure_future(self.load_engine()) if self.engine is None else None
+        embedding_loader = asyncio.ensure_future(self.embeddings.load())
         if loader is None:
             freeze_startup_heap()
         try:
@@ -105,6 +108,8 @@ class Gateway:
         finally:
             if loader is not None:
                 await loader  # a load in progress cannot be interrupted; wait, then shut it down
+            await embedding_loader
+            await self.embeddings.shutdown()
             if self.owns_engine and self.engine is not None:
                 await anyio.to_thread.run_sync(self.engine.shutdown)
             if self.owns_tenancy and self.tenancy is not None:
@@ -134,6 +139,8 @@ class Gateway:
             return JSONResponse(
                 {"status": "error", "detail": f"model failed to load: {self.load_error}"}, 503
             )
+        if self.embeddings.load_error is not None:
+            return JSONResponse({"status": "error", "detail": self.embeddings.not_ready()}, 503)
         if self.engine is not None and not self.engine.ready:
             return JSONResponse({"status": "error", "detail": "the engine stopped"}, 503)
         return JSONResponse({"status": "ok"})
@@ -144,6 +151,10 @@ class Gateway:
             return JSONResponse({"status": status}, 503)
         if not self.engine.ready:
             return JSONResponse({"status": "unavailable", "detail": "the engine stopped"}, 503)
+        embeddings_not_ready = self.embeddings.not_ready()
+        if embeddings_not_ready is not None:
+            status = "loading" if embeddings_not_ready == "loading" else "unavailable"
+            return JSONResponse({"status": status, "detail": embeddings_not_ready}, 503)
         check = getattr(self.tenancy, "ready", None)
         if check is not None and not await check():
             return JSONResponse({"status": "unavailable", "detail": "the rate limiter is unreachable"}, 503)
@@ -154,18 +165,33 @@ class Gateway:
 
     async def list_models(self, request: Request) -> Response:
         self._require_engine()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card()]
+        if self.embeddings.service is not None:
+            cards.append(self.embeddings.service.card(self.created))
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
         self._require_engine()
+        service = self.embeddings.service
+        if service is not None and request.path_params["model"] == service.name:
+            return JSONResponse(service.card(self.created))
         self._check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 
     async def openapi(self, request: Request) -> Response:
         vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else None
-        return JSONResponse(build_openapi(self.model_name, vocab_size))
+        return JSONResponse(build_openapi(self.model_name, vocab_size, embedding=self.embeddings.service))
+
+    async def create_embeddings(self, request: Request) -> Response:
+        return await self.embeddings.handle(request, self.model_name)
 
     def _check_model(self, model: str) -> None:
+        if model == self.embeddings.name:
+            raise invalid_request(
+                f"`{model}` is an embedding model; send it to /v1/embeddings. "
+                f"This server's chat model is `{self.model_name}`.",
+                param="model",
+            )
         if model != self.model_name:
             raise APIError(
                 ErrorKind.MODEL_NOT_FOUND,
@@ -474,19 +500,22 @@ def create_app(
     *,
     engine_factory: EngineFactory = _default_engine_factory,
     owns_tenancy: bool = False,
+    embedder: embeddings.EmbeddingService | None = None,
 ) -> Starlette:
     """Build the app.
 
     `engine`: a started AsyncEngine (the caller owns it and shuts it down), or None to have the app
     build one with `engine_factory(settings)` in a worker thread at start-up (the app owns it; /ready
     is 503 until it is loaded; /health answers at once). `tenancy`: a `tenancy.Tenancy`, or None for
-    open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`.
+    open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`. `embedder`: a
+    started embedding service (the caller owns it), or None to load `settings.embedding_model` at
+    start-up beside the engine (none: no /v1/embeddings model).
     """
     if settings.upstreams and engine is None:
         from gateway.pool import create_proxy_app
 
         return create_proxy_app(settings, tenancy, owns_tenancy=owns_tenancy)
-    gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy)
+    gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy, embedder)
     return build_starlette(gateway, Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]))
 
 
@@ -498,6 +527,7 @@ def build_starlette(gateway: Any, internal: Route) -> Starlette:
     routes = [
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/embeddings", gateway.create_embeddings, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),

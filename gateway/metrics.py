@@ -20,6 +20,10 @@ fixed list; never a key, a tenant name or any other client-controlled string.
     batchgate_refusals_total{reason}           counter (rate_limit, deadline, overload, unavailable)
     batchgate_tokens_total{direction,plan}     counter (direction in|out)
     batchgate_requests_total{code}             counter (generation endpoints, by status class)
+    batchgate_embedding_batch_inputs           histogram (inputs per embedding model call)
+    batchgate_embedding_batch_tokens           histogram (padded tokens per embedding model call)
+    batchgate_embedding_queue_wait_seconds     histogram (per input: arrival -> its model call)
+    batchgate_embedding_model_seconds          histogram (per embedding model call)
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BATCH_INPUT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 100, 128, 256, 512)
+_BATCH_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
@@ -137,6 +143,30 @@ class Metrics:
         self.requests = Counter(
             "batchgate_requests", "Generation requests answered, by status class", ["code"], registry=r
         )
+        self.embedding_batch_inputs = Histogram(
+            "batchgate_embedding_batch_inputs",
+            "Inputs per embedding model call",
+            buckets=_BATCH_INPUT_BUCKETS,
+            registry=r,
+        )
+        self.embedding_batch_tokens = Histogram(
+            "batchgate_embedding_batch_tokens",
+            "Padded tokens (inputs x the longest) per embedding model call",
+            buckets=_BATCH_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.embedding_queue_wait = Histogram(
+            "batchgate_embedding_queue_wait_seconds",
+            "Seconds each embedding input waited from arrival to its model call",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.embedding_model_time = Histogram(
+            "batchgate_embedding_model_seconds",
+            "Seconds per embedding model call",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         for plan in PLANS:
             for direction in ("in", "out"):
                 self.tokens.labels(direction, plan)
@@ -155,6 +185,14 @@ class Metrics:
             self.tokens.labels("in", plan).inc(num_in)
         if num_out:
             self.tokens.labels("out", plan).inc(num_out)
+
+    def observe_embedding_batch(self, record: Any) -> None:
+        """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""
+        self.embedding_batch_inputs.observe(record.num_inputs)
+        self.embedding_batch_tokens.observe(record.num_padded_tokens)
+        self.embedding_model_time.observe(record.model_s)
+        for wait in record.queue_wait_s:
+            self.embedding_queue_wait.observe(wait)
 
     def request_done(self, status: int, seconds: float) -> None:
         code = f"{min(max(status // 100, 2), 5)}xx"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.embeddings.batcher import BatchLimits
 
 ENV_PREFIX = "BATCHGATE_"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -193,6 +194,25 @@ class Settings:
         "gateway-only mode: extra outstanding tokens a replica may carry and still get a request whose "
         "tenant and leading prompt it is preferred for (prefix-cache hits); 0: least loaded only",
     )
+    embedding_model: str = _opt(
+        "bundled",
+        _str,
+        "the embedding model served at /v1/embeddings beside the chat model: a BERT-family folder "
+        "(sentence-transformers layout), bundled (all-MiniLM-L6-v2) or none",
+    )
+    embedding_max_batch_inputs: int = _opt(
+        BatchLimits.max_batch_inputs, _int, "most inputs in one embedding model call"
+    )
+    embedding_max_batch_tokens: int = _opt(
+        BatchLimits.max_batch_tokens, _int, "most padded tokens (inputs x the longest) in one embedding call"
+    )
+    embedding_max_wait_s: float = _opt(
+        BatchLimits.max_wait_s,
+        _float,
+        "seconds the oldest queued embedding input waits for a fuller batch (a request that finds the "
+        "model idle never waits)",
+        flag="--embedding-max-wait",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -215,6 +235,7 @@ class Settings:
                     f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
         self.engine_config()  # EngineConfig validates its own fields; fail here, before anything starts
+        self.embedding_batch_limits()  # likewise BatchLimits
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -237,6 +258,14 @@ class Settings:
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
+        )
+
+    def embedding_batch_limits(self) -> BatchLimits:
+        return BatchLimits(
+            max_batch_inputs=self.embedding_max_batch_inputs,
+            max_batch_tokens=self.embedding_max_batch_tokens,
+            max_wait_s=self.embedding_max_wait_s,
+            window_inputs=max(BatchLimits.window_inputs, self.embedding_max_batch_inputs),
         )
 
     @classmethod
