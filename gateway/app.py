@@ -69,6 +69,8 @@ class Gateway:
         self.owns_tenancy = owns_tenancy
         self.engine_factory = engine_factory
         self.owns_engine = engine is None
+        # `--model none`: no chat model (an embedding-only replica); the chat endpoints are 404s.
+        self.serves_chat = engine is not None or settings.model != "none"
         self.engine: Any | None = None
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
@@ -99,7 +101,9 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        loader = asyncio.ensure_future(self.load_engine()) if self.engine is None else None
+        loader = (
+            asyncio.ensure_future(self.load_engine()) if self.engine is None and self.serves_chat else None
+        )
         embedding_loader = asyncio.ensure_future(self.embeddings.load())
         if loader is None:
             freeze_startup_heap()
@@ -122,6 +126,11 @@ class Gateway:
         return self.settings.served_model_name or str(self.engine.model_name)
 
     def _require_engine(self) -> tuple[Any, Tokenizer]:
+        if not self.serves_chat:
+            served = f" Its embedding model is `{self.embeddings.name}`." if self.embeddings.name else ""
+            raise APIError(
+                ErrorKind.MODEL_NOT_FOUND, f"This server serves no chat model.{served}", param="model"
+            )
         if self.engine is None or self.tokenizer is None:
             if self.load_error is not None:
                 raise APIError(ErrorKind.UNAVAILABLE, f"The model failed to load: {self.load_error}")
@@ -146,10 +155,10 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        if self.engine is None:
+        if self.engine is None and self.serves_chat:
             status = "error" if self.load_error is not None else "loading"
             return JSONResponse({"status": status}, 503)
-        if not self.engine.ready:
+        if self.engine is not None and not self.engine.ready:
             return JSONResponse({"status": "unavailable", "detail": "the engine stopped"}, 503)
         embeddings_not_ready = self.embeddings.not_ready()
         if embeddings_not_ready is not None:
@@ -158,23 +167,25 @@ class Gateway:
         check = getattr(self.tenancy, "ready", None)
         if check is not None and not await check():
             return JSONResponse({"status": "unavailable", "detail": "the rate limiter is unreachable"}, 503)
-        return JSONResponse({"status": "ready", "model": self.model_name})
+        return JSONResponse({"status": "ready", "model": self.model_name or self.embeddings.name})
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchgate"}
 
     async def list_models(self, request: Request) -> Response:
-        self._require_engine()
-        cards = [self._model_card()]
+        cards = []
+        if self.serves_chat:
+            self._require_engine()
+            cards.append(self._model_card())
         if self.embeddings.service is not None:
             cards.append(self.embeddings.service.card(self.created))
         return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
-        self._require_engine()
         service = self.embeddings.service
         if service is not None and request.path_params["model"] == service.name:
             return JSONResponse(service.card(self.created))
+        self._require_engine()
         self._check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 
@@ -276,6 +287,8 @@ class Gateway:
     async def internal_stats(self, request: Request) -> Response:
         """engine.stats() as JSON, for gateways routing by outstanding work."""
         admission.check_internal(self.settings.internal_token, request.headers)
+        if not self.serves_chat:  # an embedding-only replica: the pool routes by its own in-flight count
+            return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0})
         engine, _ = self._require_engine()
         return JSONResponse(dataclasses.asdict(engine.stats()))
 

@@ -25,7 +25,7 @@ import logging
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import anyio
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
@@ -40,6 +40,7 @@ from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_reque
 from gateway.protocol import _StrictModel, _validation_error
 
 logger = logging.getLogger("batchgate.embeddings")
+T = TypeVar("T")
 
 # OpenAI's limits for /v1/embeddings.
 MAX_INPUTS = 2048
@@ -411,7 +412,7 @@ class Embeddings:
         num_tokens = 0
         try:
             job = EmbeddingRequest(request_id, prepared.inputs, caller.priority, caller.queue_deadline_s)
-            vectors = await _embed_unless_disconnected(request, service, job)
+            vectors = await unless_disconnected(request, service.batcher.embed(job))
             if vectors is None:
                 logger.info("%s: client disconnected; its inputs were dropped", request_id)
                 return Response(status_code=499)
@@ -473,27 +474,26 @@ def _engine_error(exc: EngineError, request_id: str) -> APIError:
     return from_engine_error(exc, param="input")
 
 
-async def _embed_unless_disconnected(
-    request: Request, service: EmbeddingService, job: EmbeddingRequest
-) -> tuple[list[float], ...] | None:
-    """The vectors, or None if the client disconnected first (its waiting inputs are dropped)."""
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client disconnected first (`work` is then cancelled: the
+    batcher drops the request's waiting inputs; a relayed call is closed)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    embedding = asyncio.ensure_future(service.batcher.embed(job))
+    running = asyncio.ensure_future(work)
     watching = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({embedding, watching}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({running, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        if not embedding.done():
-            embedding.cancel()
-        await asyncio.gather(embedding, watching, return_exceptions=True)
-    if embedding.cancelled():
+        if not running.done():
+            running.cancel()
+        await asyncio.gather(running, watching, return_exceptions=True)
+    if running.cancelled():
         return None
-    return embedding.result()
+    return running.result()
 
 
 # -- proxy mode --------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admission, protocol, telemetry
+from gateway import admission, embeddings, protocol, telemetry
 from gateway.body import read_json
 from gateway.errors import APIError, ErrorKind, sse_error_event
 from gateway.metrics import Metrics
@@ -332,6 +332,21 @@ class ProxyGateway:
             request, "/v1/completions", body, caller, num_prompt, max_tokens, bool(req.stream), span
         )
 
+    async def create_embeddings(self, request: Request) -> Response:
+        """Relayed to a replica that lists the model (gateway/embeddings.py has the endpoint)."""
+        body = await read_json(request, self.settings.max_body_bytes)
+        req = embeddings.parse_embeddings_request(body)
+        caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
+        self._check_model(req.model, self.pool.models())
+        num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
+        span = embeddings.span(req.model, caller, req)
+        relayed = self._proxy(
+            request, "/v1/embeddings", body, caller, num_prompt, 0, False, span, affinity=False
+        )
+        # A client that leaves closes the call to the replica, which then drops its inputs.
+        response = await embeddings.unless_disconnected(request, relayed)
+        return Response(status_code=499) if response is None else response
+
     async def _proxy(
         self,
         request: Request,
@@ -342,6 +357,8 @@ class ProxyGateway:
         max_tokens: int,
         stream: bool,
         span: telemetry.ChatSpan,
+        *,
+        affinity: bool = True,
     ) -> Response:
         request_id = f"gw-{random.getrandbits(64):016x}"  # the lease id; never client-chosen
         try:
@@ -385,7 +402,7 @@ class ProxyGateway:
                     headers,
                     num_prompt + max_tokens,
                     stream,
-                    affinity_key(caller, body) if self.settings.route_affinity_tokens else b"",
+                    affinity_key(caller, body) if affinity and self.settings.route_affinity_tokens else b"",
                 )
             out_headers = {
                 k: v for k, v in upstream_response.headers.items() if k.lower() not in _DROP_HEADERS
@@ -593,7 +610,7 @@ class _Usage:
                 self.span.finish_reason(int(choice.get("index", 0)), choice.get("finish_reason"))
             u = body["usage"]
             self.prompt = int(u["prompt_tokens"])
-            self.completion = int(u["completion_tokens"])
+            self.completion = int(u.get("completion_tokens", 0))  # embeddings have none
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
 

@@ -97,7 +97,10 @@ class Settings:
     host: str = _opt("127.0.0.1", _str, "address to bind")
     port: int = _opt(8000, _int, "port to bind")
     model: str | None = _opt(
-        None, _str, "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M)"
+        None,
+        _str,
+        "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M), or none (no chat "
+        "model: an embedding-only replica)",
     )
     served_model_name: str | None = _opt(None, _str, "the model id clients send and /v1/models lists")
     dtype: str = _opt(
