@@ -591,6 +591,25 @@ def test_prefix_caching_and_route_affinity_settings(rendered):
     assert gateway_env["BATCHGATE_ROUTE_AFFINITY_TOKENS"]["value"] == "0"
 
 
+def test_embedding_model_and_embedding_only_replicas(rendered, tmp_path):
+    engine = container(one(rendered(), "Deployment", f"{FULLNAME}-engine"), "engine")
+    env = env_of(engine)
+    assert env["BATCHGATE_EMBEDDING_MODEL"]["value"] == "bundled"  # beside the chat model
+    assert "BATCHGATE_EMBEDDING_MAX_WAIT" not in env
+    assert "--model" not in engine["args"]
+    values = tmp_path / "embedding-replicas.yaml"  # a file: --set would make 0.002 a string
+    values.write_text(
+        "engine:\n  chat: false\n  model: {path: /models/ignored.gguf}\n"
+        "  embeddings: {model: /models/bge-small, maxWait: 0.002}\n"
+    )
+    engine = container(one(rendered(files=(values,)), "Deployment", f"{FULLNAME}-engine"), "engine")
+    env = env_of(engine)
+    i = engine["args"].index("--model")
+    assert engine["args"][i + 1] == "none" and "/models/ignored.gguf" not in engine["args"]
+    assert env["BATCHGATE_EMBEDDING_MODEL"]["value"] == "/models/bge-small"
+    assert env["BATCHGATE_EMBEDDING_MAX_WAIT"]["value"] == "0.002"
+
+
 @pytest.mark.parametrize("scenario", ["default", "cpu", "gpu"])
 def test_pods_run_non_root_with_a_read_only_root(rendered, scenario):
     for deployment in find(rendered(*SCENARIOS[scenario]), "Deployment"):
@@ -748,6 +767,13 @@ BAD_VALUES = {
     ),
     "kv cache as a fraction word": ((), (), ("engine.kvCacheMemory=half",), "engine.kvCacheMemory"),
     "unknown prefix caching mode": ((), (), ("engine.prefixCaching=shared",), "engine.prefixCaching"),
+    "relative embedding model path": (
+        (),
+        (),
+        ("engine.embeddings.model=minilm",),
+        "engine.embeddings.model: Does not match pattern",
+    ),
+    "chat as a word": ((), (), ("engine.chat=no",), "engine.chat: Invalid type"),
     "typo in gpu values file": (
         (VALUES_GPU,),
         ("engine.nodeselector.a=b",),
@@ -779,6 +805,10 @@ CROSS_CHECKS = {
         'tenancy.tenants.acme.plan is "gold"',
     ),
     "min above max replicas": (("gateway.autoscaling.minReplicas=9",), "gateway.autoscaling.minReplicas (9)"),
+    "an engine with nothing to serve": (
+        ("engine.chat=false", "engine.embeddings.model=none"),
+        "leave the engine nothing to serve",
+    ),
 }
 
 

@@ -19,6 +19,9 @@ that `helm lint`, `helm template` and `helm install` all stop with a readable me
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if and (not .Values.engine.chat) (eq .Values.engine.embeddings.model "none") }}
+{{- fail "engine.chat=false and engine.embeddings.model=none leave the engine nothing to serve" }}
+{{- end }}
 {{- range $c := list "gateway" "engine" }}
 {{- $a := (index $.Values $c).autoscaling }}
 {{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) }}
