@@ -406,9 +406,11 @@ class Embeddings:
             )
         except APIError as exc:
             self.metrics.refused("rate_limit" if exc.kind is ErrorKind.RATE_LIMITED else "unavailable")
+            s.event("gen_ai.admission", **{"batchgate.admitted": False})
             s.error(exc)
             s.end(response_id=request_id, input_tokens=prepared.num_tokens, output_tokens=0)
             raise
+        s.event("gen_ai.admission", **{"batchgate.admitted": True})
         num_tokens = 0
         try:
             job = EmbeddingRequest(request_id, prepared.inputs, caller.priority, caller.queue_deadline_s)

@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tenancy
 from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
+from gateway import telemetry
 from gateway.embeddings import EmbeddingService
 from tests.gateway.conftest import AppFactory, client_for
 from tests.gateway.helpers import ASGICall, validate
@@ -252,3 +256,26 @@ keys = ["{tenancy.hash_key("sk-acme")}"]
         model.gate.set()
         assert (await held).status_code == 200
     await t.aclose()
+
+
+async def test_the_embeddings_span_has_the_genai_attributes(
+    make_app: AppFactory, steered: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "_enabled", True)
+    monkeypatch.setattr("opentelemetry.trace.get_tracer", lambda name, *a, **k: provider.get_tracer(name))
+    _, service = steered
+    async with client_for(make_app(embedder=service)) as c:
+        r = await c.post(
+            "/v1/embeddings", json={"model": MODEL, "input": ["a b", "c"], "encoding_format": "base64"}
+        )
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("embeddings")]
+    a = dict(span.attributes)
+    assert span.name == f"embeddings {MODEL}"
+    assert (a["gen_ai.operation.name"], a["gen_ai.request.model"]) == ("embeddings", MODEL)
+    assert tuple(a["gen_ai.request.encoding_formats"]) == ("base64",)
+    assert a["gen_ai.usage.input_tokens"] == r.json()["usage"]["prompt_tokens"] == 7
+    assert a["gen_ai.response.id"] == r.headers["x-request-id"]
+    assert [e.name for e in span.events] == ["gen_ai.admission", "gen_ai.completion"]
