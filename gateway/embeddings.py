@@ -223,7 +223,7 @@ def prepare(req: EmbeddingsRequest, service: EmbeddingService) -> Prepared:
     total = 0
     for i, raw in enumerate(req.input):  # OpenAI's limits first, on the inputs as sent
         is_text = isinstance(raw, str)
-        ids = list(next(encoded)) if is_text else list(raw)
+        ids: list[int] = list(next(encoded)) if isinstance(raw, str) else list(raw)
         where = _where(req, i)
         if not is_text:
             bad = next((t for t in ids if not 0 <= t < service.vocab_size), None)
