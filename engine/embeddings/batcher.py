@@ -199,8 +199,9 @@ class BatchPolicy:
             self._queue = [item for item in self._queue if item.owner is not owner]
 
     def estimate_wait_s(self, priority: Priority, now: float) -> float | None:
-        """Seconds until a new request of `priority` would start: the running call's rest plus
-        the padded tokens queued at its class or better; None before any call was measured."""
+        """Seconds until a new request of `priority` would start: the running call's rest plus the
+        tokens queued at its class or better, at the measured seconds per padded token; None
+        before any call was measured (admit)."""
         spt = self.seconds_per_token
         if spt is None:
             return None
@@ -257,7 +258,8 @@ class BatchPolicy:
         failed = error is not None or vectors is None or len(vectors) != len(batch.items)
         if failed:
             if error is None:
-                logger.error("embedding model returned %s vectors for %d inputs", vectors, len(batch.items))
+                got = None if vectors is None else len(vectors)
+                logger.error("embedding model returned %s vectors for %d inputs", got, len(batch.items))
             for request_id in batch.request_ids():
                 if request_id in self._requests:
                     self.abort(request_id)
