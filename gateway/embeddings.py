@@ -162,14 +162,13 @@ class EmbeddingService:
         limits: BatchLimits | None = None,
         *,
         name: str | None = None,
-        on_batch: Callable[[BatchRecord], None] | None = None,
     ) -> None:
         self.model = model
         self.name: str = name or model.name
         self.dimensions: int = model.dimensions
         self.max_input_tokens: int = model.max_input_tokens
         self.vocab_size: int = model.vocab_size
-        self._on_batch = on_batch
+        self._on_batch: Callable[[BatchRecord], None] | None = None
         self.batcher = EmbeddingBatcher(model, limits, on_batch=self._observe).start()
 
     def _observe(self, record: BatchRecord) -> None:
@@ -348,8 +347,8 @@ class Embeddings:
         if self.service is not None or not self.wanted:
             return
         path = None if self.settings.embedding_model == "bundled" else self.settings.embedding_model
-        device = "cpu" if self.settings.device == "auto" else self.settings.device
-        if self.settings.device == "auto":
+        device = self.settings.device
+        if device == "auto":  # as the chat engine decides: CUDA when available
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
