@@ -352,3 +352,28 @@ def test_a_conversation_s_next_turn_reuses_the_previous_answer(engine: LLMEngine
     assert second[-1].num_cached_tokens == (len(prompt) + len(answer) - 1) // block_size * block_size
     assert second[-1].num_cached_tokens >= 40
     assert_idle(engine)
+
+
+def test_waiting_counters_return_to_zero_after_prefix_cache_hits(engine: LLMEngine) -> None:
+    """Requests that share a system prompt hit the prefix cache at admission; once they have all
+    finished, the idle engine counts no waiting work (the arrival estimate reads these counters:
+    a drift would refuse requests on an idle server), and a request with a deadline is accepted."""
+    system = list(range(1200, 1241))  # 41 tokens: 10 full blocks of 4
+    for wave in range(3):
+        requests = [
+            GenerationRequest(f"shared{wave}-{i}", system + [7 + i, 8 + wave], greedy(3), priority=priority)
+            for i, priority in enumerate([Priority.PAID, Priority.FREE, Priority.PAID, Priority.FREE])
+        ]
+        outputs = run_all(engine, requests)
+        assert all(outs[-1].finish_reason == FinishReason.LENGTH for outs in outputs.values())
+    assert engine.block_manager.num_hit_tokens > 0
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.num_running) == (0, 0)
+    assert stats.num_waiting_tokens == 0 and stats.num_running_tokens == 0
+    assert set(stats.waiting_by_priority.values()) == {0}
+    assert set(stats.waiting_by_bucket.values()) == {0}
+    load = engine.load_snapshot()
+    assert set(load.waiting_tokens.values()) == {0}
+    assert set(load.waiting_decode_tokens.values()) == {0}
+    engine.check_arrival(GenerationRequest("next", system + [9], greedy(3), queue_deadline_s=0.001))
+    assert_idle(engine)

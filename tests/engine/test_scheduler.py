@@ -1,8 +1,9 @@
 """Scheduler policy without a model: a fake runner appends one token per completed chunk.
 
 Every step driven through `run_step` is also checked against the invariants in
-`tests.engine.factories.check_output` / `check_blocks` (budget, max_num_seqs, slots for every
-scheduled token, no block owned twice, owned + free == total).
+`tests.engine.factories.check_output` / `check_blocks` / `check_waiting` (budget, max_num_seqs,
+slots for every scheduled token, no block owned twice, owned + free == total, the waiting queue's
+counters equal to the sums over the sequences in it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.engine.factories import (
     FAKE_TOKEN,
     FakeClock,
     check_blocks,
+    check_waiting,
     make_scheduler,
     make_seq,
     make_seqs,
@@ -40,6 +42,15 @@ def assert_all_done(sched: Scheduler, seqs: list[Sequence]) -> None:
         assert seq.block_table == []
     assert not sched.has_unfinished()
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def assert_waiting_counters_zero(sched: Scheduler) -> None:
+    """An empty queue counts nothing: no sequences, tokens or decode tokens in any class or bucket."""
+    waiting = sched.waiting
+    assert len(waiting) == 0
+    assert waiting.count_by_bucket() == dict.fromkeys(waiting.labels, 0)
+    assert set(waiting.tokens_by_priority().values()) == {0}
+    assert set(waiting.decode_tokens_by_priority().values()) == {0}
 
 
 # ---- budget, max_num_seqs, ordering ------------------------------------------------------------
@@ -475,6 +486,7 @@ def test_random_arrivals_aborts_and_priorities_keep_every_invariant(seed: int, p
         if live and rng.random() < 0.05:
             sched.finish(rng.choice(live), SequenceStatus.FINISHED_ABORTED)
             check_blocks(sched)
+            check_waiting(sched)
         if step >= 60 and not sched.has_unfinished():
             break
         run_step(sched)
@@ -487,6 +499,7 @@ def test_random_arrivals_aborts_and_priorities_keep_every_invariant(seed: int, p
         else:
             assert seq.status == SequenceStatus.FINISHED_ABORTED
     assert sched.blocks.num_free_blocks == num_blocks
+    assert_waiting_counters_zero(sched)
 
 
 # ---- queue deadlines -------------------------------------------------------------------------------
@@ -944,6 +957,7 @@ def test_random_workloads_under_every_policy_keep_every_invariant(seed: int, pre
         if live and rng.random() < 0.03:
             sched.finish(rng.choice(live), SequenceStatus.FINISHED_ABORTED)
             check_blocks(sched)
+            check_waiting(sched)
         if step >= 80 and not sched.has_unfinished():
             break
         run_step(sched)
@@ -959,9 +973,7 @@ def test_random_workloads_under_every_policy_keep_every_invariant(seed: int, pre
         else:
             assert seq.status == SequenceStatus.FINISHED_ABORTED
     assert sched.blocks.num_free_blocks == num_blocks
-    assert len(sched.waiting) == 0 and sched.waiting.count_by_bucket() == dict.fromkeys(
-        sched.waiting.labels, 0
-    )
+    assert_waiting_counters_zero(sched)
 
 
 # ---- fair share between tenants of one class ------------------------------------------------------------
