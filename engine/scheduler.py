@@ -189,12 +189,16 @@ class Scheduler:
         yield from self.waiting
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End `seq` with a terminal status: out of every queue, all its blocks freed (one place)."""
+        """End `seq` with a terminal status: out of every queue, all its blocks freed (one place).
+
+        Goes by where the sequence is, not by what its status says, so it also ends one that a
+        failed step left between queues (e.g. taken from the waiting queue, not yet running);
+        finishing a finished sequence again only sets its status."""
         assert status.finished, status
-        if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif not seq.status.finished:
+        if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = status
 
