@@ -13,7 +13,6 @@ from engine.llm_engine import LLMEngine
 from engine.types import (
     EngineOverloadedError,
     FinishReason,
-    GenerationFailedError,
     GenerationRequest,
     Priority,
     PromptTooLongError,
@@ -142,29 +141,6 @@ def test_abort_frees_blocks_and_others_finish(engine: LLMEngine) -> None:
         finals += [o for o in engine.step() if o.finished]
     assert sorted(o.request_id for o in finals) == ["a0", "a2"]
     assert_idle(engine)
-
-
-def test_failed_forward_pass_fails_its_batch_and_engine_goes_on(
-    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    original = engine.runner.model.forward
-    calls = {"n": 0}
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated device failure")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner.model, "forward", flaky)
-    outputs = run_all(engine, [GenerationRequest(f"f{i}", PROMPTS[i], greedy(8)) for i in range(2)])
-    for i in range(2):
-        last = outputs[(f"f{i}", 0)][-1]
-        assert last.finish_reason == FinishReason.ERROR
-        assert isinstance(last.error, GenerationFailedError)
-    assert_idle(engine)
-    after = run_all(engine, [GenerationRequest("after", PROMPTS[0], greedy(4))])[("after", 0)]
-    assert after[-1].finish_reason == FinishReason.LENGTH
 
 
 def test_validation_errors(engine: LLMEngine) -> None:
