@@ -122,6 +122,13 @@ class Settings:
         "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
         flag="--queue-deadline",
     )
+    engine_stall_timeout_s: float = _opt(
+        60.0,
+        _float,
+        "seconds the engine may go without a step while work waits before /health fails (503), so "
+        "the orchestrator restarts the process",
+        flag="--engine-stall-timeout",
+    )
     num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
     quantization: str = _opt(
         "auto",
@@ -208,6 +215,8 @@ class Settings:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        if not self.engine_stall_timeout_s > 0:
+            raise ValueError(f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
