@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_TARGET_ITL_MS, EngineConfig
 
 ENV_PREFIX = "BATCHGATE_"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -154,6 +154,13 @@ class Settings:
     long_prefill_share: float = _opt(
         0.5, _float, "most of a step's token budget one long prompt may take while shorter ones wait"
     )
+    target_itl_ms: float = _opt(
+        DEFAULT_TARGET_ITL_MS,
+        _float,
+        "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
+        "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "
+        "online); 0: off",
+    )
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )
@@ -237,6 +244,7 @@ class Settings:
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
+            target_itl_ms=self.target_itl_ms,
         )
 
     @classmethod
