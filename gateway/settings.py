@@ -182,6 +182,21 @@ class Settings:
         env="BATCHGATE_UPSTREAMS",
         multi=True,
     )
+    long_prompt_upstreams: tuple[str, ...] = _opt(
+        (),
+        _urls,
+        "gateway-only mode: an engine replica reserved for prompts over --long-prompt-threshold "
+        "(repeatable; the variable takes a comma-separated list); the --upstream replicas get the "
+        "others; either set takes the other's prompts when none of its own replicas is healthy",
+        flag="--long-prompt-upstream",
+        env="BATCHGATE_LONG_PROMPT_UPSTREAMS",
+        multi=True,
+    )
+    long_prompt_threshold: int = _opt(
+        1024,
+        _int,
+        "gateway-only mode: prompts of more tokens than this go to the --long-prompt-upstream replicas",
+    )
     internal_token: str | None = _opt(
         None,
         _str,
@@ -211,6 +226,12 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.long_prompt_upstreams and not self.upstreams:
+            raise ValueError("long_prompt_upstreams needs upstreams (--upstream) for the other prompts")
+        if set(self.long_prompt_upstreams) & set(self.upstreams):
+            raise ValueError("a replica cannot be both an --upstream and a --long-prompt-upstream")
+        if self.long_prompt_threshold < 1:
+            raise ValueError(f"long_prompt_threshold must be >= 1, got {self.long_prompt_threshold}")
         if self.route_affinity_tokens < 0:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.keep_alive_s > 0:
