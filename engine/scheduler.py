@@ -30,13 +30,14 @@ a step's duration is its streams' inter-token latency. A long prompt (beyond the
 bucket) must therefore not make a step slower than the target while others are interactive: while
 this step decodes anything or prefills a short prompt, or shorter prompts wait, a long prompt's
 chunk is cut to what `engine.step_cost` predicts still fits the target beside them (the cost model
-is fitted online to the step times the engine reports through `record_step`). Short prompts are
-admitted ahead of long prompts' chunks, within their class, so they take the step's room first.
-Against starvation: the first long chunk of a step gets at least `min_long_prefill_chunk` tokens
-even when nothing fits, and a long prompt that has not progressed for `max_long_prefill_stall_steps`
-steps is scheduled ahead of the admissions with at least that much. When nothing else is
-interactive, long prefill takes the whole token budget. Until enough steps have been measured, only
-the token caps apply.
+is fitted online to the step times the engine reports through `record_step`). Within a class,
+running short prompts' chunks and admissions come before running long prompts' chunks, so short
+prompts take the step's room first; a long newcomer waits while a long prompt of its class (or a
+higher one) still prefills. Against starvation: the first long chunk of a step gets at least
+`min_long_prefill_chunk` tokens even when nothing fits, and a long prompt that has not progressed
+for `max_long_prefill_stall_steps` steps is scheduled ahead of the admissions with that many. When
+nothing else is interactive, long prefill takes the whole token budget. Until the cost model has
+seen enough steps with prefill, only the token caps apply.
 
 Static batching (the baseline): a batch of up to `max_num_seqs` forms from the waiting queue while
 nothing runs (over several steps if the budget is short), and nobody else is admitted until all of
