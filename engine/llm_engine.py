@@ -97,6 +97,7 @@ class LLMEngine:
                 long_prefill_share=config.long_prefill_share,
                 max_preemptions_per_seq=config.max_preemptions_per_seq,
                 batching=config.batching,
+                target_itl_ms=config.target_itl_ms,
             ),
             self.block_manager,
             clock,
@@ -259,6 +260,7 @@ class LLMEngine:
         self.meter.record_step(
             now - start, sum(c.num_tokens for c in out.prefills), sum(c.num_tokens for c in out.decodes)
         )
+        self.scheduler.record_step(out, now - start)  # trains the step-time budget's cost model
         self._recent.append((now, len(result.tokens)))
         while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
             self._recent.popleft()

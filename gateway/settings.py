@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_TARGET_ITL_MS, EngineConfig
 
 ENV_PREFIX = "BATCHGATE_"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -161,6 +161,13 @@ class Settings:
     long_prefill_share: float = _opt(
         0.5, _float, "most of a step's token budget one long prompt may take while shorter ones wait"
     )
+    target_itl_ms: float = _opt(
+        DEFAULT_TARGET_ITL_MS,
+        _float,
+        "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
+        "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "
+        "online); 0: off",
+    )
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )
@@ -181,6 +188,21 @@ class Settings:
         flag="--upstream",
         env="BATCHGATE_UPSTREAMS",
         multi=True,
+    )
+    long_prompt_upstreams: tuple[str, ...] = _opt(
+        (),
+        _urls,
+        "gateway-only mode: an engine replica reserved for prompts over --long-prompt-threshold "
+        "(repeatable; the variable takes a comma-separated list); the --upstream replicas get the "
+        "others; either set takes the other's prompts when none of its own replicas is healthy",
+        flag="--long-prompt-upstream",
+        env="BATCHGATE_LONG_PROMPT_UPSTREAMS",
+        multi=True,
+    )
+    long_prompt_threshold: int = _opt(
+        1024,
+        _int,
+        "gateway-only mode: prompts of more tokens than this go to the --long-prompt-upstream replicas",
     )
     internal_token: str | None = _opt(
         None,
@@ -211,6 +233,12 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.long_prompt_upstreams and not self.upstreams:
+            raise ValueError("long_prompt_upstreams needs upstreams (--upstream) for the other prompts")
+        if set(self.long_prompt_upstreams) & set(self.upstreams):
+            raise ValueError("a replica cannot be both an --upstream and a --long-prompt-upstream")
+        if self.long_prompt_threshold < 1:
+            raise ValueError(f"long_prompt_threshold must be >= 1, got {self.long_prompt_threshold}")
         if self.route_affinity_tokens < 0:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.keep_alive_s > 0:
@@ -246,6 +274,7 @@ class Settings:
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
+            target_itl_ms=self.target_itl_ms,
         )
 
     @classmethod
