@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
-from engine.sampler import SamplingRow, sample
+from engine.sampler import SamplingRow
+from engine.sampler import sample as sample_logits
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 from engine.types import TokenLogprob
@@ -230,11 +231,17 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
 
+    # A step is two calls, so that the engine knows which of them failed (engine/llm_engine.py).
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one scheduled step and sample for every sequence whose chunk completes."""
-        batch = self.build_batch(out)
-        logits = self.model.forward(batch, self.kv_caches)
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one scheduled step's forward pass (writing its K/V to the cache); returns the logits
+        of every sequence whose chunk completes, in `sample`'s order."""
+        return self.model.forward(self.build_batch(out), self.kv_caches)
+
+    @torch.inference_mode()
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> StepResult:
+        """Choose the next token of every sequence whose chunk completes, from `forward`'s logits."""
         sampled: list[ScheduledChunk] = list(out.decodes) + [c for c in out.prefills if c.completes]
         seqs = [c.seq for c in sampled]
         rows = [
@@ -246,5 +253,5 @@ class ModelRunner:
             )
             for s in seqs
         ]
-        tokens, logprobs = sample(logits, rows) if seqs else ([], [])
+        tokens, logprobs = sample_logits(logits, rows) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)

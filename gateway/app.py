@@ -144,14 +144,19 @@ class Gateway:
     # -- probes and metadata -----------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """Liveness: 503 once the model failed to load, the engine loop died or stopped, or the
+        engine went `--engine-stall-timeout` seconds without a step while work waited; the
+        orchestrator then restarts the process."""
         if self.load_error is not None:
             return JSONResponse(
                 {"status": "error", "detail": f"model failed to load: {self.load_error}"}, 503
             )
         if self.embeddings.load_error is not None:
             return JSONResponse({"status": "error", "detail": self.embeddings.not_ready()}, 503)
-        if self.engine is not None and not self.engine.ready:
-            return JSONResponse({"status": "error", "detail": "the engine stopped"}, 503)
+        if self.engine is not None:
+            problem = self.engine.health().problem(self.settings.engine_stall_timeout_s)
+            if problem is not None:
+                return JSONResponse({"status": "error", "detail": problem}, 503)
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:

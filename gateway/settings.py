@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_TARGET_ITL_MS, EngineConfig
 from engine.embeddings.batcher import BatchLimits
 
 ENV_PREFIX = "BATCHGATE_"
@@ -126,6 +126,13 @@ class Settings:
         "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
         flag="--queue-deadline",
     )
+    engine_stall_timeout_s: float = _opt(
+        60.0,
+        _float,
+        "seconds the engine may go without a step while work waits before /health fails (503), so "
+        "the orchestrator restarts the process",
+        flag="--engine-stall-timeout",
+    )
     num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
     quantization: str = _opt(
         "auto",
@@ -158,6 +165,13 @@ class Settings:
     long_prefill_share: float = _opt(
         0.5, _float, "most of a step's token budget one long prompt may take while shorter ones wait"
     )
+    target_itl_ms: float = _opt(
+        DEFAULT_TARGET_ITL_MS,
+        _float,
+        "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
+        "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "
+        "online); 0: off",
+    )
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )
@@ -178,6 +192,21 @@ class Settings:
         flag="--upstream",
         env="BATCHGATE_UPSTREAMS",
         multi=True,
+    )
+    long_prompt_upstreams: tuple[str, ...] = _opt(
+        (),
+        _urls,
+        "gateway-only mode: an engine replica reserved for prompts over --long-prompt-threshold "
+        "(repeatable; the variable takes a comma-separated list); the --upstream replicas get the "
+        "others; either set takes the other's prompts when none of its own replicas is healthy",
+        flag="--long-prompt-upstream",
+        env="BATCHGATE_LONG_PROMPT_UPSTREAMS",
+        multi=True,
+    )
+    long_prompt_threshold: int = _opt(
+        1024,
+        _int,
+        "gateway-only mode: prompts of more tokens than this go to the --long-prompt-upstream replicas",
     )
     internal_token: str | None = _opt(
         None,
@@ -227,10 +256,18 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.long_prompt_upstreams and not self.upstreams:
+            raise ValueError("long_prompt_upstreams needs upstreams (--upstream) for the other prompts")
+        if set(self.long_prompt_upstreams) & set(self.upstreams):
+            raise ValueError("a replica cannot be both an --upstream and a --long-prompt-upstream")
+        if self.long_prompt_threshold < 1:
+            raise ValueError(f"long_prompt_threshold must be >= 1, got {self.long_prompt_threshold}")
         if self.route_affinity_tokens < 0:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        if not self.engine_stall_timeout_s > 0:
+            raise ValueError(f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -261,6 +298,7 @@ class Settings:
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
+            target_itl_ms=self.target_itl_ms,
         )
 
     def embedding_batch_limits(self) -> BatchLimits:

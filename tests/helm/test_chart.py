@@ -60,6 +60,11 @@ ALL_FEATURES = (
     "engine.runtimeClassName=nvidia",
     "image.digest=sha256:" + "b" * 64,
     "imagePullSecrets[0].name=regcred",
+    "engineLong.enabled=true",
+    "engineLong.maxNumBatchedTokens=2048",
+    "engineLong.resources.limits.memory=8Gi",
+    "gateway.longPromptThreshold=2000",
+    "engine.targetItlMs=80",
 )
 
 SCENARIOS = {
@@ -610,6 +615,70 @@ def test_embedding_model_and_embedding_only_replicas(rendered, tmp_path):
     assert env["BATCHGATE_EMBEDDING_MAX_WAIT"]["value"] == "0.002"
 
 
+def test_engine_long_is_a_second_pool_the_gateways_send_long_prompts_to(rendered):
+    docs = rendered()
+    assert not find(docs, "Deployment", f"{FULLNAME}-engine-long")
+    assert not find(docs, "Service", f"{FULLNAME}-engine-long")
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert "BATCHGATE_LONG_PROMPT_UPSTREAMS" not in gateway_env
+    assert "BATCHGATE_LONG_PROMPT_THRESHOLD" not in gateway_env
+    assert "BATCHGATE_TARGET_ITL_MS" not in env_of(
+        container(one(docs, "Deployment", f"{FULLNAME}-engine"), "engine")
+    )
+
+    docs = rendered(
+        (VALUES_CPU,),
+        (
+            "engineLong.enabled=true",
+            "engineLong.replicaCount=2",
+            "engineLong.maxNumBatchedTokens=2048",
+            "engineLong.resources.limits.memory=8Gi",
+            "engine.targetItlMs=80",
+            "engine.autoscaling.enabled=true",
+            "gateway.longPromptThreshold=2000",
+        ),
+    )
+    engine = one(docs, "Deployment", f"{FULLNAME}-engine")
+    long = one(docs, "Deployment", f"{FULLNAME}-engine-long")
+    engine_labels = engine["spec"]["template"]["metadata"]["labels"]
+    long_labels = long["spec"]["template"]["metadata"]["labels"]
+    assert long_labels["app.kubernetes.io/component"] == "engine-long"
+    assert long["spec"]["replicas"] == 2  # fixed: engine's autoscaling is not carried over
+    assert "replicas" not in engine["spec"]
+    assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")) == [
+        f"{FULLNAME}-engine",
+        f"{FULLNAME}-gateway",
+    ]
+    # The same pod as engine's, with engineLong's settings over it.
+    engine_c, long_c = container(engine, "engine"), container(long, "engine")
+    assert long_c["image"] == engine_c["image"] and long_c["args"] == engine_c["args"]
+    assert long_c["resources"]["limits"]["memory"] == "8Gi"
+    long_env = env_of(long_c)
+    assert long_env["BATCHGATE_MAX_NUM_BATCHED_TOKENS"]["value"] == "2048"
+    assert long_env["BATCHGATE_TARGET_ITL_MS"]["value"] == "80"
+    assert env_of(engine_c)["BATCHGATE_TARGET_ITL_MS"]["value"] == "80"
+    assert "BATCHGATE_MAX_NUM_BATCHED_TOKENS" not in env_of(engine_c)
+    # Each Service selects its own pool only.
+    service = one(docs, "Service", f"{FULLNAME}-engine-long")
+    assert matches(service["spec"]["selector"], long_labels)
+    assert not matches(service["spec"]["selector"], engine_labels)
+    for name in (f"{FULLNAME}-engine", f"{FULLNAME}-engine-headless"):
+        assert not matches(one(docs, "Service", name)["spec"]["selector"], long_labels)
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_UPSTREAMS"]["value"] == f"http://{FULLNAME}-engine.{NAMESPACE}.svc:8000"
+    assert (
+        gateway_env["BATCHGATE_LONG_PROMPT_UPSTREAMS"]["value"]
+        == f"http://{FULLNAME}-engine-long.{NAMESPACE}.svc:8000"
+    )
+    assert gateway_env["BATCHGATE_LONG_PROMPT_THRESHOLD"]["value"] == "2000"
+
+    docs = rendered(sets=("engineLong.enabled=true", "gateway.upstreamService=headless"))
+    assert one(docs, "Service", f"{FULLNAME}-engine-long")["spec"]["clusterIP"] == "None"
+    docs = rendered(sets=("gateway.longPromptUpstreams={http://big:8000}",))
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_LONG_PROMPT_UPSTREAMS"]["value"] == "http://big:8000"
+
+
 @pytest.mark.parametrize("scenario", ["default", "cpu", "gpu"])
 def test_pods_run_non_root_with_a_read_only_root(rendered, scenario):
     for deployment in find(rendered(*SCENARIOS[scenario]), "Deployment"):
@@ -767,6 +836,20 @@ BAD_VALUES = {
     ),
     "kv cache as a fraction word": ((), (), ("engine.kvCacheMemory=half",), "engine.kvCacheMemory"),
     "unknown prefix caching mode": ((), (), ("engine.prefixCaching=shared",), "engine.prefixCaching"),
+    "negative target itl": ((), ("engine.targetItlMs=-5",), (), "engine.targetItlMs"),
+    "typo in engineLong": ((), ("engineLong.replicas=2",), (), "Additional property replicas is not allowed"),
+    "engineLong token budget zero": (
+        (),
+        ("engineLong.maxNumBatchedTokens=0",),
+        (),
+        "engineLong.maxNumBatchedTokens",
+    ),
+    "long prompt upstream not a url": (
+        (),
+        ("gateway.longPromptUpstreams={big:8000}",),
+        (),
+        "gateway.longPromptUpstreams.0: Does not match pattern",
+    ),
     "relative embedding model path": (
         (),
         (),

@@ -140,6 +140,38 @@ generated values survive upgrades; "" under `helm template` or on first install.
 {{- end }}
 {{- end }}
 
+{{/* Long-prompt upstreams for the gateways: gateway.longPromptUpstreams, else the engineLong
+Service when engineLong is enabled, else none (""). */}}
+{{- define "batchgate.longPromptUpstreams" -}}
+{{- if .Values.gateway.longPromptUpstreams }}
+{{- join "," .Values.gateway.longPromptUpstreams }}
+{{- else if .Values.engineLong.enabled }}
+{{- printf "http://%s-engine-long.%s.svc:%d" (include "batchgate.fullname" .) .Release.Namespace (int .Values.engine.service.port) }}
+{{- end }}
+{{- end }}
+
+{{/*
+engineLong's settings over a copy of engine's: (dict "ctx" $ "e" (deepCopy .Values.engine)); sets
+keys of "e" in place and renders nothing. Settings left null or empty keep engine's.
+*/}}
+{{- define "batchgate.engineLongValues" -}}
+{{- $l := .ctx.Values.engineLong }}
+{{- $e := .e }}
+{{- $_ := set $e "replicaCount" $l.replicaCount }}
+{{- $_ := set $e "autoscaling" (dict "enabled" false) }}
+{{- $_ := set $e "keda" (dict "enabled" false) }}
+{{- range $k := list "maxNumSeqs" "maxNumBatchedTokens" "maxModelLen" "kvCacheMemory" "targetItlMs" }}
+{{- if not (kindIs "invalid" (index $l $k)) }}
+{{- $_ := set $e $k (index $l $k) }}
+{{- end }}
+{{- end }}
+{{- range $k := list "resources" "extraArgs" "nodeSelector" "tolerations" "affinity" }}
+{{- if index $l $k }}
+{{- $_ := set $e $k (index $l $k) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/*
 A TOML table group from a map of maps: (dict "root" "plans" "tables" .Values.tenancy.plans).
 Written by hand rather than with toToml: Helm reads every YAML number as a float, which toToml
