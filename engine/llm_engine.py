@@ -113,13 +113,16 @@ class LLMEngine:
         self._num_steps = 0
         self._step_failures = dict.fromkeys(StepStage, 0)
         logger.info(
-            "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
+            "engine ready: %s, %s on %s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
+            "max_model_len %d, prefix caching %s",
             self.model_name,
             dtype,
             device,
             f", int4 weights for steps of <= {int4_max_rows} tokens" if int4_max_rows else "",
+            self.runner.kv_cache_bytes / 2**20,
             num_blocks,
             config.block_size,
+            "committed now, in the process's RSS" if device.type == "cpu" else "device memory",
             max_len,
             "on" if config.enable_prefix_caching else "off",
         )
