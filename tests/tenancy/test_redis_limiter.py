@@ -164,3 +164,35 @@ async def test_frozen_redis_answers_within_the_deadline(redis_process: RedisProc
     finally:
         redis_process.resume()
         await limiter.aclose()
+
+
+async def test_a_settle_failed_in_an_outage_is_retried_when_redis_returns(
+    persistent_redis_process: RedisProcess,
+) -> None:
+    # Redis with persistence (as in production) keeps the lease across its restart; the lease TTL
+    # is ten minutes, so only the retried settle can release it within the few seconds allowed.
+    redis_process = persistent_redis_process
+    limiter = RedisLimiter(open_async(redis_process.url), lease_ttl_s=600.0)
+    plan = make_plan(tokens_per_minute=60, max_concurrent_requests=4)  # refills 1 token/s
+    observer = aioredis.Redis.from_url(redis_process.url)
+    try:
+        decision = await limiter.admit("acme", plan, 50, "r1")
+        assert decision.admitted and decision.lease is not None
+
+        redis_process.stop()  # the request runs on and ends while Redis is down
+        assert not await limiter.settle(decision.lease, 10, 5)
+        redis_process.start()
+        assert await observer.zcard(leases_key("acme")) == 1  # the lease survived the restart
+
+        # No further call from this test: the limiter's own retry must settle it.
+        deadline = time.monotonic() + 5.0
+        while await observer.zcard(leases_key("acme")) != 0:
+            assert time.monotonic() < deadline, "the failed settle was not retried within 5 s"
+            await asyncio.sleep(0.05)
+        level = float(await observer.hget(tokens_key("acme"), "level") or 0)
+        assert level >= 10 + 35  # the 35 unused tokens were refunded (refill alone: ~10 + seconds)
+        assert int(await observer.hget(usage_key("acme"), "completion_tokens") or 0) == 5
+        assert limiter.num_pending_settles == 0
+    finally:
+        await observer.aclose()
+        await limiter.aclose()
