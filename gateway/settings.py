@@ -193,6 +193,13 @@ class Settings:
         "gateway-only mode: extra outstanding tokens a replica may carry and still get a request whose "
         "tenant and leading prompt it is preferred for (prefix-cache hits); 0: least loaded only",
     )
+    drain_timeout_s: float = _opt(
+        60.0,
+        _float,
+        "on SIGTERM/SIGINT, seconds in-flight requests get to finish (new ones get 503) before the "
+        "rest are ended (streams with an error event and [DONE]) and the process exits",
+        flag="--drain-timeout",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -206,6 +213,8 @@ class Settings:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.route_affinity_tokens < 0:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         for f in dataclasses.fields(self):
