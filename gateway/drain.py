@@ -78,9 +78,7 @@ class Drain:
         self._idle.set()
 
     def begin(self) -> None:
-        if not self.draining:
-            self.draining = True
-            logger.warning("draining: refusing new requests; %d in flight", self.num_inflight)
+        self.draining = True
 
     def enter(self) -> None:
         self.num_inflight += 1
@@ -95,6 +93,7 @@ class Drain:
         """Drain: True if every request in flight ended within ``timeout_s``; otherwise cut the
         rest short (``deadline_reached``) and wait up to ``grace_s`` for them to end."""
         self.begin()
+        logger.warning("draining: refusing new requests; %d in flight", self.num_inflight)
         start = time.monotonic()
         with anyio.move_on_after(timeout_s):
             await self._idle.wait()
@@ -177,6 +176,7 @@ class DrainingServer(uvicorn.Server):
             return
         if not self._signalled:
             self._signalled = True
+            self.drain.draining = True  # /ready and new requests see it now; run() does the rest
             logger.warning(
                 "received %s: draining (up to %.0f s)", signal.Signals(sig).name, self.drain_timeout_s
             )
