@@ -6,13 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool.conftest import INTERNAL_TOKEN, TENANTS, Process, replica_args, start, wait_ready
+from tests.pool.conftest import INTERNAL_TOKEN, PAID_KEY, TENANTS, Process, replica_args, start, wait_ready
 
 # Room for streams long enough to be in flight when a fault comes (the tiny model is fast).
 LONG_CONTEXT_ARGS = ["--max-model-len", "4096", "--kv-cache-memory", "32MiB"]
 INTERNAL = {"x-batchgate-internal": INTERNAL_TOKEN}
+AUTH = {"authorization": f"Bearer {PAID_KEY}"}  # tenant "acme" of the pool tenants file
 
 
 def start_replica(name: str, workdir: Path, model_dir: Path, *extra: str) -> Process:
@@ -50,4 +52,28 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float |
     return None
 
 
-__all__ = ["start_replica", "start_gateway", "upstreams", "stats", "metric", "wait_ready", "Process"]
+def live_leases(client: redis.Redis, tenant: str) -> int:
+    """Leases of `tenant` not expired by Redis's clock."""
+    seconds, micros = client.time()
+    return int(client.zcount(f"{{tenant:{tenant}}}:leases", f"({seconds + micros / 1e6}", "+inf"))
+
+
+def answered(url: str) -> float:
+    """Generation requests the server has answered (batchgate_requests_total over status classes)."""
+    return sum(
+        metric(url, "batchgate_requests_total", {"code": c}) or 0 for c in ("2xx", "3xx", "4xx", "5xx")
+    )
+
+
+__all__ = [
+    "start_replica",
+    "start_gateway",
+    "upstreams",
+    "stats",
+    "metric",
+    "wait_ready",
+    "Process",
+    "AUTH",
+    "live_leases",
+    "answered",
+]

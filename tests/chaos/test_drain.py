@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import time
 from pathlib import Path
 
 import httpx
+import redis
 
+from tests.chaos.conftest import AUTH, live_leases, start_gateway, start_replica, upstreams
 from tests.chaos.helpers import chat_body, stream_chat
 from tests.pool.conftest import replica_args, start, wait_ready
 
@@ -58,3 +62,86 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path: Path, tiny_mode
         server.kill()
     log = server.log.read_text()
     assert "Traceback" not in log, log[-4000:]
+
+
+def test_drain_through_a_proxy_gateway(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    """A draining replica gets no new requests (they go to the other, no 503 reaches a client),
+    its stream ends with the error event through the gateway; a client leaving a request stuck on
+    a frozen replica frees its lease at once; the gateway drains its own streams on SIGTERM."""
+    drain = ["--drain-timeout", str(DRAIN_TIMEOUT_S)]
+    replicas = [start_replica(f"replica{i}", tmp_path, tiny_model_dir, *drain) for i in range(2)]
+    gateway = start_gateway(tmp_path, replicas, *drain, "--health-interval", "3", redis_url=redis_url)
+    draining, staying = replicas
+    observer = redis.Redis.from_url(redis_url)
+    try:
+        wait_ready([*replicas, gateway])
+        deadline = time.monotonic() + 30
+        while not all(u["healthy"] for u in upstreams(gateway)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        model = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        long = [
+            stream_chat(gateway.url, chat_body(model, f"long {i}", LONG_MAX_TOKENS), AUTH) for i in range(2)
+        ]
+        for s in long:
+            assert s.first_event.wait(60)
+        assert sorted(u["inflight"] for u in upstreams(gateway)) == [1, 1]  # one on each replica
+
+        draining.proc.send_signal(signal.SIGTERM)
+        with httpx.Client(base_url=gateway.url, timeout=60, headers=AUTH) as http:
+            statuses = [
+                http.post("/v1/chat/completions", json=chat_body(model, f"n{i}", 2)).status_code
+                for i in range(6)
+            ]
+        assert statuses == [200] * 6
+        assert draining.proc.wait(timeout=30) == 0
+        cut = [s for s in long if s.done.is_set()]
+        assert len(cut) == 1 and cut[0].error is None and cut[0].ended_with_done
+        assert [e["error"]["type"] for e in cut[0].error_events] == ["server_error"]
+        assert live_leases(observer, "acme") == 1
+
+        # A request stuck before its first byte on a frozen replica; its client leaves.
+        staying.proc.send_signal(signal.SIGSTOP)
+        try:
+            payload = json.dumps(chat_body(model, "stuck", 8)).encode()
+            head = (
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                f"Authorization: {AUTH['authorization']}\r\nContent-Length: {len(payload)}\r\n\r\n"
+            )
+            sock = socket.create_connection(("127.0.0.1", gateway.port))
+            sock.sendall(head.encode() + payload)
+            deadline = time.monotonic() + 10
+            while live_leases(observer, "acme") != 2:
+                assert time.monotonic() < deadline, "the stuck request was not admitted"
+                time.sleep(0.02)
+            sock.close()
+            deadline = time.monotonic() + 2.0
+            while live_leases(observer, "acme") != 1:
+                assert time.monotonic() < deadline, "the lease of a client that left was kept"
+                time.sleep(0.02)
+        finally:
+            staying.proc.send_signal(signal.SIGCONT)
+
+        gateway.proc.send_signal(signal.SIGTERM)
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            signalled = time.monotonic()
+            ready = http.get("/ready")
+            while ready.status_code == 200 and time.monotonic() - signalled < 1.0:
+                ready = http.get("/ready")
+            assert (ready.status_code, ready.json()["detail"]) == (503, "draining")
+            refused = http.post("/v1/chat/completions", json=chat_body(model, "late", 2), headers=AUTH)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        rest = [s for s in long if s is not cut[0]][0]
+        assert rest.done.wait(30)
+        assert rest.error is None and rest.ended_with_done
+        assert [e["error"]["type"] for e in rest.error_events] == ["server_error"]
+        assert gateway.proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 5
+        while live_leases(observer, "acme") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for p in [gateway, *replicas]:
+            p.proc.send_signal(signal.SIGCONT)
+            p.kill()
+        observer.close()
