@@ -331,7 +331,7 @@ class Gateway:
                     headers=headers,
                     on_close=on_close,
                     keep_alive_first=not ready,
-                    stop=self.drain.deadline_reached,
+                    stop=self.drain,
                     stop_frame=deadline_frame(),
                 )
                 handed_over = True

@@ -16,9 +16,11 @@ during the drain ends it at once (streams still get their error event).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import anyio
@@ -66,44 +68,65 @@ def deadline_frame() -> bytes:
 class Drain:
     """The drain state of one app. Not draining until :meth:`run` (or :meth:`begin`).
 
-    ``deadline_reached`` is set when the drain timeout passes with requests still in flight:
-    streams watch it to end with an error event, the middleware to answer what has not started.
+    What must stop at the drain deadline registers a callback with :meth:`on_stop` for as long
+    as it runs (streams, to end with an error event; the middleware, to answer what has not
+    started). Holds no event-loop object until :meth:`run`, so one app may serve on any loop.
     """
 
     def __init__(self) -> None:
         self.draining = False
+        self.deadline_passed = False
         self.num_inflight = 0
-        self.deadline_reached = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._on_stop: set[Callable[[], None]] = set()
+        self._idle: asyncio.Event | None = None  # created by run(), on the server's loop
 
     def begin(self) -> None:
         self.draining = True
 
     def enter(self) -> None:
         self.num_inflight += 1
-        self._idle.clear()
 
     def exit(self) -> None:
         self.num_inflight -= 1
-        if self.num_inflight == 0:
+        if self.num_inflight == 0 and self._idle is not None:
             self._idle.set()
 
+    @contextlib.contextmanager
+    def on_stop(self, callback: Callable[[], None]) -> Iterator[None]:
+        """Call ``callback`` if the drain deadline passes while inside (at once if it has)."""
+        if self.deadline_passed:
+            callback()
+        self._on_stop.add(callback)
+        try:
+            yield
+        finally:
+            self._on_stop.discard(callback)
+
+    def stop_all(self) -> None:
+        """The deadline: everything registered with :meth:`on_stop` is told to stop now."""
+        self.begin()
+        self.deadline_passed = True
+        for callback in list(self._on_stop):
+            callback()
+
     async def run(self, timeout_s: float, grace_s: float = DEADLINE_GRACE_S) -> bool:
-        """Drain: True if every request in flight ended within ``timeout_s``; otherwise cut the
-        rest short (``deadline_reached``) and wait up to ``grace_s`` for them to end."""
+        """Drain: True if every request in flight ended within ``timeout_s``; otherwise stop the
+        rest (:meth:`stop_all`) and wait up to ``grace_s`` for them to end."""
         self.begin()
         logger.warning("draining: refusing new requests; %d in flight", self.num_inflight)
         start = time.monotonic()
+        idle = self._idle = asyncio.Event()
+        if self.num_inflight == 0:
+            idle.set()
         with anyio.move_on_after(timeout_s):
-            await self._idle.wait()
-        if self._idle.is_set():
+            await idle.wait()
+        if idle.is_set():
             logger.warning("drained in %.1f s", time.monotonic() - start)
             return True
         logger.warning("drain timeout (%.0f s): ending %d requests in flight", timeout_s, self.num_inflight)
-        self.deadline_reached.set()
+        self.stop_all()
         with anyio.move_on_after(grace_s):
-            await self._idle.wait()
+            await idle.wait()
         return False
 
 
@@ -125,7 +148,7 @@ class DrainMiddleware:
             await draining_error().to_response()(scope, receive, send)
             return
         started = False
-        cut_short = False
+        cancel_scope = anyio.CancelScope()
 
         async def send_and_watch(message: Message) -> None:
             nonlocal started
@@ -133,20 +156,15 @@ class DrainMiddleware:
                 started = True
             await send(message)
 
-        async def cut_at_deadline(cancel_scope: anyio.CancelScope) -> None:
-            nonlocal cut_short
-            await self.drain.deadline_reached.wait()
+        def cut_short() -> None:
             if not started:
-                cut_short = True
                 cancel_scope.cancel()
 
         self.drain.enter()
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cut_at_deadline, tg.cancel_scope)
+            with cancel_scope, self.drain.on_stop(cut_short):
                 await self.app(scope, receive, send_and_watch)
-                tg.cancel_scope.cancel()
-            if cut_short and not started:
+            if cancel_scope.cancelled_caught and not started:
                 await deadline_error().to_response()(scope, receive, send)
         finally:
             self.drain.exit()
@@ -189,8 +207,7 @@ class DrainingServer(uvicorn.Server):
         self._drainer = asyncio.ensure_future(self._drain_then_exit())
 
     def _stop_now(self) -> None:
-        self.drain.begin()
-        self.drain.deadline_reached.set()
+        self.drain.stop_all()
         self.should_exit = True
 
     async def _drain_then_exit(self) -> None:

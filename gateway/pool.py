@@ -493,7 +493,7 @@ class ProxyGateway:
                 headers=out_headers,
                 on_close=on_close,
                 keep_alive_first=not first.done(),  # headers now; the first frame follows
-                stop=self.drain.deadline_reached,
+                stop=self.drain,
                 stop_frame=deadline_frame(),
             )
             handed_over = True
