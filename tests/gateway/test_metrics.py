@@ -155,3 +155,23 @@ async def test_replica_trusts_priority_headers_only_with_the_internal_token(make
     assert (trusted.priority, trusted.queue_deadline_s, trusted.fairness_key) == (Priority.FREE, 2.5, "acme")
     assert (untrusted.priority, untrusted.queue_deadline_s) == (Priority.PAID, None)
     assert get(values, "batchgate_tokens_total", direction="out", plan="free") > 0
+
+
+async def test_draining_refuses_new_requests_and_says_so(fake_engine) -> None:
+    app = create_app(Settings(), engine=fake_engine)
+    body = {"model": fake_engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with client_for(app) as client:
+        values = scrape((await client.get("/metrics")).text)
+        assert get(values, "batchgate_draining") == 0
+        assert ("batchgate_redis_up", ()) not in values  # only when Redis is configured
+        assert ("batchgate_upstreams", ()) not in values  # only in gateway-only mode
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+        app.state.gateway.drain.begin()
+        ready = await client.get("/ready")
+        assert (ready.status_code, ready.json()["detail"]) == (503, "draining")
+        refused = await client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1" and refused.headers["x-batchgate-draining"] == "1"
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        assert get(scrape((await client.get("/metrics")).text), "batchgate_draining") == 1

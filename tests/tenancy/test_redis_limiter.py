@@ -196,3 +196,29 @@ async def test_a_settle_failed_in_an_outage_is_retried_when_redis_returns(
     finally:
         await observer.aclose()
         await limiter.aclose()
+
+
+async def test_kept_settlements_are_bounded_and_dropped_after_the_lease_ttl(
+    redis_process: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tenancy.redis_limiter.MAX_PENDING_SETTLES", 3)
+    limiter = RedisLimiter(open_async(redis_process.url), lease_ttl_s=0.5)
+    plan = make_plan()
+    try:
+        leases = []
+        for i in range(5):
+            decision = await limiter.admit("acme", plan, 10, f"r{i}")
+            assert decision.lease is not None
+            leases.append(decision.lease)
+        redis_process.stop()
+        for lease in leases:
+            assert not await limiter.settle(lease, 1, 1)
+        assert limiter.num_pending_settles == 3  # the oldest two dropped
+        assert limiter.reachable is False
+        # Redis stays away past the lease TTL: the TTL has released the leases; nothing is kept.
+        deadline = time.monotonic() + 5.0
+        while limiter.num_pending_settles:
+            assert time.monotonic() < deadline, "kept settlements outlived their lease TTL"
+            await asyncio.sleep(0.05)
+    finally:
+        await limiter.aclose()
