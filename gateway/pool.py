@@ -111,10 +111,11 @@ class Pool:
         self._task = asyncio.ensure_future(self._loop())
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._reprobing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.client.aclose()
         await self._poll_client.aclose()
 

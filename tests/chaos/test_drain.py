@@ -6,12 +6,13 @@ import json
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import redis
 
-from tests.chaos.conftest import AUTH, live_leases, start_gateway, start_replica, upstreams
+from tests.chaos.conftest import AUTH, INTERNAL, live_leases, start_gateway, start_replica, upstreams
 from tests.chaos.helpers import chat_body, stream_chat
 from tests.pool.conftest import replica_args, start, wait_ready
 
@@ -26,22 +27,37 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path: Path, tiny_mode
         wait_ready([server])
         with httpx.Client(base_url=server.url, timeout=30) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
-            short = [stream_chat(server.url, chat_body(model, f"short {i}", 16)) for i in range(3)]
-            long = stream_chat(server.url, chat_body(model, "long", LONG_MAX_TOKENS))
-            for s in [*short, long]:
-                assert s.first_event.wait(60), "a stream did not start"
+            # A long non-streaming request: its response has not started when the deadline comes.
+            with ThreadPoolExecutor(1) as pool:
+                gathered = pool.submit(
+                    httpx.post,
+                    server.url + "/v1/chat/completions",
+                    json=chat_body(model, "long, not streamed", LONG_MAX_TOKENS),
+                    timeout=60,
+                )
+                deadline = time.monotonic() + 30
+                while http.get("/v1/internal/stats", headers=INTERNAL).json()["num_running"] != 1:
+                    assert time.monotonic() < deadline, "the non-streaming request did not start"
+                    time.sleep(0.02)
+                short = [stream_chat(server.url, chat_body(model, f"short {i}", 32)) for i in range(3)]
+                long = stream_chat(server.url, chat_body(model, "long", LONG_MAX_TOKENS))
+                for s in [*short, long]:
+                    assert s.first_event.wait(60), "a stream did not start"
 
-            server.proc.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            ready = http.get("/ready")
-            while ready.status_code == 200 and time.monotonic() - signalled < 1.0:
-                ready = http.get("/ready")  # the flip is immediate; this only bounds the wait
-            assert (ready.status_code, ready.json()["detail"]) == (503, "draining")
+                server.proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                ready = http.get("/ready")
+                while ready.status_code == 200 and time.monotonic() - signalled < 1.0:
+                    ready = http.get("/ready")  # the flip is immediate; this only bounds the wait
+                assert (ready.status_code, ready.json()["detail"]) == (503, "draining")
 
-            refused = http.post("/v1/chat/completions", json=chat_body(model, "too late", 4))
-            assert refused.status_code == 503, refused.text
-            assert refused.headers["retry-after"] == "1"
-            assert refused.json()["error"]["code"] == "server_overloaded"
+                refused = http.post("/v1/chat/completions", json=chat_body(model, "too late", 4))
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "server_overloaded"
+
+                cut = gathered.result(timeout=60)  # answered, not dropped, at the deadline
+                assert cut.status_code == 503 and cut.json()["error"]["type"] == "server_error"
 
         for s in short:  # finished normally during the drain
             assert s.done.wait(30)
