@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -28,11 +29,10 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, ErrorKind, sse_error_event
+from gateway.metrics import GENERATION_PATHS  # the requests a drain waits for and refuses
 
 logger = logging.getLogger("batchgate.gateway")
 
-# Generation endpoints: the requests a drain waits for and refuses.
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 # After the deadline, how long the requests cut short get to send their last event and settle.
 DEADLINE_GRACE_S = 5.0
 # What a client refused during a drain is told to wait (another replica takes it meanwhile).
@@ -183,9 +183,9 @@ class DrainingServer(uvicorn.Server):
         self._signalled = False
         self._drainer: asyncio.Task[None] | None = None
 
-    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)  # type: ignore[arg-type]
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes of the event loop: schedule, do not await.

@@ -149,10 +149,11 @@ class Pool:
         arriving while a round runs share it."""
         if self._reprobing is None or self._reprobing.done():
             down = [u for u in self.upstreams if not u.healthy]
-            self._reprobing = asyncio.ensure_future(
-                asyncio.gather(*(self._poll(u, REPROBE_TIMEOUT_S) for u in down))
-            )
+            self._reprobing = asyncio.ensure_future(self._probe_all(down))
         await asyncio.shield(self._reprobing)
+
+    async def _probe_all(self, upstreams: list[Upstream]) -> None:
+        await asyncio.gather(*(self._poll(u, REPROBE_TIMEOUT_S) for u in upstreams))
 
     async def _poll(self, up: Upstream, timeout_s: float | None = None) -> None:
         try:

@@ -28,7 +28,7 @@ priority = "paid"
 tokens_per_minute = 10000000
 requests_per_minute = 6000
 max_concurrent_requests = 8
-queue_deadline_seconds = 60
+queue_deadline_seconds = 3600  # the engine must queue, not refuse, the second request
 
 [tenants.acme]
 plan = "paid"
