@@ -149,8 +149,9 @@ return {'1', 'ok', '0', fmt(tok), fmt(req), fmt(now)}
 
 # KEYS: tokens, leases, usage
 # ARGV: lease_id, unused_tokens (reserved - used; may be < 0), tokens_per_minute,
-#       prompt_tokens, completion_tokens, now_override
+#       prompt_tokens, completion_tokens, now_override, retry ('1' for a kept settlement retried)
 # -> 1 if the lease was live (and the refund made), else 0
+# A retry counts usage only if its lease is still there: an attempt that timed out may have run.
 SETTLE_SCRIPT = (
     _PRELUDE
     + """
@@ -167,9 +168,11 @@ if live == 1 and unused > 0 then
   local level = math.min(cap, refilled(KEYS[1], now, cap, rate) + unused)
   store(KEYS[1], now, level, cap, rate)
 end
-redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[5])
-redis.call('HINCRBY', KEYS[3], 'requests', 1)
+if ARGV[7] ~= '1' or score or ARGV[1] == '' then
+  redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[4])
+  redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[5])
+  redis.call('HINCRBY', KEYS[3], 'requests', 1)
+end
 return live
 """
 )
@@ -350,7 +353,9 @@ class RedisLimiter:
             )
             return False
 
-    async def _settle_now(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> bool:
+    async def _settle_now(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, *, retry: bool = False
+    ) -> bool:
         limits: Limits | None = lease.limits
         keys = (tokens_key(lease.tenant), leases_key(lease.tenant), usage_key(lease.tenant))
         unused = lease.reserved_tokens - (prompt_tokens + completion_tokens) if limits else 0
@@ -361,6 +366,7 @@ class RedisLimiter:
             prompt_tokens,
             completion_tokens,
             self._now_arg(),
+            "1" if retry else "",
         )
         return bool(await self._call("settle", self._settle, keys, args))
 
@@ -392,7 +398,9 @@ class RedisLimiter:
                 )
                 continue
             try:
-                await self._settle_now(pending.lease, pending.prompt_tokens, pending.completion_tokens)
+                await self._settle_now(
+                    pending.lease, pending.prompt_tokens, pending.completion_tokens, retry=True
+                )
             except LimiterUnavailableError:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, SETTLE_RETRY_MAX_S)

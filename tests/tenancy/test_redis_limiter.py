@@ -222,3 +222,17 @@ async def test_kept_settlements_are_bounded_and_dropped_after_the_lease_ttl(
             await asyncio.sleep(0.05)
     finally:
         await limiter.aclose()
+
+
+async def test_a_retried_settlement_that_already_ran_counts_usage_once(redis_url: str) -> None:
+    # A settle that timed out may still have run in Redis; its retry must not count usage twice.
+    limiter = RedisLimiter(open_async(redis_url))
+    try:
+        decision = await limiter.admit("acme", make_plan(), 50, "r1")
+        assert decision.lease is not None
+        assert await limiter.settle(decision.lease, 10, 5)
+        assert not await limiter._settle_now(decision.lease, 10, 5, retry=True)
+        usage = (await limiter.usage())["acme"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (10, 5, 1)
+    finally:
+        await limiter.aclose()
