@@ -64,16 +64,3 @@ def answered(url: str) -> float:
         metric(url, "batchgate_requests_total", {"code": c}) or 0 for c in ("2xx", "3xx", "4xx", "5xx")
     )
 
-
-__all__ = [
-    "start_replica",
-    "start_gateway",
-    "upstreams",
-    "stats",
-    "metric",
-    "wait_ready",
-    "Process",
-    "AUTH",
-    "live_leases",
-    "answered",
-]
