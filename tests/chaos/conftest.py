@@ -9,7 +9,8 @@ import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool.conftest import INTERNAL_TOKEN, PAID_KEY, TENANTS, Process, replica_args, start, wait_ready
+from tests.pool.conftest import INTERNAL_TOKEN, PAID_KEY, TENANTS, Process, replica_args, start
+from tests.pool.conftest import wait_ready as wait_ready  # re-exported for the chaos tests
 
 # Room for streams long enough to be in flight when a fault comes (the tiny model is fast).
 LONG_CONTEXT_ARGS = ["--max-model-len", "4096", "--kv-cache-memory", "32MiB"]
