@@ -64,4 +64,3 @@ def answered(url: str) -> float:
     return sum(
         metric(url, "batchgate_requests_total", {"code": c}) or 0 for c in ("2xx", "3xx", "4xx", "5xx")
     )
-
