@@ -11,13 +11,23 @@ The tenancy package is imported lazily, so the gateway runs (in open mode) witho
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
-from collections.abc import Mapping
+import logging
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine.types import Priority
 from gateway.errors import APIError, ErrorKind
+
+logger = logging.getLogger("batchgate.gateway")
+
+# How often the limiter's store (Redis) is pinged in the background: keeps the
+# batchgate_redis_up gauge current and retries the settlements kept during an outage even when
+# no request comes.
+LIMITER_PROBE_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -150,3 +160,33 @@ async def admit(
     await holder.__aenter__()
     # Nothing is recorded yet: a request the engine refuses is refunded whole.
     return Admission(holder, decision.headers())
+
+
+@contextlib.asynccontextmanager
+async def watching(tenancy: Any, interval_s: float = LIMITER_PROBE_INTERVAL_S) -> AsyncIterator[None]:
+    """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S);
+    nothing without tenancy or without Redis."""
+    if tenancy is None or not _uses_redis(tenancy):
+        yield
+        return
+
+    async def probe() -> None:
+        while True:
+            try:
+                await tenancy.ready()
+            except Exception:  # noqa: BLE001 - a probe must never end the loop
+                logger.exception("probing the rate limiter failed")
+            await asyncio.sleep(interval_s)
+
+    task = asyncio.ensure_future(probe())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _uses_redis(tenancy: Any) -> bool:
+    from tenancy.redis_limiter import RedisLimiter
+
+    return isinstance(getattr(tenancy, "limiter", None), RedisLimiter)

@@ -30,7 +30,8 @@ from starlette.routing import Route
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from gateway import admission, embeddings, generation, protocol, responses, telemetry
-from gateway.body import read_json
+from gateway.body import read_json, unless_disconnected
+from gateway.drain import Drain, DrainMiddleware, deadline_frame
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, from_engine_error, invalid_request
 from gateway.metrics import Metrics, MetricsMiddleware, TimedStream
 from gateway.openapi import build_openapi
@@ -77,6 +78,9 @@ class Gateway:
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine)
         self.embeddings = embeddings.Embeddings(settings, self.metrics, self._authenticate, tenancy, embedder)
+        self.drain = Drain()
+        self.metrics.state.draining = lambda: self.drain.draining
+        self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
         if engine is not None:
             self._attach(engine)
 
@@ -108,7 +112,8 @@ class Gateway:
         if loader is None:
             freeze_startup_heap()
         try:
-            yield
+            async with admission.watching(self.tenancy):
+                yield
         finally:
             if loader is not None:
                 await loader  # a load in progress cannot be interrupted; wait, then shut it down
@@ -160,6 +165,8 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
+        if self.drain.draining:
+            return JSONResponse({"status": "unavailable", "detail": "draining"}, 503)
         if self.engine is None and self.serves_chat:
             status = "error" if self.load_error is not None else "loading"
             return JSONResponse({"status": status}, 503)
@@ -342,7 +349,12 @@ class Gateway:
                 job.request_id, prompts, params, caller, param="messages" if chat else "prompt", span=span
             )
             if stream:
-                ready = await outputs.wait_ready(self.settings.keep_alive_s)
+                # Watch the connection while the request waits for its first output: a client that
+                # leaves now gives its queue place and lease back at once (the finally aborts).
+                ready = await unless_disconnected(request, outputs.wait_ready(self.settings.keep_alive_s))
+                if ready is None:
+                    logger.info("%s: client disconnected before the first output; aborted", job.request_id)
+                    return Response(status_code=499)
                 error = outputs.first_error()
                 if error is not None:
                     raise error
@@ -363,6 +375,8 @@ class Gateway:
                     headers=headers,
                     on_close=on_close,
                     keep_alive_first=not ready,
+                    stop=self.drain,
+                    stop_frame=deadline_frame(),
                 )
                 handed_over = True
                 return response
@@ -483,23 +497,7 @@ async def _gather_unless_disconnected(
     request: Request, outputs: generation.Outputs, job: generation.Job
 ) -> list[responses.Choice] | None:
     """Gather every choice, or None if the client disconnected first (the engine then aborts)."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    gathering = asyncio.ensure_future(generation.gather(outputs, job))
-    watching = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not gathering.done():
-            gathering.cancel()
-        await asyncio.gather(gathering, watching, return_exceptions=True)
-    if gathering.cancelled():
-        return None
-    return gathering.result()
+    return await unless_disconnected(request, generation.gather(outputs, job))
 
 
 def freeze_startup_heap() -> None:
@@ -558,7 +556,11 @@ def build_starlette(gateway: Any, internal: Route) -> Starlette:
         routes=routes,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=gateway.lifespan,
-        middleware=[*telemetry.asgi_middleware(), Middleware(MetricsMiddleware, metrics=gateway.metrics)],
+        middleware=[
+            *telemetry.asgi_middleware(),
+            Middleware(MetricsMiddleware, metrics=gateway.metrics),
+            Middleware(DrainMiddleware, drain=gateway.drain),
+        ],
     )
     app.state.gateway = gateway
     return app

@@ -1,4 +1,5 @@
-"""Reading a request body: JSON only, size-limited, and decoded into values the server can use.
+"""Reading a request body: JSON only, size-limited, and decoded into values the server can use;
+and, once it is read, watching the connection for the client leaving.
 
 Every failure is an APIError in OpenAI's shape: 415 for a Content-Type that is not JSON, 413 for
 a body over the limit, 400 for anything that does not decode (bad JSON, bad UTF-8, NaN, absurd
@@ -7,9 +8,11 @@ nesting, half a surrogate pair).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -19,6 +22,8 @@ from gateway.errors import APIError, ErrorKind, invalid_request
 # finishes sending and reads the answer instead of seeing a reset connection.
 _DRAIN_MAX_BYTES = 16 * 1024 * 1024
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+T = TypeVar("T")
 
 
 def _reject_constant(name: str) -> Any:
@@ -80,3 +85,31 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
                 "The request body contains invalid Unicode: an unpaired surrogate escape such as \\ud800."
             ) from None
     return value
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None if the client disconnected first (``work`` is then cancelled,
+    so its cleanup runs: the engine sequence is aborted, the upstream call closed).
+
+    Call only after the body was read: this consumes the connection's next ASGI messages, and
+    after the body the only one left to come is ``http.disconnect``. Waiting for a request's
+    first output with this is what frees a queued request's place and lease as soon as its
+    client leaves, instead of at its first token.
+    """
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    working = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not working.done():
+            working.cancel()
+        await asyncio.gather(working, watching, return_exceptions=True)
+    if working.cancelled():
+        return None
+    return working.result()

@@ -84,25 +84,32 @@ def build_tenancy(settings: Settings) -> Any | None:
     return Tenancy.from_settings(settings.tenants, settings.redis_url, settings.redis_policy)
 
 
+# After the drain, how long uvicorn waits for connections to close (by then no request runs).
+SHUTDOWN_GRACE_S = 5
+
+
 def serve(settings: Settings, tenancy: Any | None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (see gateway/drain.py) and return."""
     import uvicorn
 
     from gateway import telemetry
     from gateway.app import create_app
+    from gateway.drain import DrainingServer
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     telemetry.setup()  # only when OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER ask for traces
     app = create_app(settings, tenancy=tenancy, owns_tenancy=True)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=10,
-        )
+        DrainingServer(config, app.state.gateway.drain, settings.drain_timeout_s).run()
     finally:
         telemetry.shutdown()
 

@@ -29,12 +29,17 @@ any other client-controlled string.
     batchgate_embedding_batch_tokens           histogram (padded tokens per embedding model call)
     batchgate_embedding_queue_wait_seconds     histogram (per input: arrival -> its model call)
     batchgate_embedding_model_seconds          histogram (per embedding model call)
+    batchgate_draining                         gauge (1 from SIGTERM until exit, see gateway/drain.py)
+    batchgate_redis_up                         gauge (1 Redis reachable, 0 not; only with Redis)
+    batchgate_upstreams                        gauge (gateway-only mode: replicas configured)
+    batchgate_upstreams_healthy                gauge (gateway-only mode: of those, routed to now)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -133,6 +138,44 @@ def _liveness(engine: Any, stats: Any) -> list[Metric]:
     return [up, stalled, failures]
 
 
+class _GatewayCollector(Collector):
+    """Gauges of the gateway's own state, read at scrape time from `Metrics.state`."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        state = self._metrics.state
+        draining = GaugeMetricFamily("batchgate_draining", "1 while the server drains before exiting")
+        draining.add_metric([], 1 if state.draining() else 0)
+        out: list[Metric] = [draining]
+        redis_up = state.redis_up()
+        if redis_up is not None:
+            gauge = GaugeMetricFamily("batchgate_redis_up", "1 if the last call reached Redis, else 0")
+            gauge.add_metric([], 1 if redis_up else 0)
+            out.append(gauge)
+        upstreams = state.upstreams()
+        if upstreams is not None:
+            healthy, total = upstreams
+            total_gauge = GaugeMetricFamily("batchgate_upstreams", "Engine replicas configured")
+            total_gauge.add_metric([], total)
+            healthy_gauge = GaugeMetricFamily(
+                "batchgate_upstreams_healthy", "Engine replicas healthy (routed to)"
+            )
+            healthy_gauge.add_metric([], healthy)
+            out += [total_gauge, healthy_gauge]
+        return out
+
+
+@dataclass
+class GatewayState:
+    """Where the gateway gauges read from; each role sets what it has (None: no such gauge)."""
+
+    draining: Callable[[], bool] = lambda: False
+    redis_up: Callable[[], bool | None] = lambda: None
+    upstreams: Callable[[], tuple[int, int] | None] = lambda: None  # (healthy, total)
+
+
 def _by_priority(counts: dict[Any, int], priority: str) -> int:
     return sum(v for k, v in counts.items() if str(getattr(k, "name", k)).lower() == priority)
 
@@ -208,6 +251,8 @@ class Metrics:
             self.requests.labels(code)
         self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
         r.register(_EngineCollector(self, engine_of))
+        self.state = GatewayState()
+        r.register(_GatewayCollector(self))
 
     def refused(self, reason: str) -> None:
         if reason in self.refusals:

@@ -17,10 +17,14 @@ sharing a system prompt meet the KV blocks that replica's prefix cache holds for
 replica takes more than that margin above the rest. With `--long-prompt-upstream` replicas, prompts
 of more than `--long-prompt-threshold` tokens go to those and the others to the `--upstream` ones
 (length-aware pools: a long prefill on a replica serving chat turns stalls their streams), each set
-taking the other's prompts when none of its own replicas is healthy. A replica failing its poll, or a call,
-gets no new requests until a poll finds it ready again. A replica that fails before the client got
-its first byte is retried on another; one that dies mid-stream ends the client's stream with an
-SSE error event in OpenAI's shape, then `[DONE]`.
+taking the other's prompts when none of its own replicas is healthy. A replica failing its poll, or a call, or
+answering that it drains (/ready 503, or a 503 marked `x-batchgate-draining`), gets no new
+requests until a poll finds it ready again; a replica marked down is polled again after 0.1 s,
+then at a doubling interval up to `--health-interval`, and when a request finds no healthy
+replica left, the marked-down ones are probed at once (concurrently, 0.5 s each) before it is
+answered 503: a replica back from a short freeze is not left idle until its next poll. A replica
+that fails before the client got its first byte is retried on another; one that dies mid-stream
+ends the client's stream with an SSE error event in OpenAI's shape, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import admission, embeddings, protocol, telemetry
-from gateway.body import read_json
+from gateway.body import read_json, unless_disconnected
+from gateway.drain import DRAINING_HEADER, Drain, deadline_frame
 from gateway.errors import APIError, ErrorKind, sse_error_event
 from gateway.metrics import Metrics
 from gateway.openapi import build_openapi
@@ -57,6 +62,12 @@ logger = logging.getLogger("batchgate.pool")
 # much context is left); settlement refunds what was not used.
 DEFAULT_CHAT_MAX_TOKENS = 1024
 RETRY_STATUSES = (502, 503, 504)
+# A replica marked down is polled again after this, then at a doubling interval up to the
+# health interval: one back from a short freeze or a restart gets requests again within ~that.
+DOWN_POLL_FIRST_S = 0.1
+# When no healthy replica is left for a request, the marked-down ones are probed at once, each
+# within this, before the request is answered 503.
+REPROBE_TIMEOUT_S = 0.5
 # Hop-by-hop and recomputed headers not copied from a replica's response.
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
 
@@ -73,6 +84,7 @@ class Upstream:
     last_error: str | None = None
     created: dict[str, int] = field(default_factory=dict)
     long_prompts: bool = False  # one of the replicas reserved for prompts over the threshold
+    marked_down: asyncio.Event = field(default_factory=asyncio.Event)  # wakes its poller
 
     @property
     def load(self) -> int:
@@ -103,6 +115,7 @@ class Pool:
         telemetry.instrument_client(self.client)  # client spans + traceparent, when tracing is on
         self._poll_client = httpx.AsyncClient(timeout=httpx.Timeout(max(interval_s, 1.0)))
         self._task: asyncio.Task[None] | None = None
+        self._reprobing: asyncio.Future[None] | None = None
         self.polled = asyncio.Event()  # set after the first round of polls
 
     def internal_headers(self) -> dict[str, str]:
@@ -112,49 +125,82 @@ class Pool:
         self._task = asyncio.ensure_future(self._loop())
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._reprobing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.client.aclose()
         await self._poll_client.aclose()
 
     async def _loop(self) -> None:
+        await self.refresh()
+        self.polled.set()
+        await asyncio.gather(*(self._watch(u) for u in self.upstreams))
+
+    async def _watch(self, up: Upstream) -> None:
+        """Poll one replica: every interval while healthy; soon after it is marked down, then
+        backing off (see DOWN_POLL_FIRST_S)."""
+        delay = DOWN_POLL_FIRST_S
         while True:
-            await self.refresh()
-            self.polled.set()
-            await asyncio.sleep(self.interval_s)
+            if up.healthy:
+                delay = DOWN_POLL_FIRST_S
+                up.marked_down.clear()
+                with anyio.move_on_after(self.interval_s):
+                    await up.marked_down.wait()
+                if not up.healthy:
+                    await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.interval_s)
+            await self._poll(up)
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self._poll(u) for u in self.upstreams))
 
-    async def _poll(self, up: Upstream) -> None:
+    async def reprobe(self) -> None:
+        """Poll every marked-down replica now, concurrently, each within REPROBE_TIMEOUT_S; callers
+        arriving while a round runs share it."""
+        if self._reprobing is None or self._reprobing.done():
+            down = [u for u in self.upstreams if not u.healthy]
+            self._reprobing = asyncio.ensure_future(self._probe_all(down))
+        await asyncio.shield(self._reprobing)
+
+    async def _probe_all(self, upstreams: list[Upstream]) -> None:
+        await asyncio.gather(*(self._poll(u, REPROBE_TIMEOUT_S) for u in upstreams))
+
+    async def _poll(self, up: Upstream, timeout_s: float | None = None) -> None:
         try:
-            ready = await self._poll_client.get(up.url + "/ready")
-            if ready.status_code != 200:
-                raise RuntimeError(f"/ready answered {ready.status_code}")
-            headers = self.internal_headers()
-            models = await self._poll_client.get(up.url + "/v1/models", headers=headers)
-            models.raise_for_status()
-            stats = await self._poll_client.get(up.url + "/v1/internal/stats", headers=headers)
-            stats.raise_for_status()
-            s = stats.json()
-            cards = models.json()["data"]
-            up.models = tuple(str(m["id"]) for m in cards)
-            up.created = {str(m["id"]): int(m.get("created", 0)) for m in cards}
-            up.reported_tokens = int(s.get("num_waiting_tokens", 0)) + int(s.get("num_running_tokens", 0))
-            if not up.healthy:
-                logger.info("upstream %s is healthy (models: %s)", up.url, ", ".join(up.models))
-            up.healthy = True
-            up.last_error = None
+            with anyio.fail_after(timeout_s):
+                await self._check(up)
         except Exception as exc:  # noqa: BLE001 - any failure marks the replica down
             self.mark_down(up, f"{type(exc).__name__}: {exc}")
+
+    async def _check(self, up: Upstream) -> None:
+        ready = await self._poll_client.get(up.url + "/ready")
+        if ready.status_code != 200:
+            raise RuntimeError(f"/ready answered {ready.status_code} {ready.text[:200]}")
+        headers = self.internal_headers()
+        models = await self._poll_client.get(up.url + "/v1/models", headers=headers)
+        models.raise_for_status()
+        stats = await self._poll_client.get(up.url + "/v1/internal/stats", headers=headers)
+        stats.raise_for_status()
+        s = stats.json()
+        cards = models.json()["data"]
+        up.models = tuple(str(m["id"]) for m in cards)
+        up.created = {str(m["id"]): int(m.get("created", 0)) for m in cards}
+        up.reported_tokens = int(s.get("num_waiting_tokens", 0)) + int(s.get("num_running_tokens", 0))
+        if not up.healthy:
+            logger.info("upstream %s is healthy (models: %s)", up.url, ", ".join(up.models))
+        up.healthy = True
+        up.last_error = None
 
     def mark_down(self, up: Upstream, why: str) -> None:
         if up.healthy or up.last_error is None:  # log transitions, not every failed poll
             logger.warning("upstream %s is down: %s", up.url, why)
         up.healthy = False
         up.last_error = why
+        up.marked_down.set()
 
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]
@@ -244,13 +290,18 @@ class ProxyGateway:
             settings.long_prompt_threshold,
         )
         self.metrics = Metrics()
+        self.drain = Drain()
+        self.metrics.state.draining = lambda: self.drain.draining
+        self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
+        self.metrics.state.upstreams = lambda: (len(self.pool.healthy()), len(self.pool.upstreams))
         self._counter: Any = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.pool.start()
         try:
-            yield
+            async with admission.watching(self.tenancy):
+                yield
         finally:
             await self.pool.aclose()
             if self.owns_tenancy and self.tenancy is not None:
@@ -262,6 +313,8 @@ class ProxyGateway:
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
+        if self.drain.draining:
+            return JSONResponse({"status": "unavailable", "detail": "draining"}, 503)
         healthy = self.pool.healthy()
         if not healthy:
             return JSONResponse({"status": "unavailable", "detail": "no healthy upstream"}, 503)
@@ -307,6 +360,15 @@ class ProxyGateway:
             ]
         )
 
+    async def _models(self, model: str) -> dict[str, int]:
+        """The models the healthy replicas serve; if none serves `model` while some replica is
+        marked down, those are probed first (it may be back before its next poll)."""
+        models = self.pool.models()
+        if model not in models and len(self.pool.healthy()) < len(self.pool.upstreams):
+            await self.pool.reprobe()
+            models = self.pool.models()
+        return models
+
     def _check_model(self, model: str, models: dict[str, int]) -> None:
         if not models:
             self.metrics.refused("unavailable")
@@ -330,7 +392,7 @@ class ProxyGateway:
     async def chat_completions(self, request: Request) -> Response:
         body = await read_json(request, self.settings.max_body_bytes)
         req = protocol.parse_chat_request(body)
-        self._check_model(req.model, self.pool.models())
+        self._check_model(req.model, await self._models(req.model))
         caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
         messages = body["messages"]
         num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
@@ -350,7 +412,7 @@ class ProxyGateway:
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.settings.max_body_bytes)
         req = protocol.parse_completion_request(body)
-        self._check_model(req.model, self.pool.models())
+        self._check_model(req.model, await self._models(req.model))
         caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
 
         def count() -> int:
@@ -430,18 +492,27 @@ class ProxyGateway:
             started = time.perf_counter()
             with span.use():
                 _inject_trace_context(headers)
-                call, upstream_response, first, frames = await self._send(
-                    path,
-                    body["model"],
-                    content,
-                    headers,
-                    num_prompt + max_tokens,
-                    stream,
-                    affinity_key(caller, body)
-                    if prompt_routing and self.settings.route_affinity_tokens
-                    else b"",
-                    num_prompt if prompt_routing else 0,
+                # Watch the connection until the first byte: a client that leaves while its
+                # request is queued on the replica ends the call there (and frees its lease) now.
+                sent = await unless_disconnected(
+                    request,
+                    self._send(
+                        path,
+                        body["model"],
+                        content,
+                        headers,
+                        num_prompt + max_tokens,
+                        stream,
+                        affinity_key(caller, body)
+                        if prompt_routing and self.settings.route_affinity_tokens
+                        else b"",
+                        num_prompt if prompt_routing else 0,
+                    ),
                 )
+            if sent is None:
+                logger.info("%s: client disconnected before the first byte; call ended", request_id)
+                return Response(status_code=499)
+            call, upstream_response, first, frames = sent
             out_headers = {
                 k: v for k, v in upstream_response.headers.items() if k.lower() not in _DROP_HEADERS
             }
@@ -479,6 +550,8 @@ class ProxyGateway:
                 headers=out_headers,
                 on_close=on_close,
                 keep_alive_first=not first.done(),  # headers now; the first frame follows
+                stop=self.drain,
+                stop_frame=deadline_frame(),
             )
             handed_over = True
             return response
@@ -519,10 +592,15 @@ class ProxyGateway:
         """
         tried: set[str] = set()
         last: tuple[_Call, httpx.Response, bytes, AsyncIterator[bytes]] | None = None
+        reprobed = False
         while True:
             up = self.pool.pick(
                 model, tried, affinity, self.settings.route_affinity_tokens, num_prompt_tokens
             )
+            if up is None and not reprobed and last is None:
+                reprobed = True
+                await self.pool.reprobe()
+                continue
             if up is None:
                 if last is not None:
                     return last
@@ -549,6 +627,8 @@ class ProxyGateway:
                 payload = await response.aread()
                 await response.aclose()
                 if response.status_code in RETRY_STATUSES:
+                    if response.headers.get(DRAINING_HEADER):
+                        self.pool.mark_down(up, "draining")
                     if last is not None:
                         last[0].release()
                     last = (call, response, payload, _no_frames())

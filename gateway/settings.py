@@ -245,6 +245,13 @@ class Settings:
         "model idle never waits)",
         flag="--embedding-max-wait",
     )
+    drain_timeout_s: float = _opt(
+        60.0,
+        _float,
+        "on SIGTERM/SIGINT, seconds in-flight requests get to finish (new ones get 503) before the "
+        "rest are ended (streams with an error event and [DONE]) and the process exits",
+        flag="--drain-timeout",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -264,6 +271,8 @@ class Settings:
             raise ValueError(f"long_prompt_threshold must be >= 1, got {self.long_prompt_threshold}")
         if self.route_affinity_tokens < 0:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         if not self.engine_stall_timeout_s > 0:

@@ -3,7 +3,7 @@
     data: {"id": "chatcmpl-...", "object": "chat.completion.chunk", ...}\\n\\n
     : keep-alive\\n\\n                      <- while nothing was produced for keep_alive_s
     data: {"error": {...}}\\n\\n             <- only if the generation failed mid-stream
-    data: [DONE]\\n\\n                       <- always last
+    data: [DONE]\\n\\n                       <- always last (also when the server drains: see `stop`)
 
 `EventStreamResponse` is a small ASGI response rather than Starlette's StreamingResponse
 because it needs three things at once: (1) to notice a disconnect *while the engine is still
@@ -15,10 +15,12 @@ sequence and frees its blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import anyio
 from starlette.responses import Response
@@ -35,6 +37,14 @@ SSE_HEADERS = {
 }
 
 
+class StopSignal(Protocol):
+    """What tells a stream to end early (the server's drain deadline, gateway/drain.py)."""
+
+    def on_stop(self, callback: Callable[[], None]) -> AbstractContextManager[None]:
+        """Call ``callback`` when the stream must stop, while inside (at once if it already must)."""
+        ...
+
+
 def encode_event(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -45,7 +55,9 @@ class EventStreamResponse(Response):
     Contract: `events` is an async generator the response owns. It is closed (`aclose()`, shielded)
     when it is exhausted, when the client disconnects, or when sending fails, so its `finally`
     blocks always run; `on_close` (if given) runs after that. The caller is responsible for
-    putting `data: [DONE]` (and any error event) into `events`.
+    putting `data: [DONE]` (and any error event) into `events`. When `stop` fires (the server's
+    drain deadline) before the stream ends, `events` is closed (the engine aborts) and the stream
+    ends with `stop_frame` (an error event) and `data: [DONE]` instead of a cut connection.
     """
 
     def __init__(
@@ -56,6 +68,8 @@ class EventStreamResponse(Response):
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
         keep_alive_first: bool = False,
+        stop: StopSignal | None = None,
+        stop_frame: bytes = b"",
     ) -> None:
         if keep_alive_s <= 0:
             raise ValueError(f"keep_alive_s must be positive, got {keep_alive_s}")
@@ -71,7 +85,10 @@ class EventStreamResponse(Response):
         ]
         self.on_close = on_close
         self.keep_alive_first = keep_alive_first  # the caller already waited keep_alive_s for a first event
+        self.stop = stop
+        self.stop_frame = stop_frame
         self.disconnected = False
+        self.stopped = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         send_frames, receive_frames = anyio.create_memory_object_stream[bytes](0)
@@ -92,24 +109,43 @@ class EventStreamResponse(Response):
                     cancel_scope.cancel()
                     return
 
+        started = ended = False
+        stopping = anyio.CancelScope()
+
+        def stop_now() -> None:
+            self.stopped = True
+            stopping.cancel()
+
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_disconnect, tg.cancel_scope)
-                tg.start_soon(produce)
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                if self.keep_alive_first:
-                    await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
-                async with receive_frames:
-                    while True:
-                        frame = KEEP_ALIVE
-                        with anyio.move_on_after(self.keep_alive_s):
-                            try:
-                                frame = await receive_frames.receive()
-                            except anyio.EndOfStream:
-                                break
+            with stopping, self.stop.on_stop(stop_now) if self.stop else contextlib.nullcontext():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch_disconnect, tg.cancel_scope)
+                    tg.start_soon(produce)
+                    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                    started = True
+                    if self.keep_alive_first:
+                        await send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
+                    async with receive_frames:
+                        while True:
+                            frame = KEEP_ALIVE
+                            with anyio.move_on_after(self.keep_alive_s):
+                                try:
+                                    frame = await receive_frames.receive()
+                                except anyio.EndOfStream:
+                                    break
+                            await send({"type": "http.response.body", "body": frame, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    ended = True
+                    tg.cancel_scope.cancel()
+            if self.stopped and not ended and not self.disconnected:
+                # Cut short by the drain: abort the producer first, then end the stream properly.
+                await self._close_events()
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                for frame in (self.stop_frame, DONE):
+                    if frame:
                         await send({"type": "http.response.body", "body": frame, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                tg.cancel_scope.cancel()
         except* OSError:
             # The transport went away while writing (servers other than uvicorn raise here).
             self.disconnected = True

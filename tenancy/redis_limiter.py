@@ -9,6 +9,13 @@ Redis unreachable (refused, timed out): ``admit`` answers by the configured
 :class:`~tenancy.limiter.FailurePolicy`; never a silent per-process fallback. The client
 reconnects on the next call, and ``EVALSHA`` reloads a script a restarted Redis has forgotten,
 so service resumes by itself when Redis returns.
+
+A settlement (lease release and token refund) that fails while Redis is away is not lost: it
+waits in a bounded in-process queue and is retried with backoff by a background task, and at
+once after the next call that reaches Redis. A persistent Redis keeps the leases across its
+restart, so without the retry a tenant would stay locked out until the leases' TTL. An entry
+older than the lease TTL is dropped: by then the TTL has released the lease (its usage count is
+lost, and logged).
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -48,6 +57,13 @@ logger = logging.getLogger("batchgate.tenancy")
 
 # Upper bound on one limiter call, retries included: a request never waits longer on Redis.
 CALL_DEADLINE_S = 1.5
+# Settlements kept for a retry while Redis is away; past this the oldest is dropped (its lease
+# then ends by its TTL). 10,000 is minutes of a busy gateway's traffic, a few MiB.
+MAX_PENDING_SETTLES = 10_000
+# Backoff between retries of the kept settlements: the first retry soon, then doubling, capped
+# so that a returning Redis is noticed within about a second.
+SETTLE_RETRY_FIRST_S = 0.05
+SETTLE_RETRY_MAX_S = 1.0
 
 # Shared by every script. `now` comes from Redis TIME unless the caller passes a clock override
 # (tests only; production passes ''). Numbers are written with %.17g so they round-trip exactly,
@@ -133,8 +149,9 @@ return {'1', 'ok', '0', fmt(tok), fmt(req), fmt(now)}
 
 # KEYS: tokens, leases, usage
 # ARGV: lease_id, unused_tokens (reserved - used; may be < 0), tokens_per_minute,
-#       prompt_tokens, completion_tokens, now_override
+#       prompt_tokens, completion_tokens, now_override, retry ('1' for a kept settlement retried)
 # -> 1 if the lease was live (and the refund made), else 0
+# A retry counts usage only if its lease is still there: an attempt that timed out may have run.
 SETTLE_SCRIPT = (
     _PRELUDE
     + """
@@ -151,9 +168,11 @@ if live == 1 and unused > 0 then
   local level = math.min(cap, refilled(KEYS[1], now, cap, rate) + unused)
   store(KEYS[1], now, level, cap, rate)
 end
-redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[5])
-redis.call('HINCRBY', KEYS[3], 'requests', 1)
+if ARGV[7] ~= '1' or score or ARGV[1] == '' then
+  redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[4])
+  redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[5])
+  redis.call('HINCRBY', KEYS[3], 'requests', 1)
+end
 return live
 """
 )
@@ -172,12 +191,23 @@ return 1
 )
 
 
+@dataclass(frozen=True)
+class _PendingSettle:
+    """A settlement that failed while Redis was away; ``drop_at`` is monotonic seconds."""
+
+    lease: Lease
+    prompt_tokens: int
+    completion_tokens: int
+    drop_at: float
+
+
 class RedisLimiter:
     """A :class:`~tenancy.limiter.Limiter` whose state lives in Redis.
 
     ``clock`` overrides Redis ``TIME`` (tests only, so time-dependent cases need no sleeps);
     leave it None in production. ``policy`` decides what ``admit`` answers when Redis cannot
-    be reached within ``call_deadline_s``.
+    be reached within ``call_deadline_s``. Settlements that fail in an outage are retried (see
+    the module docstring); ``aclose`` drops those still pending.
     """
 
     def __init__(
@@ -200,6 +230,9 @@ class RedisLimiter:
         self._settle = client.register_script(SETTLE_SCRIPT)
         self._renew = client.register_script(RENEW_SCRIPT)
         self._outage = False
+        self._contacted = False  # whether any call has reached (or failed to reach) Redis yet
+        self._pending: deque[_PendingSettle] = deque()
+        self._retrier: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisLimiter:
@@ -213,27 +246,59 @@ class RedisLimiter:
     def _now_arg(self) -> str:
         return "" if self._clock is None else repr(float(self._clock()))
 
+    @property
+    def reachable(self) -> bool | None:
+        """Whether the last call (or :meth:`ping`) reached Redis; None before the first one."""
+        return not self._outage if self._contacted else None
+
+    @property
+    def num_pending_settles(self) -> int:
+        """Settlements kept for a retry because Redis was away when they were made."""
+        return len(self._pending)
+
+    async def ping(self) -> bool:
+        """Whether Redis answers PING within a second; updates :attr:`reachable` (and, when it
+        answers, retries the kept settlements)."""
+        try:
+            async with asyncio.timeout(min(self._deadline_s, 1.0)):
+                await self._client.ping()
+        except UNAVAILABLE_ERRORS as exc:
+            self._went_down("ping", exc)
+            return False
+        self._came_back()
+        return True
+
+    def _went_down(self, what: str, exc: BaseException) -> None:
+        self._contacted = True
+        if not self._outage:
+            # Once per outage, not per request: the policy's effect is stated here.
+            self._outage = True
+            effect = (
+                "ADMITTING WITHOUT LIMITS (fail_open)"
+                if self.policy is FailurePolicy.FAIL_OPEN
+                else "refusing requests with 503 (fail_closed)"
+            )
+            logger.warning(
+                "tenancy: Redis unavailable during %s (%r); %s until it returns", what, exc, effect
+            )
+
+    def _came_back(self) -> None:
+        self._contacted = True
+        if self._outage:
+            self._outage = False
+            logger.warning("tenancy: Redis reachable again; limits enforced")
+        if self._pending:
+            self._start_retrier()
+
     async def _call(self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run a script within the call deadline; LimiterUnavailableError if Redis is away."""
         try:
             async with asyncio.timeout(self._deadline_s):
                 result = await script(keys=list(keys), args=list(args))
         except UNAVAILABLE_ERRORS as exc:
-            if not self._outage:
-                # Once per outage, not per request: the policy's effect is stated here.
-                self._outage = True
-                effect = (
-                    "ADMITTING WITHOUT LIMITS (fail_open)"
-                    if self.policy is FailurePolicy.FAIL_OPEN
-                    else "refusing requests with 503 (fail_closed)"
-                )
-                logger.warning(
-                    "tenancy: Redis unavailable during %s (%r); %s until it returns", what, exc, effect
-                )
+            self._went_down(what, exc)
             raise LimiterUnavailableError(f"Redis unavailable during {what}: {exc!r}") from exc
-        if self._outage:
-            self._outage = False
-            logger.warning("tenancy: Redis reachable again; limits enforced")
+        self._came_back()
         return result
 
     async def admit(self, tenant: str, plan: Plan, tokens: int, request_id: str) -> Decision:
@@ -275,6 +340,22 @@ class RedisLimiter:
         return Decision(admitted=False, reason=Reason.UNAVAILABLE, retry_after_s=1.0, requested_tokens=tokens)
 
     async def settle(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> bool:
+        """Release the lease and refund; False if the lease had expired, or if Redis is away (the
+        settlement is then kept and retried when Redis answers again)."""
+        try:
+            return await self._settle_now(lease, prompt_tokens, completion_tokens)
+        except LimiterUnavailableError as exc:
+            logger.warning(
+                "tenancy: could not settle %s (%s); retrying when Redis returns", lease.request_id, exc
+            )
+            self._keep(
+                _PendingSettle(lease, prompt_tokens, completion_tokens, time.monotonic() + lease.ttl_s)
+            )
+            return False
+
+    async def _settle_now(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, *, retry: bool = False
+    ) -> bool:
         limits: Limits | None = lease.limits
         keys = (tokens_key(lease.tenant), leases_key(lease.tenant), usage_key(lease.tenant))
         unused = lease.reserved_tokens - (prompt_tokens + completion_tokens) if limits else 0
@@ -285,12 +366,49 @@ class RedisLimiter:
             prompt_tokens,
             completion_tokens,
             self._now_arg(),
+            "1" if retry else "",
         )
-        try:
-            return bool(await self._call("settle", self._settle, keys, args))
-        except LimiterUnavailableError as exc:
-            logger.warning("tenancy: could not settle %s (%s); its lease will expire", lease.request_id, exc)
-            return False
+        return bool(await self._call("settle", self._settle, keys, args))
+
+    def _keep(self, pending: _PendingSettle) -> None:
+        if len(self._pending) >= MAX_PENDING_SETTLES:
+            dropped = self._pending.popleft()
+            logger.warning(
+                "tenancy: %d settlements wait for Redis; dropped the oldest (%s), its lease ends by its TTL",
+                MAX_PENDING_SETTLES,
+                dropped.lease.request_id,
+            )
+        self._pending.append(pending)
+        self._start_retrier()
+
+    def _start_retrier(self) -> None:
+        if self._retrier is None or self._retrier.done():
+            self._retrier = asyncio.get_running_loop().create_task(self._retry_pending(), name="settle-retry")
+
+    async def _retry_pending(self) -> None:
+        """Settle the kept entries in order, backing off while Redis is still away."""
+        delay = SETTLE_RETRY_FIRST_S
+        while self._pending:
+            pending = self._pending[0]
+            if time.monotonic() >= pending.drop_at:
+                self._pending.popleft()
+                logger.warning(
+                    "tenancy: gave up settling %s: its lease TTL has released it (usage not counted)",
+                    pending.lease.request_id,
+                )
+                continue
+            try:
+                await self._settle_now(
+                    pending.lease, pending.prompt_tokens, pending.completion_tokens, retry=True
+                )
+            except LimiterUnavailableError:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, SETTLE_RETRY_MAX_S)
+                continue
+            # Settled (or found already gone): done with it, whichever call got there first.
+            if self._pending and self._pending[0] is pending:
+                self._pending.popleft()
+            delay = SETTLE_RETRY_FIRST_S
 
     async def renew(self, lease: Lease) -> bool:
         if not lease.tracked:
@@ -320,6 +438,15 @@ class RedisLimiter:
         return seconds + micros / 1_000_000
 
     async def aclose(self) -> None:
+        if self._retrier is not None:
+            self._retrier.cancel()
+            await asyncio.gather(self._retrier, return_exceptions=True)
+        if self._pending:
+            logger.warning(
+                "tenancy: closing with %d settlements not made (Redis away); their leases end by TTL",
+                len(self._pending),
+            )
+            self._pending.clear()
         await self._client.aclose()
 
 

@@ -26,7 +26,6 @@ from typing import Any
 from tenancy.config import OPEN_PLAN, OPEN_TENANT, TenancyConfig, Tenant, load_config
 from tenancy.errors import AuthError
 from tenancy.keys import KeyStore
-from tenancy.keyspace import UNAVAILABLE_ERRORS
 from tenancy.limiter import DEFAULT_LEASE_TTL_S, Decision, FailurePolicy, Lease, Limiter, MemoryLimiter
 from tenancy.redis_limiter import RedisLimiter
 from tenancy.tokens import TokenCounter, Tokenize
@@ -214,14 +213,20 @@ class Tenancy:
         return await self.limiter.usage()
 
     async def ready(self) -> bool:
-        """Whether admission can currently enforce limits (Redis answers PING, or no Redis)."""
+        """Whether admission can currently enforce limits (Redis answers PING, or no Redis).
+
+        A PING that answers also retries the settlements kept during an outage."""
         if not isinstance(self.limiter, RedisLimiter):
             return True
-        try:
-            async with asyncio.timeout(1.0):
-                return bool(await self.limiter.client.ping())
-        except UNAVAILABLE_ERRORS:
-            return False
+        return await self.limiter.ping()
+
+    @property
+    def redis_up(self) -> bool | None:
+        """Whether the last call reached Redis (the ``batchgate_redis_up`` gauge); None without
+        Redis, or before the first call."""
+        if not isinstance(self.limiter, RedisLimiter):
+            return None
+        return self.limiter.reachable
 
     async def aclose(self) -> None:
         """Release connections (wait for settles still in flight first)."""

@@ -13,6 +13,8 @@ Fixtures:
 * ``redis_url`` (function): the same URL, with the server flushed first.
 * ``redis_process`` (function): a private :class:`RedisProcess` the test may stop, pause,
   restart (outage tests); stopped at the end.
+* ``persistent_redis_process`` (function): the same, with an append-only file, so keys survive
+  a kill and restart (as in production).
 """
 
 from __future__ import annotations
@@ -63,12 +65,16 @@ def free_port() -> int:
 
 
 class RedisProcess:
-    """One ``redis-server`` on 127.0.0.1, without persistence, that can be stopped and restarted
-    on the same port (clients then reconnect to the same URL)."""
+    """One ``redis-server`` on 127.0.0.1 that can be stopped and restarted on the same port
+    (clients then reconnect to the same URL). Without persistence by default; with
+    ``persistent=True`` every write is in its append-only file before Redis answers
+    (``appendfsync always``), so a killed and restarted server has every key back, as a
+    production Redis with persistence has."""
 
-    def __init__(self, workdir: Path, binary: str | None = None) -> None:
+    def __init__(self, workdir: Path, binary: str | None = None, *, persistent: bool = False) -> None:
         self.binary = binary or find_redis_server()
         self.workdir = workdir
+        self.persistent = persistent
         self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -90,7 +96,8 @@ class RedisProcess:
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.persistent else "no",
+            "--appendfsync", "always",
             "--dir", str(self.workdir),
             "--loglevel", "warning",
         ]  # fmt: skip
@@ -127,7 +134,7 @@ class RedisProcess:
         self._proc = None
 
     def restart(self) -> None:
-        """Stop, then start again on the same port (all data is lost: no persistence)."""
+        """Stop, then start again on the same port (all data is lost unless persistent)."""
         self.stop()
         self.start()
 
@@ -168,6 +175,17 @@ def redis_url(redis_server: str) -> str:
 def redis_process(tmp_path: Path) -> Iterator[RedisProcess]:
     """A private, running redis-server this test may stop, pause and restart."""
     server = RedisProcess(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def persistent_redis_process(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A private, running redis-server with persistence: keys survive :meth:`RedisProcess.stop`."""
+    server = RedisProcess(tmp_path / "redis-aof", persistent=True)
     server.start()
     try:
         yield server

@@ -187,3 +187,23 @@ def test_a_gateway_without_a_local_engine_has_no_liveness_series() -> None:
 
     text = generate_latest(Metrics().registry).decode()
     assert "batchgate_requests_waiting" in text and "batchgate_engine_" not in text
+
+
+async def test_draining_refuses_new_requests_and_says_so(fake_engine) -> None:
+    app = create_app(Settings(), engine=fake_engine)
+    body = {"model": fake_engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with client_for(app) as client:
+        values = scrape((await client.get("/metrics")).text)
+        assert get(values, "batchgate_draining") == 0
+        assert ("batchgate_redis_up", ()) not in values  # only when Redis is configured
+        assert ("batchgate_upstreams", ()) not in values  # only in gateway-only mode
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+        app.state.gateway.drain.begin()
+        ready = await client.get("/ready")
+        assert (ready.status_code, ready.json()["detail"]) == (503, "draining")
+        refused = await client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1" and refused.headers["x-batchgate-draining"] == "1"
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        assert get(scrape((await client.get("/metrics")).text), "batchgate_draining") == 1

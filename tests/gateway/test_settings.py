@@ -43,6 +43,8 @@ def test_defaults() -> None:
     cfg = s.engine_config()
     assert cfg.model is None and cfg.block_size == 16
     assert s.engine_stall_timeout_s == 60.0
+    assert s.drain_timeout_s == 60.0
+    assert Settings.load({}, {"BATCHGATE_DRAIN_TIMEOUT": "2.5"}).drain_timeout_s == 2.5
 
 
 def test_flag_over_env_over_default() -> None:
@@ -79,6 +81,7 @@ def test_flag_over_env_over_default() -> None:
         ({"BATCHGATE_MAX_BODY_BYTES": "lots"}, "BATCHGATE_MAX_BODY_BYTES"),
         ({"BATCHGATE_QUEUE_DEADLINE": "-1"}, "default_queue_deadline_s"),
         ({"BATCHGATE_KV_CACHE_MEMORY_FRACTION": "2"}, "kv_cache_memory_fraction"),
+        ({"BATCHGATE_DRAIN_TIMEOUT": "-1"}, "drain_timeout_s"),
     ],
 )
 def test_bad_settings_fail_early_naming_the_setting(env: dict[str, str], text: str) -> None:

@@ -164,3 +164,75 @@ async def test_frozen_redis_answers_within_the_deadline(redis_process: RedisProc
     finally:
         redis_process.resume()
         await limiter.aclose()
+
+
+async def test_a_settle_failed_in_an_outage_is_retried_when_redis_returns(
+    persistent_redis_process: RedisProcess,
+) -> None:
+    # Redis with persistence (as in production) keeps the lease across its restart; the lease TTL
+    # is ten minutes, so only the retried settle can release it within the few seconds allowed.
+    redis_process = persistent_redis_process
+    limiter = RedisLimiter(open_async(redis_process.url), lease_ttl_s=600.0)
+    plan = make_plan(tokens_per_minute=60, max_concurrent_requests=4)  # refills 1 token/s
+    observer = aioredis.Redis.from_url(redis_process.url)
+    try:
+        decision = await limiter.admit("acme", plan, 50, "r1")
+        assert decision.admitted and decision.lease is not None
+
+        redis_process.stop()  # the request runs on and ends while Redis is down
+        assert not await limiter.settle(decision.lease, 10, 5)
+        redis_process.start()
+        assert await observer.zcard(leases_key("acme")) == 1  # the lease survived the restart
+
+        # No further call from this test: the limiter's own retry must settle it.
+        deadline = time.monotonic() + 5.0
+        while await observer.zcard(leases_key("acme")) != 0:
+            assert time.monotonic() < deadline, "the failed settle was not retried within 5 s"
+            await asyncio.sleep(0.05)
+        level = float(await observer.hget(tokens_key("acme"), "level") or 0)
+        assert level >= 10 + 35  # the 35 unused tokens were refunded (refill alone: ~10 + seconds)
+        assert int(await observer.hget(usage_key("acme"), "completion_tokens") or 0) == 5
+        assert limiter.num_pending_settles == 0
+    finally:
+        await observer.aclose()
+        await limiter.aclose()
+
+
+async def test_kept_settlements_are_bounded_and_dropped_after_the_lease_ttl(
+    redis_process: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tenancy.redis_limiter.MAX_PENDING_SETTLES", 3)
+    limiter = RedisLimiter(open_async(redis_process.url), lease_ttl_s=0.5)
+    plan = make_plan()
+    try:
+        leases = []
+        for i in range(5):
+            decision = await limiter.admit("acme", plan, 10, f"r{i}")
+            assert decision.lease is not None
+            leases.append(decision.lease)
+        redis_process.stop()
+        for lease in leases:
+            assert not await limiter.settle(lease, 1, 1)
+        assert limiter.num_pending_settles == 3  # the oldest two dropped
+        assert limiter.reachable is False
+        # Redis stays away past the lease TTL: the TTL has released the leases; nothing is kept.
+        deadline = time.monotonic() + 5.0
+        while limiter.num_pending_settles:
+            assert time.monotonic() < deadline, "kept settlements outlived their lease TTL"
+            await asyncio.sleep(0.05)
+    finally:
+        await limiter.aclose()
+
+
+async def test_a_retried_settlement_that_already_ran_counts_usage_once(redis_url: str) -> None:
+    # A settle that timed out may still have run in Redis; its retry must not count usage twice.
+    limiter = RedisLimiter(open_async(redis_url))
+    try:
+        decision = await limiter.admit("acme", make_plan(), 50, "r1")
+        assert decision.lease is not None
+        assert await limiter.settle(decision.lease, 10, 5)
+        assert not await limiter._settle_now(decision.lease, 10, 5, retry=True)
+        usage = (await limiter.usage())["acme"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (10, 5, 1)
+    finally:
+        await limiter.aclose()
