@@ -126,7 +126,13 @@ def servers(
     """An engine replica and a proxy gateway in front of it, both with tenants and Redis."""
     tenants = tmp_path_factory.mktemp("ops") / "tenants.toml"
     tenants.write_text(TENANTS)
-    common = dict(tenants=str(tenants), redis_url=redis_server, internal_token=TOKEN, keep_alive_s=1.0)
+    common = dict(
+        tenants=str(tenants),
+        redis_url=redis_server,
+        internal_token=TOKEN,
+        keep_alive_s=1.0,
+        embedding_model="none",
+    )
     engine = AsyncEngine.from_config(
         EngineConfig(
             model=str(tiny_model_dir),
