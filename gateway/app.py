@@ -170,8 +170,12 @@ class Gateway:
         if self.engine is None and self.serves_chat:
             status = "error" if self.load_error is not None else "loading"
             return JSONResponse({"status": status}, 503)
-        if self.engine is not None and not self.engine.ready:
-            return JSONResponse({"status": "unavailable", "detail": "the engine stopped"}, 503)
+        if self.engine is not None:
+            # A stalled engine is unready at once, so gateways route around it while the
+            # orchestrator's liveness probe (/health) takes its time to restart the process.
+            problem = self.engine.health().problem(self.settings.engine_stall_timeout_s)
+            if problem is not None:
+                return JSONResponse({"status": "unavailable", "detail": problem}, 503)
         embeddings_not_ready = self.embeddings.not_ready()
         if embeddings_not_ready is not None:
             status = "loading" if embeddings_not_ready == "loading" else "unavailable"

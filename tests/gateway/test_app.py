@@ -50,11 +50,14 @@ async def test_probes_when_engine_stopped(make_app: AppFactory, fake_engine: Fak
 async def test_health_fails_when_the_engine_stalls_past_the_timeout(
     make_app: AppFactory, fake_engine: FakeEngine
 ) -> None:
-    """Liveness, not readiness: a loop that makes no progress while work waits gets restarted."""
+    """A loop that makes no progress while work waits gets restarted (/health), and gateways stop
+    routing to it meanwhile (/ready)."""
     async with client_for(make_app(engine_stall_timeout_s=30.0)) as c:
         fake_engine.stalled_s = 29.0
         assert (await c.get("/health")).json() == {"status": "ok"}
+        assert (await c.get("/ready")).status_code == 200
         fake_engine.stalled_s = 31.0
+        assert (await c.get("/ready")).status_code == 503
         r = await c.get("/health")
         assert r.status_code == 503
         assert r.json() == {
