@@ -29,7 +29,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, ErrorKind, sse_error_event
-from gateway.metrics import GENERATION_PATHS  # the requests a drain waits for and refuses
+from gateway.metrics import MODEL_PATHS  # the requests a drain waits for and refuses
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -131,7 +131,7 @@ class Drain:
 
 
 class DrainMiddleware:
-    """ASGI middleware over the generation endpoints: counts them in flight for the drain,
+    """ASGI middleware over the model endpoints: counts them in flight for the drain,
     refuses new ones while draining (503, Retry-After), and at the drain deadline answers 503 to
     those whose response has not started yet (the handler is cancelled: its cleanup aborts the
     engine sequence and settles the lease). Started streams end themselves (see sse.py)."""
@@ -141,7 +141,7 @@ class DrainMiddleware:
         self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope.get("path") not in MODEL_PATHS:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:

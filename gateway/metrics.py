@@ -21,7 +21,7 @@ any other client-controlled string.
     batchgate_prefix_cache_hits_total          counter (of those, found cached: hit rate = hits / queries)
     batchgate_refusals_total{reason}           counter (rate_limit, deadline, overload, unavailable)
     batchgate_tokens_total{direction,plan}     counter (direction in|out)
-    batchgate_requests_total{code}             counter (generation endpoints, by status class)
+    batchgate_requests_total{code}             counter (chat, completions, embeddings; by status class)
     batchgate_engine_up                        gauge (1: the engine loop runs; 0: dead, shut down or loading)
     batchgate_engine_stalled_seconds           gauge (since the engine's last step while work waits; 0 idle)
     batchgate_engine_step_failures_total{stage} counter (stage: forward, sampling, output, schedule)
@@ -55,7 +55,8 @@ PRIORITIES = ("paid", "free")
 PLANS = ("paid", "free", "open")
 REFUSAL_REASONS = ("rate_limit", "deadline", "overload", "unavailable")
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# The endpoints that run a model: counted by status, waited for and refused by a drain.
+MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 STEP_STAGES = tuple(stage.value for stage in StepStage)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -201,7 +202,7 @@ class Metrics:
         )
         self.e2e = Histogram(
             "batchgate_e2e_request_latency_seconds",
-            "Seconds from request arrival to the end of the response (generation endpoints)",
+            "Seconds from request arrival to the end of the response (model endpoints)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -290,7 +291,7 @@ class MetricsMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope.get("path") not in MODEL_PATHS:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()

@@ -206,4 +206,6 @@ async def test_draining_refuses_new_requests_and_says_so(fake_engine) -> None:
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1" and refused.headers["x-batchgate-draining"] == "1"
         assert refused.json()["error"]["code"] == "server_overloaded"
+        embedding = await client.post("/v1/embeddings", json={"model": "any", "input": "hi"})
+        assert embedding.status_code == 503 and embedding.headers["x-batchgate-draining"] == "1"
         assert get(scrape((await client.get("/metrics")).text), "batchgate_draining") == 1
