@@ -137,7 +137,24 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._thread.is_alive() and self._dead is None and not self._stopping
+        return (
+            self._thread.is_alive()
+            and self._dead is None
+            and not self._stopping
+            and self.engine.failure is None
+        )
+
+    @property
+    def stopping(self) -> bool:
+        """Whether shutdown() was called (an engine that stops without it has failed)."""
+        return self._stopping
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Why the engine stopped on its own: its loop's error, or a tensor-parallel rank's failure."""
+        if self._dead is not None:
+            return f"{type(self._dead).__name__}: {self._dead}"
+        return self.engine.failure
 
     def stats(self) -> EngineStats:
         # Refusals at arrival happen on callers' threads, between snapshots: count them live.
@@ -181,6 +198,7 @@ class AsyncEngine:
             self._wakeup.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- engine thread ------------------------------------------------------------------------
 

@@ -136,6 +136,12 @@ class Settings:
         "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
         choices=("auto", "native", "torch"),
     )
+    tensor_parallel_size: int = _opt(
+        EngineConfig.tensor_parallel_size,
+        _int,
+        "ranks (processes; GPUs on CUDA) one model copy is split over; must divide the model's attention "
+        "and KV heads (the C++ kernels and int4 are single-rank only)",
+    )
     prefix_caching: str = _opt(
         "tenant",
         _str,
@@ -237,6 +243,7 @@ class Settings:
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @classmethod
