@@ -74,7 +74,9 @@ class LLMEngine:
         int4_max_rows = resolve_int4_max_rows(config, device, dtype)
         # int4 is recovered from float32 weights (exact for Q4_1); the model casts them to `dtype`.
         load_dtype = torch.float32 if int4_max_rows else dtype
-        loaded = model or load_model(config.model, config.cache_dir, load_dtype, device)
+        loaded = (
+            model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
+        )
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec

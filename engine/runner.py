@@ -3,16 +3,17 @@ forward pass and sampling."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 
-from engine import triton_attention
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.loader import LoadedModel, is_q4_1_gguf
@@ -135,6 +136,14 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
+def _triton_decode_attention() -> Any:
+    """The Triton kernel (engine/triton_attention.py), imported only on CUDA: a CPU engine never
+    loads triton."""
+    from engine.triton_attention import paged_decode_attention
+
+    return paged_decode_attention
+
+
 @dataclass
 class StepResult:
     """Sequences that sampled a token this step, with the token and its logprob (if asked)."""
@@ -192,7 +201,11 @@ class ModelRunner:
             kernels = resolve_kernels(config.kernels, device)
         # On CUDA: decode attention by our Triton kernel, straight from the block table, and the
         # decode step replayed from CUDA graphs (one rank; engine/cuda_graphs.py).
-        use_triton = device.type == "cuda" and config.kernels != "torch" and triton_attention.available()
+        use_triton = (
+            device.type == "cuda"
+            and config.kernels != "torch"
+            and importlib.util.find_spec("triton") is not None
+        )
         use_graphs = use_triton and config.tensor_parallel_size == 1
         self.attention_backend = "native" if kernels is not None else "triton" if use_triton else "torch"
         self.model = LlamaModel(
@@ -203,7 +216,7 @@ class ModelRunner:
             int4_max_rows=int4_max_rows,
             kernels=kernels,
             tp=tp,
-            paged_decode=triton_attention.paged_decode_attention if use_triton else None,
+            paged_decode=_triton_decode_attention() if use_triton else None,
         )
         # With graphs, one block more than the block manager hands out: padding rows write there.
         shape = (spec.num_kv_heads, num_blocks + int(use_graphs), config.block_size, spec.head_dim)

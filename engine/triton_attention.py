@@ -12,29 +12,26 @@ is safe to capture in a CUDA graph (engine/cuda_graphs.py). The torch path in en
 the reference; tests/engine/test_triton_attention.py checks one against the other, on CUDA and in
 Triton's interpreter on the CPU (TRITON_INTERPRET=1).
 
-Triton is optional: `available()` says whether it imports (it comes with CUDA builds of torch).
+Triton is optional (it comes with CUDA builds of torch): `available()` says whether it is installed
+without importing it, and the runner imports this module only on CUDA.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the CPU build of torch does not bring triton
-    triton = None
-    tl = None
-
 
 def available() -> bool:
-    """Whether Triton imports here (the kernel itself needs a CUDA device, or TRITON_INTERPRET=1)."""
-    return triton is not None
+    """Whether Triton is installed (the kernel itself needs a CUDA device, or TRITON_INTERPRET=1)."""
+    return importlib.util.find_spec("triton") is not None
 
 
-if triton is not None:
+if available():
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _paged_decode_kernel(
@@ -120,7 +117,7 @@ def paged_decode_attention(
     [D, >= ceil(max(lens) / block_size)] block ids, `lens` [D] context lengths (>= 1).
     Same contract as the native CPU kernel (engine/native.py) and the torch path (engine/model.py).
     """
-    assert triton is not None, "triton is not installed"
+    assert available(), "triton is not installed"
     num_seqs, num_heads, head_dim = q.shape
     num_kv, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv
