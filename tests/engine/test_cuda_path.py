@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import batch_buckets
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, ModelSpec
 from engine.runner import ModelRunner, StepInputs
@@ -105,6 +106,15 @@ def test_triton_kernel_matches_the_reference_on_cuda(case: Any, dtype: torch.dty
     expected = reference_decode_attention(q, k_cache, v_cache, tables, lens)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_decode_batch_buckets_cover_every_size_up_to_max_num_seqs() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(1) == [1]
+    for max_num_seqs in (1, 3, 12, 64):
+        buckets = batch_buckets(max_num_seqs)
+        assert all(any(b >= d for b in buckets) for d in range(1, max_num_seqs + 1))
 
 
 # ---- a small random model on CUDA -----------------------------------------------------------------
