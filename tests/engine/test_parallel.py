@@ -39,7 +39,8 @@ def _greedy_tokens(engine: LLMEngine, prompts: list[list[int]], max_tokens: int)
 
 
 def _worker_pids(pid: int) -> list[int]:
-    """The tensor-parallel ranks among `pid`'s children (not multiprocessing's resource tracker)."""
+    """The tensor-parallel ranks among the children of `pid`, a `batchgate serve` process (not
+    multiprocessing's resource tracker)."""
     return [
         c.pid
         for c in psutil.Process(pid).children()
@@ -122,7 +123,8 @@ def test_a_dead_rank_fails_the_engine_at_once(tiny_model_dir: Path) -> None:
     engine = tiny_engine(tiny_model_dir, tensor_parallel_size=2)
     try:
         assert engine.failure is None
-        (worker,) = _worker_pids(os.getpid())
+        assert engine.runner.executor is not None
+        (worker,) = [proc.pid for proc in engine.runner.executor.procs]
         os.kill(worker, signal.SIGKILL)
         engine.add_request(GenerationRequest("r", PROMPTS[0], greedy(4)))
         started = time.monotonic()
@@ -137,7 +139,8 @@ def test_a_dead_rank_fails_the_engine_at_once(tiny_model_dir: Path) -> None:
 
 def test_a_hung_rank_fails_the_engine_within_the_collective_timeout(tiny_model_dir: Path) -> None:
     engine = tiny_engine(tiny_model_dir, tensor_parallel_size=2, collective_timeout_s=2.0)
-    (worker,) = _worker_pids(os.getpid())
+    assert engine.runner.executor is not None
+    (worker,) = [proc.pid for proc in engine.runner.executor.procs]
     try:
         os.kill(worker, signal.SIGSTOP)
         engine.add_request(GenerationRequest("r", PROMPTS[0], greedy(4)))
