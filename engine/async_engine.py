@@ -160,6 +160,8 @@ class AsyncEngine:
             return f"the engine loop died ({type(self._dead).__name__}); see the server log"
         if self._stopping:
             return "the engine was shut down"
+        if self.engine.failure is not None:
+            return "a tensor-parallel rank failed; see the server log"
         if not self._thread.is_alive():
             return "the engine loop is not running"
         return None
@@ -178,6 +180,19 @@ class AsyncEngine:
             return EngineHealth(alive=True)
         start = self._beat if since is None else max(self._beat, since)
         return EngineHealth(alive=True, stalled_s=max(0.0, self._clock() - start))
+
+    @property
+    def stopping(self) -> bool:
+        """Whether shutdown() was called (an engine that stops without it has failed)."""
+        return self._stopping
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Why the engine stopped on its own, for the server log: its loop's error, or a
+        tensor-parallel rank's failure."""
+        if self._dead is not None:
+            return f"{type(self._dead).__name__}: {self._dead}"
+        return self.engine.failure
 
     def stats(self) -> EngineStats:
         # Refusals at arrival happen on callers' threads, between snapshots: count them live.
@@ -224,6 +239,7 @@ class AsyncEngine:
             self._wakeup.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- engine thread ------------------------------------------------------------------------
 

@@ -72,6 +72,12 @@ class EngineConfig:
     # between requests of the same cache salt, so a repeated prefix (a system prompt, a chat's
     # earlier turns) is not computed again.
     enable_prefix_caching: bool = True
+    # ---- tensor parallelism (engine/parallel.py) ----
+    # Ranks one model copy is split over, one process each (rank 0 is this process and schedules).
+    tensor_parallel_size: int = 1
+    # Seconds a rank waits in one of a step's collectives before it gives up: a dead or hung rank
+    # then makes the engine stop (and the replica exit) within this, never a silent hang.
+    collective_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +100,10 @@ class EngineConfig:
             raise ValueError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         self.length_buckets = tuple(int(b) for b in self.length_buckets)
         buckets = self.length_buckets
         if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):

@@ -35,7 +35,7 @@ from engine.admission import (
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_model
+from engine.loader import LoadedModel, load_model
 from engine.runner import (
     ModelRunner,
     StepResult,
@@ -47,6 +47,7 @@ from engine.runner import (
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.types import (
+    EngineDeadError,
     EngineError,
     EngineOverloadedError,
     EngineStats,
@@ -66,7 +67,14 @@ _THROUGHPUT_WINDOW_S = 10.0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        model: LoadedModel | None = None,
+    ) -> None:
+        """`model`: one already in memory, in the engine's dtype on its device, instead of loading
+        `config.model` (bench/gpu_check.py builds one with random weights); its weights are consumed."""
         self.config = config
         self.clock = clock
         if config.num_threads:
@@ -76,7 +84,9 @@ class LLMEngine:
         int4_max_rows = resolve_int4_max_rows(config, device, dtype)
         # int4 is recovered from float32 weights (exact for Q4_1); the model casts them to `dtype`.
         load_dtype = torch.float32 if int4_max_rows else dtype
-        loaded = load_model(config.model, config.cache_dir, load_dtype, device)
+        loaded = (
+            model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
+        )
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
@@ -113,11 +123,12 @@ class LLMEngine:
         self._num_steps = 0
         self._step_failures = dict.fromkeys(StepStage, 0)
         logger.info(
-            "engine ready: %s, %s on %s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
+            "engine ready: %s, %s on %s%s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
             "max_model_len %d, prefix caching %s",
             self.model_name,
             dtype,
             device,
+            f" x {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
             f", int4 weights for steps of <= {int4_max_rows} tokens" if int4_max_rows else "",
             self.runner.kv_cache_bytes / 2**20,
             num_blocks,
@@ -220,6 +231,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can run no more steps (a tensor-parallel rank died), or None."""
+        return self.runner.failure
+
+    def close(self) -> None:
+        """Release what outlives the object: the other ranks of a tensor-parallel replica."""
+        self.runner.close()
+
     # ---- the step -----------------------------------------------------------------------------
 
     @property
@@ -249,6 +269,8 @@ class LLMEngine:
             self.scheduler.update(out)
             stage = StepStage.OUTPUT
             outputs.extend(self._process(result))
+        except EngineDeadError:
+            raise  # a tensor-parallel rank is gone (engine/parallel.py): this engine cannot go on
         except Exception as exc:  # noqa: BLE001 - a failed stage fails what it concerns, not the engine
             batch = None if out is None else [c.seq for c in out.chunks] + list(out.expired)
             return outputs + self._contain(stage, exc, batch)

@@ -17,14 +17,18 @@ faster per layer than gathering [tokens, kv_heads, head_dim] rows by slot, measu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.loader import ModelSpec
 from engine.quant import Linear
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 
 @dataclass
@@ -96,13 +100,21 @@ class LlamaModel:
         dtype: torch.dtype | None = None,
         int4_max_rows: int = 0,
         kernels: Any = None,
+        tp: TensorParallel | None = None,
+        paged_decode: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """`weights` are cast to `dtype` (default: theirs). With `int4_max_rows` > 0 every layer's
         projections also get an int4 copy (engine/quant.py), quantized from the weights as given
         (pass float32 for exact Q4_1 recovery), used by steps of at most that many tokens.
-        `kernels`: the native CPU kernels (engine/native.py), or None for plain torch ops."""
+        `kernels`: the native CPU kernels (engine/native.py), or None for plain torch ops. `tp`: this
+        rank's share of a tensor-parallel replica, with `spec` and `weights` already this rank's shard
+        (engine/parallel.py); o_proj and down_proj then all-reduce their partial sums. `paged_decode`:
+        a decode-attention kernel that reads the paged cache through the block table (the Triton one
+        on CUDA, engine/triton_attention.py), where `kernels` does not bring one."""
         self.spec = spec
         self.kernels = kernels
+        self.tp = tp
+        self.paged_decode = kernels.paged_decode_attention if kernels is not None else paged_decode
         w = weights
         dtype = dtype or w["model.embed_tokens.weight"].dtype
         # The native SiLU-and-multiply exists where the CPU has AVX512-BF16, for bf16 only.
@@ -138,6 +150,9 @@ class LlamaModel:
                     down=linear([p + "mlp.down_proj"]),
                 )
             )
+            if tp is not None:
+                layer = self.layers[-1]
+                layer.o, layer.down = tp.row_parallel(layer.o), tp.row_parallel(layer.down)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         inv_freq = rope_inv_freq(spec).to(self.device)
@@ -199,9 +214,15 @@ class LlamaModel:
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into `kv_caches`; return float32 logits [S, vocab]."""
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = (
+            F.embedding(batch.input_ids, self.embed)
+            if self.tp is None
+            else self.tp.embed(batch.input_ids, self.embed)
+        )
         gathered = (
-            None if self.kernels is not None else self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
+            None
+            if self.paged_decode is not None
+            else self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
         )
         # int4 weights only for steps that only decode: every prompt is prefilled on the same bf16
         # weights however it is chunked or however much of it the prefix cache held, so a
@@ -223,7 +244,8 @@ class LlamaModel:
         assert residual is not None
         rows = batch.logits_indices
         last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)
-        return self.lm_head(last).float()
+        logits = self.lm_head(last)
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
 
     def _write_kv(
         self,
@@ -270,9 +292,9 @@ class LlamaModel:
         group = num_heads // num_kv
         out = torch.empty_like(q)
         d = batch.num_decode
-        if d and self.kernels is not None:
+        if d and self.paged_decode is not None:
             assert batch.decode_tables is not None and batch.decode_lens is not None
-            out[:d] = self.kernels.paged_decode_attention(
+            out[:d] = self.paged_decode(
                 q[:d], k_cache, v_cache, batch.decode_tables, batch.decode_lens, self.scale
             )
         elif d:

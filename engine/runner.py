@@ -3,19 +3,23 @@ forward pass and sampling."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
+from engine.parallel import ParallelExecutor, TensorParallel, check_divisible, shard_weights
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -54,6 +58,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def resolve_int4_max_rows(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
     """Rows up to which steps use int4 weights (0: never), from `config.quantization`."""
     if config.quantization == "none" or config.int4_max_batch == 0:
+        return 0
+    if config.tensor_parallel_size > 1:  # int4 is a single-rank CPU path
+        if config.quantization == "int4":
+            raise ValueError("quantization int4 needs tensor_parallel_size 1")
         return 0
     usable = device.type == "cpu" and dtype == torch.bfloat16
     if config.quantization == "int4":
@@ -139,6 +147,14 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return cache.view(dtype).view(shape)
 
 
+def _triton_decode_attention() -> Any:
+    """The Triton kernel (engine/triton_attention.py), imported only on CUDA: a CPU engine never
+    loads triton."""
+    from engine.triton_attention import paged_decode_attention
+
+    return paged_decode_attention
+
+
 @dataclass
 class StepResult:
     """Sequences that sampled a token this step, with the token and its logprob (if asked)."""
@@ -146,6 +162,19 @@ class StepResult:
     seqs: list[Sequence]
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass
+class StepInputs:
+    """One step's batch as plain lists: everything a forward pass needs, and what rank 0 sends the
+    other ranks of a tensor-parallel replica (engine/parallel.py). Rows: decodes, then prefills."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]  # one row per sequence, zero-padded to one width
+    num_decode: int  # the first D tokens (and rows) are single decode tokens
+    prefill_ranges: list[tuple[int, int, int]]  # (start, end, context length) of each prefill chunk
+    logits_rows: list[int]  # token rows whose next-token logits are wanted
 
 
 class ModelRunner:
@@ -158,39 +187,85 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         int4_max_rows: int = 0,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """`tp`: this rank's share of a tensor-parallel replica (a rank > 0 passes its own); with
+        `config.tensor_parallel_size` > 1 and none given, this is rank 0, which starts the others."""
         self.block_size = config.block_size
-        kernels = resolve_kernels(config.kernels, device)
         self.device = device
         self.dtype = dtype
+        self.executor: ParallelExecutor | None = None
+        spec, weights = model.spec, model.weights
+        if config.tensor_parallel_size > 1:
+            check_divisible(spec, config.tensor_parallel_size)
+            if config.kernels == "native":
+                raise ValueError("kernels native needs tensor_parallel_size 1")
+            if tp is None:
+                self.executor = ParallelExecutor.start(
+                    config, spec.vocab_size, num_blocks, max_model_len, dtype, device
+                )
+                tp = self.executor.tp
+            # The C++ kernels and int4 are single-rank CPU paths; a TP replica runs plain torch ops.
+            int4_max_rows, kernels = 0, None
+            spec, weights = shard_weights(spec, weights, tp.rank, tp.world_size)
+        else:
+            kernels = resolve_kernels(config.kernels, device)
+        # On CUDA: decode attention by our Triton kernel, straight from the block table, and the
+        # decode step replayed from CUDA graphs (one rank; engine/cuda_graphs.py).
+        use_triton = (
+            device.type == "cuda"
+            and config.kernels != "torch"
+            and importlib.util.find_spec("triton") is not None
+        )
+        use_graphs = use_triton and config.tensor_parallel_size == 1
+        self.attention_backend = "native" if kernels is not None else "triton" if use_triton else "torch"
         self.model = LlamaModel(
-            model.spec,
-            model.weights,
+            spec,
+            weights,
             max_model_len,
             dtype=dtype,
             int4_max_rows=int4_max_rows,
             kernels=kernels,
+            tp=tp,
+            paged_decode=_triton_decode_attention() if use_triton else None,
         )
-        spec = model.spec
-        shape = (spec.num_kv_heads, num_blocks, config.block_size, spec.head_dim)  # see engine/model.py
+        # With graphs, one block more than the block manager hands out: padding rows write there.
+        shape = (spec.num_kv_heads, num_blocks + int(use_graphs), config.block_size, spec.head_dim)
         self.kv_caches = [
             (zeroed_cache(shape, dtype, device), zeroed_cache(shape, dtype, device))
             for _ in range(spec.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                config.max_num_seqs,
+                config.block_size,
+                max_blocks_per_seq=-(-max_model_len // config.block_size),
+                pad_slot=num_blocks * config.block_size,
+                device=device,
+            )
         self.eos_token_ids = spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+
+    @property
+    def failure(self) -> str | None:
+        """Why this replica cannot run steps any more (a rank died), or None while it can."""
+        return None if self.executor is None else self.executor.failure
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel replica; nothing to do on one rank."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _slots(self, block_tables: torch.Tensor, num_positions: int) -> torch.Tensor:
         """Slots of positions 0..num_positions-1 for each row of `block_tables` [R, max_blocks]."""
         pos = torch.arange(num_positions, device=self.device)
         return block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
-    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+    @staticmethod
+    def step_inputs(out: SchedulerOutput) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         decode_seqs = [c.seq for c in out.decodes]
@@ -208,12 +283,19 @@ class ModelRunner:
             if chunk.completes:
                 logits_rows.append(len(input_ids) - 1)
         all_seqs = decode_seqs + [c.seq for c in out.prefills]
-        tables = self._block_table(all_seqs)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        width = max(len(s.block_table) for s in all_seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in all_seqs]
+        return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows)
+
+    def forward_batch(self, inputs: StepInputs) -> ForwardBatch:
+        """The step's tensors on this rank's device."""
+        num_decode, prefill_ranges = inputs.num_decode, inputs.prefill_ranges
+        tables = torch.tensor(inputs.block_tables, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         # Each token's slot: its sequence's block at pos // block_size, offset pos % block_size.
         row_of_token = torch.tensor(
-            [i for i in range(len(decode_seqs))]
-            + [len(decode_seqs) + j for j, (s, e, _) in enumerate(prefill_ranges) for _ in range(e - s)],
+            [i for i in range(num_decode)]
+            + [num_decode + j for j, (s, e, _) in enumerate(prefill_ranges) for _ in range(e - s)],
             dtype=torch.long,
             device=self.device,
         )
@@ -221,34 +303,48 @@ class ModelRunner:
             tables[row_of_token, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
         )
         decode_tables = decode_lens = None
-        if decode_seqs:
-            lens = [s.num_computed_tokens + 1 for s in decode_seqs]
+        if num_decode:
+            lens = [p + 1 for p in inputs.positions[:num_decode]]
             decode_lens = torch.tensor(lens, device=self.device)
-            decode_tables = tables[: len(lens), : -(-max(lens) // self.block_size)].contiguous()
+            decode_tables = tables[:num_decode, : -(-max(lens) // self.block_size)].contiguous()
         prefills = [
-            PrefillSlice(
-                start, end, self._slots(tables[len(decode_seqs) + j : len(decode_seqs) + j + 1], ctx)[0]
-            )
+            PrefillSlice(start, end, self._slots(tables[num_decode + j : num_decode + j + 1], ctx)[0])
             for j, (start, end, ctx) in enumerate(prefill_ranges)
         ]
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            input_ids=torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device),
             positions=pos_t,
             slot_mapping=slot_mapping,
-            num_decode=len(decode_seqs),
+            num_decode=num_decode,
             decode_tables=decode_tables,
             decode_lens=decode_lens,
             prefills=prefills,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device),
         )
+
+    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        return self.forward_batch(self.step_inputs(out))
 
     # A step is two calls, so that the engine knows which of them failed (engine/llm_engine.py).
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one scheduled step's forward pass (writing its K/V to the cache); returns the logits
-        of every sequence whose chunk completes, in `sample`'s order."""
-        return self.model.forward(self.build_batch(out), self.kv_caches)
+        of every sequence whose chunk completes, in `sample`'s order.
+
+        On a tensor-parallel replica any failure is fatal (EngineDeadError): the ranks' collectives
+        would no longer pair up."""
+        inputs = self.step_inputs(out)
+        if self.executor is not None:
+            return self.executor.run(self.forward_inputs, inputs)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        return self.model.forward(self.forward_batch(inputs), self.kv_caches)
+
+    @torch.inference_mode()
+    def forward_inputs(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward pass over `inputs` (every rank of a tensor-parallel replica runs it)."""
+        return self.model.forward(self.forward_batch(inputs), self.kv_caches)
 
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> StepResult:

@@ -41,9 +41,10 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return logits
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The row's token as a 0-d tensor, left on the device (`sample` reads all rows back at once)."""
     if p.greedy:
-        return int(logits.argmax())
+        return logits.argmax()
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[0]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -57,7 +58,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop[0] = False  # a top_p that underflows float32 still keeps the most likely token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -76,7 +77,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if all(r.params.greedy for r in rows):
         tokens = logits.argmax(dim=-1).tolist()
     else:
-        tokens = [_sample_row(logits[i], r.params, r.generator) for i, r in enumerate(rows)]
+        # One read-back for the whole batch: on CUDA each row's own would wait for the device.
+        tokens = torch.stack(
+            [_sample_row(logits[i], r.params, r.generator) for i, r in enumerate(rows)]
+        ).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, row in enumerate(rows):

@@ -11,6 +11,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,21 +88,57 @@ def build_tenancy(settings: Settings) -> Any | None:
 
 # After the drain, how long uvicorn waits for connections to close (by then no request runs).
 SHUTDOWN_GRACE_S = 5
+# After a tensor-parallel replica's engine stops (a rank died or hung), the seconds uvicorn gets to
+# end its responses before the process exits regardless.
+ENGINE_DEATH_GRACE_S = 15.0
 
 
-def serve(settings: Settings, tenancy: Any | None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (see gateway/drain.py) and return."""
+def _stop_when_engine_fails(engine: Any, stop: Callable[[], None], poll_s: float = 0.5) -> None:
+    """Watch a tensor-parallel engine; once it stops on its own (not by shutdown), call `stop` (the
+    server's graceful shutdown), and exit hard if that has not ended the process within the grace
+    period. A replica without all its ranks cannot serve again: its supervisor restarts it."""
+
+    def watch() -> None:
+        while engine.ready:
+            time.sleep(poll_s)
+        if engine.stopping:
+            return
+        logging.getLogger(__name__).error("the engine stopped (%s); exiting", engine.failure_reason)
+        stop()
+        time.sleep(ENGINE_DEATH_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="batchgate-engine-watch", daemon=True).start()
+
+
+def serve(settings: Settings, tenancy: Any | None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain (see gateway/drain.py); the exit status: 0, or 1
+    after a tensor-parallel engine failed."""
     import uvicorn
 
     from gateway import telemetry
-    from gateway.app import create_app
+    from gateway.app import _default_engine_factory, create_app
     from gateway.drain import DrainingServer
+
+    engine_failed = threading.Event()
+    server: uvicorn.Server | None = None
+
+    def stop_failed() -> None:
+        engine_failed.set()
+        if server is not None:
+            server.should_exit = True
+
+    def engine_factory(settings: Settings) -> Any:
+        engine = _default_engine_factory(settings)
+        if settings.tensor_parallel_size > 1:
+            _stop_when_engine_fails(engine, stop_failed)
+        return engine
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     telemetry.setup()  # only when OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER ask for traces
-    app = create_app(settings, tenancy=tenancy, owns_tenancy=True)
+    app = create_app(settings, tenancy=tenancy, owns_tenancy=True, engine_factory=engine_factory)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -108,10 +146,12 @@ def serve(settings: Settings, tenancy: Any | None) -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
+    server = DrainingServer(config, app.state.gateway.drain, settings.drain_timeout_s)
     try:
-        DrainingServer(config, app.state.gateway.drain, settings.drain_timeout_s).run()
+        server.run()
     finally:
         telemetry.shutdown()
+    return 1 if engine_failed.is_set() else 0
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -133,8 +173,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         except ValueError as exc:
             print(f"batchgate: error: {exc}", file=sys.stderr)
             return 2
-        serve(settings, tenancy)
-        return 0
+        return serve(settings, tenancy)
     tenancy_cli = _tenancy_cli()
     if tenancy_cli is not None and tenancy_cli.handles(args):
         return int(tenancy_cli.run(args))

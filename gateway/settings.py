@@ -147,6 +147,12 @@ class Settings:
         "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
         choices=("auto", "native", "torch"),
     )
+    tensor_parallel_size: int = _opt(
+        EngineConfig.tensor_parallel_size,
+        _int,
+        "ranks (processes; GPUs on CUDA) one model copy is split over; must divide the model's attention "
+        "and KV heads (the C++ kernels and int4 are single-rank only)",
+    )
     prefix_caching: str = _opt(
         "tenant",
         _str,
@@ -308,6 +314,7 @@ class Settings:
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
             target_itl_ms=self.target_itl_ms,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def embedding_batch_limits(self) -> BatchLimits:

@@ -17,6 +17,17 @@ CACHE_DIR = Path.home() / ".cache" / "batchgate"
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda` tests need a GPU, which CI does not have by design: skipped here, saying so, and run
+    on a GPU machine by bench/gpu_check.py."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU here); bench/gpu_check.py runs it on a GPU machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct as a Hugging Face folder (converted on first use)."""

@@ -117,7 +117,7 @@ def test_every_setting_has_a_flag_and_variable() -> None:
 def test_cli_parses_serve_flags_and_runs_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {}
     monkeypatch.setattr(
-        cli, "serve", lambda settings, tenancy: seen.update(settings=settings, tenancy=tenancy)
+        cli, "serve", lambda settings, tenancy: seen.update(settings=settings, tenancy=tenancy) or 0
     )
     rc = cli.main(
         ["serve", "--port", "0", "--kv-cache-memory", "64MiB", "--dtype", "float32"],
@@ -151,7 +151,7 @@ def test_cli_builds_tenancy_from_a_tenants_file(
 ) -> None:
     tenancy = pytest.importorskip("tenancy")
     seen = {}
-    monkeypatch.setattr(cli, "serve", lambda settings, tenancy: seen.update(tenancy=tenancy))
+    monkeypatch.setattr(cli, "serve", lambda settings, tenancy: seen.update(tenancy=tenancy) or 0)
     good = tmp_path / "tenants.toml"
     good.write_text(
         '[plans.p]\npriority = "paid"\ntokens_per_minute = 10\nrequests_per_minute = 1\n'
