@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,8 +171,19 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+# transformers imports its classes lazily, which is not thread-safe: the chat engine's thread and
+# the embedding model's loading at once saw "cannot import name 'AutoTokenizer' from
+# 'transformers'". Every model load that touches transformers holds this lock.
+TRANSFORMERS_LOCK = threading.Lock()
+
+
 def load_model(model: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Load config, tokenizer and weights (cast to `dtype`, on `device`), with a progress bar."""
+    with TRANSFORMERS_LOCK:
+        return _load_model(model, cache_dir, dtype, device)
+
+
+def _load_model(model: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     model_dir = resolve_model_dir(model, cache_dir)
     config = json.loads((model_dir / "config.json").read_text())
     spec = ModelSpec.from_config(config)

