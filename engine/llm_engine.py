@@ -3,6 +3,10 @@
 Not thread-safe: AsyncEngine drives it from one thread. Every accepted request ends in exactly
 one finished output per choice (stop, length, abort or error), and every terminal path frees its
 blocks through `Scheduler.finish`.
+
+Constrained requests (`SamplingParams.grammar`) wait beside the scheduler, not in it, until their
+grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
+grammar that fails to compile fails only its request.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -27,6 +33,7 @@ from engine.admission import (
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend
 from engine.loader import load_model
 from engine.runner import (
     ModelRunner,
@@ -44,6 +51,8 @@ from engine.types import (
     EngineStats,
     GenerationFailedError,
     GenerationRequest,
+    GrammarError,
+    GrammarSpec,
     Priority,
     PromptTooLongError,
     RequestOutput,
@@ -53,6 +62,8 @@ from engine.types import (
 logger = logging.getLogger(__name__)
 
 _THROUGHPUT_WINDOW_S = 10.0
+# With nothing to run but compiles in flight, the step waits this long for one (not a busy loop).
+_GRAMMAR_WAIT_S = 0.005
 
 
 class LLMEngine:
@@ -100,6 +111,11 @@ class LLMEngine:
         self._refusals_lock = threading.Lock()
         self._last_batch_size = 0
         self._num_steps = 0
+        self.grammars = GrammarCache(
+            LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
+        )
+        # Constrained sequences whose grammar is still compiling, by request (not yet scheduled).
+        self._compiling: dict[str, tuple[Future[CompiledGrammar], list[Sequence]]] = {}
         logger.info(
             "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             self.model_name,
@@ -131,6 +147,11 @@ class LLMEngine:
                 f"{total} were requested ({len(prompt)} in the prompt + {request.sampling.max_tokens} "
                 f"for the completion); reduce the prompt or max_tokens"
             )
+
+    def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """The compiled `spec` (a Future; cached); from any thread. The gateway awaits it before
+        admission so a bad schema is a 400 up front; its failure is a GrammarError."""
+        return self.grammars.get(spec)
 
     def queue_deadline_s(self, request: GenerationRequest) -> float | None:
         """Seconds from arrival by which `request` must start: its own, else the configured default."""
@@ -186,9 +207,18 @@ class LLMEngine:
                 generator=generator,
             )
             seqs.append(seq)
+        future = self.grammars.get(p.grammar) if p.grammar is not None else None
+        failed = future.exception() if future is not None and future.done() else None
+        if failed is not None:
+            raise failed  # a schema known to be bad: refused before it is accepted
+        for seq in seqs:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop)
-            self.scheduler.add(seq)
         self._seqs[request.request_id] = seqs
+        if future is not None:
+            self._compiling[request.request_id] = (future, seqs)  # step() schedules it when ready
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` as aborted; unknown ids are ignored."""
@@ -199,15 +229,42 @@ class LLMEngine:
         ]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Schedule the sequences whose grammar is ready (each with its own parser state); fail
+        those whose grammar failed to compile."""
+        outputs: list[RequestOutput] = []
+        for request_id, (future, seqs) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            exc = future.exception()
+            if exc is not None:  # _finish drops the entry once every choice has ended
+                error = exc if isinstance(exc, GrammarError) else GrammarError(f"grammar: {exc}")
+                outputs.extend(
+                    self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error)
+                    for seq in seqs
+                    if not seq.finished
+                )
+                continue
+            del self._compiling[request_id]
+            compiled = future.result()
+            for seq in seqs:
+                if not seq.finished:
+                    seq.grammar = compiled.new_grammar()
+                    self.scheduler.add(seq)
+        return outputs
 
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start = self.clock()
+        outputs = self._start_compiled() if self._compiling else []
         out = self.scheduler.schedule()
-        outputs = self._expired_outputs(out.expired)
+        outputs.extend(self._expired_outputs(out.expired))
         if out.is_empty:
+            if self._compiling and not outputs:
+                wait_futures([f for f, _ in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return outputs
         self._num_steps += 1
         self._last_batch_size = len(out.chunks)
@@ -236,17 +293,24 @@ class LLMEngine:
             p = seq.sampling
             detok = self._detok[seq.seq_id]
             status = None
+            error = None
             stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
-            if token in stop_ids and seq.num_output_tokens > p.min_tokens:
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # The mask allowed only what the grammar accepts; reaching here is a bug, not input.
+                status = SequenceStatus.FINISHED_ERROR
+                error = GenerationFailedError(f"the grammar rejected sampled token {token}")
+            elif token in stop_ids and seq.num_output_tokens > p.min_tokens:
                 status = SequenceStatus.FINISHED_STOPPED
             elif detok.add(token):
                 status = SequenceStatus.FINISHED_STOPPED
+            elif seq.grammar is not None and seq.grammar.is_terminated():
+                status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
             elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             if status is None:
                 outputs.append(self._output(seq, (token,), detok.take(final=False), logprob))
             else:
-                outputs.append(self._finish(seq, status, (token,), logprob))
+                outputs.append(self._finish(seq, status, (token,), logprob, error))
         return outputs
 
     def _output(
@@ -279,7 +343,12 @@ class LLMEngine:
         error: EngineError | None = None,
     ) -> RequestOutput:
         """The one place a choice ends: blocks freed, bookkeeping dropped, final output built."""
-        if not seq.finished:
+        compiling = self._compiling.get(seq.request_id)
+        if compiling is not None and seq in compiling[1]:
+            seq.status = status  # never scheduled: holds no blocks
+            if all(s.finished for s in compiling[1]):
+                del self._compiling[seq.request_id]
+        elif not seq.finished:
             self.scheduler.finish(seq, status)
         else:
             seq.status = status

@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import allocate_bitmask
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
@@ -243,8 +244,22 @@ class ModelRunner:
                 output_token_ids=s.output_token_ids,
                 stop_ids=(() if s.sampling.ignore_eos else self.eos_token_ids) + s.sampling.stop_token_ids,
                 generator=s.generator,
+                constrained=s.grammar is not None,
             )
             for s in seqs
         ]
-        tokens, logprobs = sample(logits, rows) if seqs else ([], [])
+        bitmask = fill_bitmask(seqs, logits.shape[-1])
+        tokens, logprobs = sample(logits, rows, bitmask) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)
+
+
+def fill_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+    """The step's one token bitmask: a row per sampled sequence, filled by its grammar where it has
+    one (all tokens allowed elsewhere); None when no sequence is constrained."""
+    if all(s.grammar is None for s in seqs):
+        return None
+    bitmask = allocate_bitmask(len(seqs), vocab_size)
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.fill_bitmask(bitmask, i)
+    return bitmask
