@@ -18,10 +18,12 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from engine.admission import PendingWork
 from engine.config import EngineConfig
+from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
 from engine.types import (
     EngineDeadError,
@@ -29,6 +31,7 @@ from engine.types import (
     EngineStats,
     FinishReason,
     GenerationRequest,
+    GrammarSpec,
     RequestOutput,
 )
 
@@ -164,6 +167,11 @@ class AsyncEngine:
             self._incoming.append(request)
             self._wakeup.notify()
         return stream
+
+    def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """`spec` compiled off the engine thread (cached); await it with asyncio.wrap_future. The
+        gateway does, before admission, so a bad schema is a 400 that never reaches the engine."""
+        return self.engine.grammar(spec)
 
     def abort(self, request_id: str) -> None:
         """Abort at the next iteration; its blocks are freed then. Unknown ids are ignored."""

@@ -170,7 +170,9 @@ class LLGuidanceBackend:
     def _grammar_text(spec: GrammarSpec) -> str:
         import llguidance
 
-        options = {"whitespace_flexible": False}
+        options: dict[str, Any] = {"whitespace_flexible": False}
+        if not spec.strict:
+            options["lenient"] = True
         if spec.kind == "json_schema":
             try:
                 schema = json.loads(spec.source)

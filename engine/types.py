@@ -34,15 +34,17 @@ class GrammarSpec:
 
     `source`: for `json_schema`, the schema as canonical JSON text (sorted keys, so equal schemas
     share a cache entry); for `json_object`, ""; for `lark`, the grammar text (llguidance's Lark
-    dialect, which embeds JSON schemas with `%json {...}`).
+    dialect, which embeds JSON schemas with `%json {...}`). `strict` (JSON schemas): a keyword the
+    engine does not implement is an error; not strict, it is ignored (the rest still constrains).
     """
 
     kind: GrammarKind
     source: str = ""
+    strict: bool = True
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any]) -> GrammarSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), strict)
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
