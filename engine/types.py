@@ -32,8 +32,8 @@ GrammarKind = Literal["json_schema", "json_object", "lark"]
 class GrammarSpec:
     """What a sequence's output must match; hashable, the cache key.
 
-    `source`: for `json_schema`, the schema as canonical JSON text (sorted keys, so equal schemas
-    share a cache entry); for `json_object`, ""; for `lark`, the grammar text (llguidance's Lark
+    `source`: for `json_schema`, the schema as compact JSON text, its key order kept (the order of
+    `properties` is the order the output's fields are generated in); for `json_object`, ""; for `lark`, the grammar text (llguidance's Lark
     dialect, which embeds JSON schemas with `%json {...}`). `strict` (JSON schemas): a keyword the
     engine does not implement is an error; not strict, it is ignored (the rest still constrains).
     """
@@ -44,7 +44,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), strict)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), strict)
 
     @classmethod
     def json_object(cls) -> GrammarSpec:

@@ -400,6 +400,25 @@ def _check_unsupported(body: dict[str, Any], fields: dict[str, tuple[Any, ...]],
             del body[name]
 
 
+def _drop_sdk_fields(message: dict[str, Any]) -> None:
+    """Drop what the openai SDK's parse()/stream helpers add to a message on the client side
+    (`parsed`; a call's `parsed_arguments`, and its stream `index`), so a response the SDK
+    assembled can be sent back as history."""
+    message.pop("parsed", None)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message["tool_calls"] = [_drop_sdk_call_fields(c) for c in calls]
+
+
+def _drop_sdk_call_fields(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    call = {k: v for k, v in call.items() if k != "index"}
+    if isinstance(call.get("function"), dict):
+        call["function"] = {k: v for k, v in call["function"].items() if k != "parsed_arguments"}
+    return call
+
+
 def _validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     loc = tuple(err["loc"])
@@ -432,6 +451,7 @@ def _parse(model: type[_SamplingFields], body: Any, unsupported: dict[str, tuple
             if isinstance(message, dict):
                 message = dict(message)
                 _check_unsupported(message, UNSUPPORTED_MESSAGE_FIELDS, where=f"messages[{i}].")
+                _drop_sdk_fields(message)
             cleaned.append(message)
         body["messages"] = cleaned
     try:

@@ -8,8 +8,8 @@ schema is a 400 naming it), and whether tool calls are parsed out of the text.
   false`: keywords the grammar engine does not implement are ignored rather than refused).
 - `tools` with `tool_choice` `auto` (the default): the model writes text or calls; once the output
   starts with `<tool_call>` it is constrained to calls. `required`: one or more calls (one with
-  `parallel_tool_calls: false`). A named function: calls of that function. `none`: the tools are
-  not shown to the model and nothing is parsed.
+  `parallel_tool_calls: false`, at most `MAX_PARALLEL_TOOL_CALLS`). A named function: calls of that
+  function. `none`: the tools are not shown to the model and nothing is parsed.
 
 The tool-call format is Hermes's (also Qwen2.5's), one call per block:
 
@@ -35,6 +35,9 @@ from engine.types import GrammarError, GrammarSpec
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 
+# Calls in one turn, at most: a small model, once it has called, may go on repeating the call until
+# max_tokens (SmolLM2-135M does, greedy); the grammar ends the turn after this many instead.
+MAX_PARALLEL_TOOL_CALLS = 4
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 # JSON compiled compact: no whitespace between tokens (the runaway-whitespace guard, engine/grammar.py).
@@ -105,7 +108,7 @@ def tool_call_grammar(tools: Sequence[Tool], choice: Any, parallel: bool) -> str
     schema = {"anyOf": options, "x-guidance": {**_COMPACT, **({"lenient": True} if lenient else {})}}
     lines = [
         f"call: {json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}",
-        'calls: call ("\\n" call)*' if parallel else "calls: call",
+        f'calls: call ("\\n" call)~0..{MAX_PARALLEL_TOOL_CALLS - 1}' if parallel else "calls: call",
     ]
     if choice == "auto":
         # Text that does not start like a call; once the output starts with "<", a call it is.

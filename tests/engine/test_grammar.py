@@ -113,10 +113,11 @@ def test_cache_compiles_each_spec_once_and_caches_failures() -> None:
     cache.shutdown()
 
 
-def test_equal_schemas_share_one_spec() -> None:
-    a = GrammarSpec.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = GrammarSpec.json_schema({"properties": {"x": {"type": "integer"}}, "type": "object"})
-    assert a == b and hash(a) == hash(b)
+def test_equal_schemas_share_one_spec_and_keep_their_field_order() -> None:
+    a = GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}})
+    assert a == GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}})
+    assert hash(a) == hash(GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}}))
+    assert a.source.index('"y"') < a.source.index('"x"')  # fields are generated in the schema's order
 
 
 # ---- the sampler -----------------------------------------------------------------------------------

@@ -295,3 +295,18 @@ def test_completion_defaults() -> None:
     p = sampling_params(req, num_prompt_tokens=3, max_model_len=100, vocab_size=50)
     assert p.max_tokens == 16  # OpenAI's legacy default
     assert p.logprobs and p.top_logprobs == 0
+
+
+def test_a_message_the_sdk_assembled_can_be_sent_back() -> None:
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    call["function"]["parsed_arguments"] = {}  # type: ignore[index]
+    req = parse_chat_request(
+        chat(
+            messages=[
+                *MSG,
+                {"role": "assistant", "content": None, "tool_calls": [call], "parsed": None, "refusal": None},
+                {"role": "tool", "content": "1", "tool_call_id": "c1"},
+            ]
+        )
+    )
+    assert req.messages[1].tool_calls is not None and req.messages[1].tool_calls[0].function.arguments == "{}"
