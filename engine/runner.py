@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +169,14 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.eos_token_ids = spec.eos_token_ids
+        # Grammar masks are filled on this thread while the forward pass runs, where that pays: on
+        # a GPU the CPU is idle meanwhile; on the CPU a third busy thread slows torch's own threads
+        # (measured: bench/structured.py --overlap), so there it fills after the pass.
+        self.overlap_masks = device.type == "cuda"
+        self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
+
+    def _overlap(self, seqs: list[Sequence]) -> bool:
+        return self.overlap_masks and any(s.grammar is not None for s in seqs)
 
     def _slots(self, block_tables: torch.Tensor, num_positions: int) -> torch.Tensor:
         """Slots of positions 0..num_positions-1 for each row of `block_tables` [R, max_blocks]."""
@@ -235,9 +244,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step and sample for every sequence whose chunk completes."""
         batch = self.build_batch(out)
-        logits = self.model.forward(batch, self.kv_caches)
         sampled: list[ScheduledChunk] = list(out.decodes) + [c for c in out.prefills if c.completes]
         seqs = [c.seq for c in sampled]
+        vocab_size = self.model.spec.vocab_size
+        # Every grammar's state is final before the forward pass: fill the mask during it.
+        masks = self._mask_filler.submit(fill_bitmask, seqs, vocab_size) if self._overlap(seqs) else None
+        logits = self.model.forward(batch, self.kv_caches)
         rows = [
             SamplingRow(
                 params=s.sampling,
@@ -248,7 +260,7 @@ class ModelRunner:
             )
             for s in seqs
         ]
-        bitmask = fill_bitmask(seqs, logits.shape[-1])
+        bitmask = masks.result() if masks is not None else fill_bitmask(seqs, vocab_size)
         tokens, logprobs = sample(logits, rows, bitmask) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.types import SamplingParams, TokenLogprob
@@ -45,19 +46,27 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return logits
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+# bit -> what it adds to a logit: a disallowed token's becomes -inf, an allowed one's is unchanged.
+_BIT_TO_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """Set to -inf, in place, the logits of `rows` whose bit in `bitmask` (same rows, int32 words,
-    32 tokens each, bit set: allowed) is clear; returns `logits`."""
+    32 tokens each, bit set: allowed) is clear; returns `logits`.
+
+    Bits are unpacked by numpy (little-endian words, least significant bit first) and added as a
+    0/-inf bias: at 32 rows x 49152 tokens on one core, ~2 ms against ~30 ms for shifting the bits
+    out in torch and ~7-14 ms for a masked_fill_ with the unpacked mask (medians, shared machine)."""
     if not rows:
         return logits
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    words = bitmask.index_select(0, index.cpu()).to(logits.device)
-    shifts = _BIT_SHIFTS.to(logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
-    logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    words = bitmask[rows].contiguous().numpy()
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[1]]
+    bias = torch.from_numpy(_BIT_TO_BIAS[bits]).to(device=logits.device, dtype=logits.dtype)
+    if len(rows) == logits.shape[0]:
+        logits.add_(bias)
+    else:
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits.index_add_(0, index, bias)
     return logits
 
 

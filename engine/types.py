@@ -33,9 +33,10 @@ class GrammarSpec:
     """What a sequence's output must match; hashable, the cache key.
 
     `source`: for `json_schema`, the schema as compact JSON text, its key order kept (the order of
-    `properties` is the order the output's fields are generated in); for `json_object`, ""; for `lark`, the grammar text (llguidance's Lark
-    dialect, which embeds JSON schemas with `%json {...}`). `strict` (JSON schemas): a keyword the
-    engine does not implement is an error; not strict, it is ignored (the rest still constrains).
+    `properties` is the order the output's fields are generated in); for `json_object`, ""; for
+    `lark`, the grammar text (llguidance's Lark dialect, which embeds JSON schemas: `%json {...}`).
+    `strict` (JSON schemas): a keyword the engine does not implement is an error; not strict, it
+    is ignored (the rest still constrains).
     """
 
     kind: GrammarKind
