@@ -304,3 +304,19 @@ def test_json_object_output_is_one_object(llguidance_engine: LLMEngine) -> None:
             assert isinstance(json.loads(text), dict)
         else:  # an unbounded object may run to max_tokens, but never on whitespace
             assert text.startswith("{") and "\n\n" not in text
+
+
+def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_engine: LLMEngine) -> None:
+    engine = llguidance_engine
+    case = SCHEMAS[0]
+    params = SamplingParams(max_tokens=60, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
+    prompt = chat_ids(engine.tokenizer, case.prompt)
+    serial = run_all(engine, [GenerationRequest("serial", prompt, params)])
+    engine.runner.overlap_masks = True
+    try:
+        overlapped = run_all(engine, [GenerationRequest("overlap", prompt, params)])
+    finally:
+        engine.runner.overlap_masks = False
+    for i in range(2):
+        assert tokens_of(overlapped[("overlap", i)]) == tokens_of(serial[("serial", i)])
+        jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
