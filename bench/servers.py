@@ -1,5 +1,6 @@
-"""Start and stop the HTTP servers that `compare.py` measures: batchgate, `transformers serve
---continuous-batching` and llama.cpp's `llama-server`, each on a free local port, one at a time.
+"""Start and stop the HTTP servers that `compare.py` and `long_mix.py` measure: batchgate,
+`transformers serve --continuous-batching`, llama.cpp's `llama-server` and vLLM's CPU build, each on
+a free local port, one at a time.
 
 Each recipe also says how the load generator must talk to that server (`load_options`: fields of
 `bench.loadgen.LoadConfig`), since they differ in what they accept:
@@ -8,6 +9,8 @@ Each recipe also says how the load generator must talk to that server (`load_opt
   `stream_options` (it sends usage anyway); EOS is disabled through its own `generation_config`
   body field (a JSON string that replaces the whole generation config: `eos_token_id: -1`).
 - llama-server: `ignore_eos`, `stream_options.include_usage`.
+- vLLM (CPU build 0.32, in its own venv, started by /work/shared/peers/vllm-cpu.sh): `ignore_eos`,
+  `stream_options.include_usage`.
 """
 
 from __future__ import annotations
@@ -164,6 +167,33 @@ def llama_server_spec(
     ] + (extra_args or [])
     base = f"http://127.0.0.1:{port}"
     return ServerSpec("llama.cpp llama-server", argv, f"{base}/v1", f"{base}/health")
+
+
+def vllm_cpu_spec(
+    script: str,
+    model_folder: Path,
+    max_num_seqs: int,
+    max_model_len: int,
+    port: int | None = None,
+    extra_args: list[str] | None = None,
+) -> ServerSpec:
+    """vLLM's CPU build through the peer script (`<script> serve HF_DIR PORT [vLLM flags]`), which
+    runs `python -m vllm.entrypoints.openai.api_server` from its own venv (see docs/BENCHMARKS.md)."""
+    port = port or free_port()
+    argv = [
+        "bash",
+        script,
+        "serve",
+        str(model_folder),
+        str(port),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-model-len",
+        str(max_model_len),
+    ] + (extra_args or [])
+    base = f"http://127.0.0.1:{port}"
+    # Its first start compiles and warms up for minutes on a small CPU.
+    return ServerSpec("vLLM CPU", argv, f"{base}/v1", f"{base}/health", start_timeout_s=900.0)
 
 
 def wait_ready(spec: ServerSpec, proc: subprocess.Popen, log_path: Path) -> None:

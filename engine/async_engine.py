@@ -8,6 +8,12 @@ Stats are published as a snapshot after every step, so `stats()` never touches l
 Queue deadlines at arrival: `submit()` estimates the request's wait from the latest published load
 snapshot plus the requests accepted since (`PendingWork`), under the same lock that enqueues it, and
 raises EngineOverloadedError at once when it could not start in time (see engine/admission.py).
+
+Liveness: a fault in a step is contained by the engine (engine/llm_engine.py); anything else that
+escapes the loop ends it, fails every pending request, and `health()` then says the engine is
+dead. The loop also keeps a heartbeat, the last time it made progress, so `health()` can tell a
+stuck loop (a step that never returns, a loop that spins without scheduling anything) from an
+idle one; what counts as stuck is the caller's setting (`EngineHealth.problem`).
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from engine.llm_engine import LLMEngine
 from engine.types import (
     EngineDeadError,
     EngineError,
+    EngineHealth,
     EngineStats,
     FinishReason,
+    GenerationFailedError,
     GenerationRequest,
     GrammarSpec,
     RequestOutput,
@@ -82,7 +90,8 @@ class RequestStream(AsyncIterator[RequestOutput]):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, clock: Callable[[], float] | None = None) -> None:
+        """`clock`: for the heartbeat (tests move it by hand); the engine's own by default."""
         self.engine = engine
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
@@ -97,6 +106,12 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._load = engine.load_snapshot()
         self._pending = PendingWork()  # accepted, not yet in the published `_load`
+        # The heartbeat (see `health`): when the loop last made progress, whether it is waiting
+        # for work, and since when submitted requests have waited for it to take them.
+        self._clock = clock or engine.clock
+        self._beat = self._clock()
+        self._idle = True
+        self._incoming_since: float | None = None
         self._thread = threading.Thread(target=self._run, name="batchgate-engine", daemon=True)
 
     @classmethod
@@ -140,7 +155,32 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._thread.is_alive() and self._dead is None and not self._stopping
+        return self._down_reason() is None
+
+    def _down_reason(self) -> str | None:
+        """Why the loop is not running (no exception text: callers and probes see this), or None."""
+        if self._dead is not None:
+            return f"the engine loop died ({type(self._dead).__name__}); see the server log"
+        if self._stopping:
+            return "the engine was shut down"
+        if not self._thread.is_alive():
+            return "the engine loop is not running"
+        return None
+
+    def health(self) -> EngineHealth:
+        """Liveness from the loop's heartbeat; from any thread, never waits for the engine.
+
+        `stalled_s` counts from the later of the loop's last progress (a step that ran a batch or
+        ended a request, or it ran out of work) and the oldest submission it has not taken yet; it
+        is 0 while the loop waits for work with none submitted."""
+        reason = self._down_reason()
+        if reason is not None:
+            return EngineHealth(alive=False, reason=reason)
+        since = self._incoming_since
+        if self._idle and since is None:
+            return EngineHealth(alive=True)
+        start = self._beat if since is None else max(self._beat, since)
+        return EngineHealth(alive=True, stalled_s=max(0.0, self._clock() - start))
 
     def stats(self) -> EngineStats:
         # Refusals at arrival happen on callers' threads, between snapshots: count them live.
@@ -154,8 +194,9 @@ class AsyncEngine:
         EngineOverloadedError (with `retry_after_s`) when the estimated wait, from the published
         snapshot, exceeds the request's queue deadline; it costs microseconds, not a step.
         """
-        if not self.ready:
-            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        reason = self._down_reason()
+        if reason is not None:
+            raise EngineDeadError(f"the engine is not running: {reason}")
         self.engine.validate(request)
         stream = RequestStream(self, request)
         with self._lock:
@@ -164,6 +205,8 @@ class AsyncEngine:
             self.engine.check_arrival(request, self._load, self._pending)
             self._pending.add(request)
             self._streams[request.request_id] = stream
+            if not self._incoming:
+                self._incoming_since = self._clock()
             self._incoming.append(request)
             self._wakeup.notify()
         return stream
@@ -202,17 +245,25 @@ class AsyncEngine:
                         and not self._aborts
                         and not self.engine.has_unfinished()
                     ):
+                        self._idle = True
                         self._wakeup.wait()
+                    if self._idle:  # woken with work: the heartbeat counts from now
+                        self._beat = self._clock()
+                        self._idle = False
                     if self._stopping:
                         break
                     incoming, self._incoming = self._incoming, []
+                    self._incoming_since = None
                     aborts, self._aborts = self._aborts, []
+                num_steps = self.engine.num_steps
                 outputs: list[RequestOutput] = []
                 for request in incoming:
                     outputs.extend(self._add(request))
                 for request_id in aborts:
                     outputs.extend(self.engine.abort_request(request_id))
                 outputs.extend(self.engine.step())
+                if outputs or self.engine.num_steps != num_steps or not self.engine.has_unfinished():
+                    self._beat = self._clock()
                 self._stats = self.engine.stats()
                 load = self.engine.load_snapshot()
                 with self._lock:  # the snapshot now shows what was drained before this step
@@ -236,7 +287,11 @@ class AsyncEngine:
             self.engine.add_request(request)
             return []
         except Exception as exc:  # noqa: BLE001 - validated at submit; a late failure ends the request
-            error = exc if isinstance(exc, EngineError) else EngineDeadError(str(exc))
+            if isinstance(exc, EngineError):
+                error: EngineError = exc
+            else:  # its text stays in the log
+                logger.exception("adding request %s to the engine failed", request.request_id)
+                error = GenerationFailedError.for_request(request.request_id)
             return [
                 RequestOutput(
                     request.request_id,

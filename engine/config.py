@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The inter-token latency the scheduler aims at while long prompts prefill (`--target-itl-ms`;
+# 0 turns the step-time budget off). 100 ms per token is 10 tokens/s per stream: faster than people
+# read streamed text (~4-5 words/s, ~6 tokens/s), and the per-token SLO DistServe uses for its
+# chatbot workload (TPOT 0.1 s). On a 2-core CPU with the bundled model a step of 32 decodes takes
+# ~40-45 ms and a prompt token ~0.7 ms (docs/BENCHMARKS.md, H and C), so the budget leaves room
+# for a ~70-token chunk of a long prompt beside 32 streams, while a whole 512-token chunk (~360 ms)
+# would stall them; on a GPU, where whole steps take tens of milliseconds, it rarely binds.
+# One place for this default: the scheduler, the engine and the gateway's settings read it here.
+DEFAULT_TARGET_ITL_MS = 100.0
 
 
 @dataclass
@@ -39,6 +50,9 @@ class EngineConfig:
     # Fraction of a step's token budget that longer prompts' prefill chunks may take while shorter
     # prompts are waiting (1.0 disables the cap).
     long_prefill_share: float = 0.5
+    # Step-time budget for long prompts' prefill chunks while others decode or wait (see
+    # DEFAULT_TARGET_ITL_MS and engine/scheduler.py); 0: off (chunks bounded by tokens only).
+    target_itl_ms: float = DEFAULT_TARGET_ITL_MS
     # A sequence preempted this many times is no longer preempted to make room for a higher class.
     max_preemptions_per_seq: int = 3
     # Seconds from arrival by which a request must start when it does not carry its own deadline;
@@ -88,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
         if self.max_preemptions_per_seq < 0:
             raise ValueError(f"max_preemptions_per_seq must be >= 0, got {self.max_preemptions_per_seq}")
+        if not (math.isfinite(self.target_itl_ms) and self.target_itl_ms >= 0):
+            raise ValueError(f"target_itl_ms must be >= 0 (0: off), got {self.target_itl_ms}")
         if self.default_queue_deadline_s is not None and not self.default_queue_deadline_s > 0:
             raise ValueError(f"default_queue_deadline_s must be > 0, got {self.default_queue_deadline_s}")
         self.cache_dir = Path(self.cache_dir)

@@ -22,6 +22,7 @@ worse. A server that sees arbitrary client schemas pays first use on every new o
 Runaway whitespace (models looping on newlines until max_tokens inside grammar-constrained JSON,
 a known failure of other servers): JSON is compiled compact (`whitespace_flexible: false`), so no
 whitespace is allowed between tokens at all; inside strings it is content the schema allows.
+Runaway digits likewise: an integer without bounds gets JSON's safe range (`bound_integers`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import collections
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -95,6 +95,29 @@ class GrammarBackend(Protocol):
         ...
 
 
+# Integers without a bound get JSON's interoperable range (RFC 8259: IEEE 754 doubles are exact to
+# 2**53 - 1), so a model cannot run one to max_tokens digit by digit (SmolLM2-135M does, greedy,
+# on "1234567890..."), the numeric cousin of runaway whitespace.
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+def bound_integers(schema: Any) -> Any:
+    """`schema` with `minimum`/`maximum` +-MAX_SAFE_INTEGER added to every integer subschema that
+    lacks them (a copy; everything else unchanged)."""
+    if isinstance(schema, list):
+        return [bound_integers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bound_integers(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_SAFE_INTEGER
+    return out
+
+
 # -- llguidance ---------------------------------------------------------------------------------
 
 
@@ -118,15 +141,17 @@ class _LLGuidanceGrammar:
         self._matcher.rollback(num_tokens)
 
 
-@dataclass(frozen=True)
 class _LLGuidanceCompiled:
-    tokenizer: Any
-    grammar: str
+    """A matcher at the start of the grammar, copied for each sequence: a copy costs microseconds,
+    building one from the grammar text again up to milliseconds."""
+
+    def __init__(self, prototype: Any) -> None:
+        self._prototype = prototype
+        self._lock = threading.Lock()  # shared by every request with this spec
 
     def new_grammar(self) -> Grammar:
-        import llguidance
-
-        return _LLGuidanceGrammar(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))
+        with self._lock:
+            return _LLGuidanceGrammar(self._prototype.deep_copy())
 
 
 class LLGuidanceBackend:
@@ -160,11 +185,10 @@ class LLGuidanceBackend:
             grammar = self._grammar_text(spec)
         except ValueError as exc:  # llguidance's own message for a malformed input
             raise GrammarError(str(exc)) from None
-        tokenizer = self._lltokenizer()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "the grammar is invalid")
-        return _LLGuidanceCompiled(tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return _LLGuidanceCompiled(matcher)
 
     @staticmethod
     def _grammar_text(spec: GrammarSpec) -> str:
@@ -180,7 +204,9 @@ class LLGuidanceBackend:
                 raise GrammarError(f"the schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise GrammarError("the schema must be a JSON object")
-            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(bound_integers(schema), defaults=options)
+            )
         if spec.kind == "json_object":
             return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if spec.kind == "lark":

@@ -7,10 +7,18 @@ blocks through `Scheduler.finish`.
 Constrained requests (`SamplingParams.grammar`) wait beside the scheduler, not in it, until their
 grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
 grammar that fails to compile fails only its request.
+
+Faults. A step has four stages (`StepStage`): scheduling, the forward pass, sampling, and output
+processing. An exception in any of them ends only the sequences it concerns: the one sequence
+whose output processing failed, else the step's batch (the forward pass and sampling run the batch
+as one, so they cannot tell whose row broke them). Each ends with a `GenerationFailedError` that
+names only its own request id; the exception and the request ids go to the server log; the step
+failure is counted by stage; the engine goes on with the rest. All of it happens in `_contain`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -57,6 +65,8 @@ from engine.types import (
     PromptTooLongError,
     RequestOutput,
     SamplingParams,
+    StepStage,
+    TokenLogprob,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,6 +108,7 @@ class LLMEngine:
                 long_prefill_share=config.long_prefill_share,
                 max_preemptions_per_seq=config.max_preemptions_per_seq,
                 batching=config.batching,
+                target_itl_ms=config.target_itl_ms,
             ),
             self.block_manager,
             clock,
@@ -111,19 +122,23 @@ class LLMEngine:
         self._refusals_lock = threading.Lock()
         self._last_batch_size = 0
         self._num_steps = 0
+        self._step_failures = dict.fromkeys(StepStage, 0)
         self.grammars = GrammarCache(
             LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
         )
         # Constrained sequences whose grammar is still compiling, by request (not yet scheduled).
         self._compiling: dict[str, tuple[Future[CompiledGrammar], list[Sequence]]] = {}
         logger.info(
-            "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
+            "engine ready: %s, %s on %s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
+            "max_model_len %d, prefix caching %s",
             self.model_name,
             dtype,
             device,
             f", int4 weights for steps of <= {int4_max_rows} tokens" if int4_max_rows else "",
+            self.runner.kv_cache_bytes / 2**20,
             num_blocks,
             config.block_size,
+            "committed now, in the process's RSS" if device.type == "cpu" else "device memory",
             max_len,
             "on" if config.enable_prefix_caching else "off",
         )
@@ -183,6 +198,7 @@ class LLMEngine:
         )
 
     def add_request(self, request: GenerationRequest) -> None:
+        """Queue every choice of `request`, or none of them (raises before anything is queued)."""
         self.validate(request)
         if request.request_id in self._seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
@@ -211,22 +227,23 @@ class LLMEngine:
         failed = future.exception() if future is not None and future.done() else None
         if failed is not None:
             raise failed  # a schema known to be bad: refused before it is accepted
-        for seq in seqs:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop)
+        detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
         self._seqs[request.request_id] = seqs
+        for seq, detok in zip(seqs, detoks, strict=True):
+            self._detok[seq.seq_id] = detok
+            if future is None:
+                self.scheduler.add(seq)
         if future is not None:
             self._compiling[request.request_id] = (future, seqs)  # step() schedules it when ready
-        else:
-            for seq in seqs:
-                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` as aborted; unknown ids are ignored."""
-        return [
-            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-            for seq in self._seqs.get(request_id, [])
-            if not seq.finished
-        ]
+        outputs = []
+        for seq in list(self._seqs.get(request_id, [])):
+            if not self._ended(seq):
+                end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ABORTED)
+                outputs += self._guarded(StepStage.OUTPUT, seq, end)
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
@@ -241,77 +258,160 @@ class LLMEngine:
             exc = future.exception()
             if exc is not None:  # _finish drops the entry once every choice has ended
                 error = exc if isinstance(exc, GrammarError) else GrammarError(f"grammar: {exc}")
-                outputs.extend(
-                    self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error)
-                    for seq in seqs
-                    if not seq.finished
-                )
+                for seq in seqs:
+                    if not self._ended(seq):
+                        end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
+                        outputs += self._guarded(StepStage.SCHEDULE, seq, end)
                 continue
             del self._compiling[request_id]
             compiled = future.result()
             for seq in seqs:
-                if not seq.finished:
+                if not self._ended(seq):
                     seq.grammar = compiled.new_grammar()
                     self.scheduler.add(seq)
         return outputs
 
     # ---- the step -----------------------------------------------------------------------------
 
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a batch so far."""
+        return self._num_steps
+
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, forward, sample, advance, process outputs. Never raises for a
+        fault in a stage: what it concerns ends with an error (see the module docstring)."""
         start = self.clock()
-        outputs = self._start_compiled() if self._compiling else []
-        out = self.scheduler.schedule()
-        outputs.extend(self._expired_outputs(out.expired))
-        if out.is_empty:
-            if self._compiling and not outputs:
-                wait_futures([f for f, _ in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
-            return outputs
-        self._num_steps += 1
-        self._last_batch_size = len(out.chunks)
+        outputs: list[RequestOutput] = self._start_compiled() if self._compiling else []
+        stage = StepStage.SCHEDULE
+        out: SchedulerOutput | None = None
         try:
-            result = self.runner.execute(out)
-        except Exception as exc:  # noqa: BLE001 - a failed pass fails its batch, not the engine
-            logger.exception("forward pass failed; failing %d sequences", len(out.chunks))
-            return outputs + self._fail_batch(out, exc)
-        self.scheduler.update(out)
-        outputs.extend(self._process(result))
+            out = self.scheduler.schedule()
+            outputs.extend(self._expired_outputs(out.expired))
+            if out.is_empty:
+                if self._compiling and not outputs:  # nothing to run but compiles: wait for one
+                    wait_futures([f for f, _ in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                return outputs
+            self._num_steps += 1
+            self._last_batch_size = len(out.chunks)
+            stage = StepStage.FORWARD
+            logits = self.runner.forward(out)
+            stage = StepStage.SAMPLING
+            result = self.runner.sample(out, logits)
+            stage = StepStage.SCHEDULE
+            self.scheduler.update(out)
+            stage = StepStage.OUTPUT
+            outputs.extend(self._process(result))
+        except Exception as exc:  # noqa: BLE001 - a failed stage fails what it concerns, not the engine
+            batch = None if out is None else [c.seq for c in out.chunks] + list(out.expired)
+            return outputs + self._contain(stage, exc, batch)
+        try:
+            self._record_step(start, out, result)
+        except Exception as exc:  # noqa: BLE001 - rates are bookkeeping that concerns no sequence
+            self._contain(StepStage.SCHEDULE, exc, [])
+        return outputs
+
+    def _record_step(self, start: float, out: SchedulerOutput, result: StepResult) -> None:
         now = self.clock()
         self.meter.record_step(
             now - start, sum(c.num_tokens for c in out.prefills), sum(c.num_tokens for c in out.decodes)
         )
+        self.scheduler.record_step(out, now - start)  # trains the step-time budget's cost model
         self._recent.append((now, len(result.tokens)))
         while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
             self._recent.popleft()
-        return outputs
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
+        """Each sampled sequence's new token: append, check stops, detokenize, build the output. A
+        failure in one sequence's processing ends that sequence only."""
         outputs = []
         for seq, token, logprob in zip(result.seqs, result.tokens, result.logprobs, strict=True):
             if seq.finished:  # aborted between scheduling and now
                 continue
-            seq.append_token(token, logprob)
-            p = seq.sampling
-            detok = self._detok[seq.seq_id]
-            status = None
-            error = None
-            stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
-            if seq.grammar is not None and not seq.grammar.accept_token(token):
-                # The mask allowed only what the grammar accepts; reaching here is a bug, not input.
-                status = SequenceStatus.FINISHED_ERROR
-                error = GenerationFailedError(f"the grammar rejected sampled token {token}")
-            elif token in stop_ids and seq.num_output_tokens > p.min_tokens:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif detok.add(token):
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.grammar is not None and seq.grammar.is_terminated():
-                status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is None:
-                outputs.append(self._output(seq, (token,), detok.take(final=False), logprob))
-            else:
-                outputs.append(self._finish(seq, status, (token,), logprob, error))
+            advance = functools.partial(self._advance, seq, token, logprob)
+            outputs += self._guarded(StepStage.OUTPUT, seq, advance)
         return outputs
+
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        seq.append_token(token, logprob)
+        p = seq.sampling
+        detok = self._detok[seq.seq_id]
+        status = None
+        error = None
+        stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The mask allowed only what the grammar accepts; reaching here is a bug, not input.
+            status = SequenceStatus.FINISHED_ERROR
+            error = GenerationFailedError(f"the grammar rejected sampled token {token}")
+        elif token in stop_ids and seq.num_output_tokens > p.min_tokens:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif detok.add(token):
+            status = SequenceStatus.FINISHED_STOPPED
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is None:
+            return self._output(seq, (token,), detok.take(final=False), logprob)
+        return self._finish(seq, status, (token,), logprob, error)
+
+    def _guarded(
+        self, stage: StepStage, seq: Sequence, make: Callable[[], RequestOutput]
+    ) -> list[RequestOutput]:
+        """`[make()]`: the next output of `seq`; if that raises, `seq` alone ends with an error."""
+        try:
+            return [make()]
+        except Exception as exc:  # noqa: BLE001 - contained to this sequence
+            return self._contain(stage, exc, [seq])
+
+    def _contain(
+        self, stage: StepStage, exc: Exception, concerned: list[Sequence] | None
+    ) -> list[RequestOutput]:
+        """The one place a failure in a step is handled: count it, log it with its details, and end
+        the `concerned` sequences with a generic error each (None: the scheduler failed before it had
+        a batch, so every sequence whose state it may have left half-done). Any choice that had
+        already ended but whose final output was not yet built (the failure came in between) gets
+        its error output here too, so every choice still ends exactly once."""
+        self._step_failures[stage] += 1
+        if concerned is None:
+            concerned = self._unsettled()
+        half_ended = (s for seqs in self._seqs.values() for s in seqs if s.finished)
+        ending = [s for s in dict.fromkeys([*concerned, *half_ended]) if not self._ended(s)]
+        logger.error(
+            "engine step failed in stage %s; ending %d sequence(s) with an error: %s",
+            stage.value,
+            len(ending),
+            ", ".join(f"{s.request_id}#{s.index}" for s in ending) or "none",
+            exc_info=exc,
+        )
+        return [
+            self._finish(
+                seq, SequenceStatus.FINISHED_ERROR, error=GenerationFailedError.for_request(seq.request_id)
+            )
+            for seq in ending
+        ]
+
+    def _unsettled(self) -> list[Sequence]:
+        """After scheduling failed midway: the sequences whose state can no longer be trusted. Every
+        running one (the batch was being built from them) and every other unfinished one that is
+        not waiting cleanly (out of the queue, or queued with blocks or progress: caught midway
+        through admission). Clean waiting ones stay queued."""
+        sched = self.scheduler
+        unsettled = []
+        for request_id, seqs in self._seqs.items():
+            if request_id in self._compiling:  # not in the scheduler yet: untouched by it
+                continue
+            for seq in seqs:
+                if seq.finished:
+                    continue
+                clean = seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0
+                if seq in sched.running or not clean:
+                    unsettled.append(seq)
+        return unsettled
+
+    def _ended(self, seq: Sequence) -> bool:
+        """Whether `seq`'s final output was built (it then has no detokenizer any more)."""
+        return seq.seq_id not in self._detok
 
     def _output(
         self,
@@ -342,22 +442,23 @@ class LLMEngine:
         logprob: Any = None,
         error: EngineError | None = None,
     ) -> RequestOutput:
-        """The one place a choice ends: blocks freed, bookkeeping dropped, final output built."""
+        """The one place a choice ends: blocks freed, bookkeeping dropped, final output built.
+
+        An error ends it without its held-back text (the detokenizer may be what failed). The
+        detokenizer is dropped last: until then the choice counts as not ended (`_ended`), so a
+        failure part-way leaves it for `_contain` to end with an error."""
+        detok = self._detok[seq.seq_id]
+        text = detok.take(final=True) if error is None else ""
+        self.scheduler.finish(seq, status)  # also one still compiling its grammar (in no queue)
         compiling = self._compiling.get(seq.request_id)
-        if compiling is not None and seq in compiling[1]:
-            seq.status = status  # never scheduled: holds no blocks
-            if all(s.finished for s in compiling[1]):
-                del self._compiling[seq.request_id]
-        elif not seq.finished:
-            self.scheduler.finish(seq, status)
-        else:
-            seq.status = status
+        if compiling is not None and all(s.finished for s in compiling[1]):
+            del self._compiling[seq.request_id]
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
-        detok = self._detok.pop(seq.seq_id)
-        out = self._output(seq, new_ids, detok.take(final=True), logprob, error)
+        out = self._output(seq, new_ids, text, logprob, error)
+        del self._detok[seq.seq_id]
         siblings = self._seqs.get(seq.request_id, [])
-        if all(s.finished for s in siblings):
+        if all(self._ended(s) for s in siblings):
             self._seqs.pop(seq.request_id, None)
         return out
 
@@ -381,7 +482,8 @@ class LLMEngine:
                 f"queue deadline",
                 retry_after_s=max(1.0, waits[key] - deadline_s),
             )
-            outputs.append(self._finish(seq, SequenceStatus.FINISHED_ERROR, error=error))
+            end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
+            outputs += self._guarded(StepStage.SCHEDULE, seq, end)
         return outputs
 
     def _count_refusal(self, reason: str) -> None:
@@ -392,14 +494,6 @@ class LLMEngine:
         """Refusals by reason so far; safe from any thread."""
         with self._refusals_lock:
             return dict(self._refusals)
-
-    def _fail_batch(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        error = GenerationFailedError(f"generation failed: {type(exc).__name__}: {exc}")
-        return [
-            self._finish(chunk.seq, SequenceStatus.FINISHED_ERROR, error=error)
-            for chunk in out.chunks
-            if not chunk.seq.finished
-        ]
 
     # ---- introspection --------------------------------------------------------------------------
 
@@ -439,6 +533,7 @@ class LLMEngine:
             batching=self.config.batching,
             prefix_cache_queried_tokens=self.block_manager.num_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
+            step_failures_by_stage={stage.value: n for stage, n in self._step_failures.items()},
         )
 
     def load_snapshot(self) -> LoadSnapshot:

@@ -12,7 +12,10 @@ fairness keys (tenants) take turns, so one key's flood waits behind its own requ
 everybody else's. With no bucket boundaries and one key this is plain FIFO per class.
 
 Counters (per class and bucket, tokens per class, counts per key) are kept as sequences come and go,
-so the engine's per-step statistics never walk the queue.
+so the engine's per-step statistics never walk the queue. What a sequence added is recorded when it
+enters and exactly that is taken off when it leaves: the scheduler changes a queued sequence's
+progress before popping it (admission first takes its cached prefix, which counts as computed), so
+recounting it on the way out would let the counters drift with every prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator
+from typing import NamedTuple
 
 from engine.sequence import Sequence
 from engine.types import Priority
@@ -94,6 +98,14 @@ class FairQueue:
         return {key: len(fifo) for key, fifo in self._fifos.items()}
 
 
+class _Entry(NamedTuple):
+    """What a queued sequence added to the counters when it entered (taken off when it leaves)."""
+
+    bucket: int
+    tokens: int  # tokens to (re)compute
+    decode_tokens: int  # tokens it may still generate (max_tokens left)
+
+
 class _ClassQueue:
     def __init__(self, num_buckets: int) -> None:
         self.resume: deque[Sequence] = deque()
@@ -121,10 +133,13 @@ class WaitingQueue:
         self._counts = {p: [0] * n for p in Priority}  # waiting sequences per class and bucket
         self._tokens = dict.fromkeys(Priority, 0)  # tokens to (re)compute per class
         self._decode_tokens = dict.fromkeys(Priority, 0)  # tokens still to generate per class
-        self._len = 0
+        self._entries: dict[tuple[str, int], _Entry] = {}  # by seq_id, what each one was counted as
 
     def __len__(self) -> int:
-        return self._len
+        return len(self._entries)
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, Sequence) and seq.seq_id in self._entries
 
     def __iter__(self) -> Iterator[Sequence]:
         for p in sorted(self._classes):
@@ -139,13 +154,13 @@ class WaitingQueue:
     # ---- in and out -------------------------------------------------------------------------
 
     def push(self, seq: Sequence) -> None:
+        self._enter(seq)
         self._classes[seq.priority].buckets[self.bucket(seq)].push(seq)
-        self._count(seq, +1)
 
     def push_front(self, seq: Sequence) -> None:
         """A preempted sequence goes back to the head of its class: it was admitted before others."""
+        self._enter(seq)
         self._classes[seq.priority].resume.appendleft(seq)
-        self._count(seq, +1)
 
     def peek(self, priority: Priority | None = None, skip_buckets: Collection[int] = ()) -> Sequence | None:
         """Who is next: in `priority`'s class only when given, else in the highest non-empty class.
@@ -177,7 +192,7 @@ class WaitingQueue:
             head = q.buckets[b].pop()
             assert head is seq, f"pop({seq}) but the head of its bucket is {head}"
             q.next_bucket = (b + 1) % len(q.buckets)
-        self._count(seq, -1)
+        self._leave(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
@@ -186,13 +201,23 @@ class WaitingQueue:
             q.resume.remove(seq)
         else:
             q.buckets[self.bucket(seq)].remove(seq)
-        self._count(seq, -1)
+        self._leave(seq)
 
-    def _count(self, seq: Sequence, sign: int) -> None:
-        self._counts[seq.priority][self.bucket(seq)] += sign
-        self._tokens[seq.priority] += sign * seq.num_uncomputed_tokens
-        self._decode_tokens[seq.priority] += sign * max(0, seq.sampling.max_tokens - seq.num_output_tokens)
-        self._len += sign
+    def _enter(self, seq: Sequence) -> None:
+        if seq.seq_id in self._entries:
+            raise RuntimeError(f"{seq} is already in the waiting queue")
+        decode_tokens = max(0, seq.sampling.max_tokens - seq.num_output_tokens)
+        entry = _Entry(self.bucket(seq), seq.num_uncomputed_tokens, decode_tokens)
+        self._entries[seq.seq_id] = entry
+        self._add(seq.priority, entry, +1)
+
+    def _leave(self, seq: Sequence) -> None:
+        self._add(seq.priority, self._entries.pop(seq.seq_id), -1)
+
+    def _add(self, priority: Priority, entry: _Entry, sign: int) -> None:
+        self._counts[priority][entry.bucket] += sign
+        self._tokens[priority] += sign * entry.tokens
+        self._decode_tokens[priority] += sign * entry.decode_tokens
 
     # ---- what the scheduler and the statistics ask ----------------------------------------------
 

@@ -23,6 +23,23 @@ import torch.nn.functional as F
 
 GROUP_SIZE = 32
 PACK_BATCH_HINT = 32  # the batch size oneDNN tunes a packed layout for; any batch size runs on it
+# The packed matmul runs only at these row counts: above 8, inputs are padded with zero rows up to
+# the next multiple of 8 (to 64 rows), 16 (to 256) or 32. oneDNN keeps memory for every row count
+# it has run (kernels and scratch held by its caches and the malloc arenas: ~1.5 MiB per count for
+# one 3072x576 weight, measured), and a served engine meets new counts (the tokens of a step) for
+# as long as it runs: RSS outside the KV cache kept rising under a mixed soak (issue 15). With the
+# ladder it meets at most ~35 counts up to 512: one 3072x576 layer run at every count 9..512 took
+# +758 MiB of RSS unpadded, +39 MiB padded, flat on repeats (`python -m bench.memory_probe
+# --linear-rows`). The padding costs at most 7, 15 or 31 rows (under a quarter above 64 rows);
+# 1..8 rows and multiples of the step run as they are.
+_ROW_LADDER = ((8, 1), (64, 8), (256, 16))
+_ROW_STEP_ABOVE = 32
+
+
+def padded_rows(num_rows: int) -> int:
+    """The row count a packed matmul of `num_rows` rows runs at (see _ROW_LADDER)."""
+    step = next((s for limit, s in _ROW_LADDER if num_rows <= limit), _ROW_STEP_ABOVE)
+    return -(-num_rows // step) * step
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,11 @@ class Linear:
             y = int4_mm(x, self.int4)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            rows = x.shape[0]
+            padded = padded_rows(rows)
+            if padded != rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return y if padded == rows else y[:rows]
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

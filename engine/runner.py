@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +18,9 @@ from engine.grammar import allocate_bitmask
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
-from engine.sampler import SamplingRow, sample
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.sampler import SamplingRow
+from engine.sampler import sample as sample_logits
+from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.types import TokenLogprob
 
@@ -118,16 +119,26 @@ def plan_num_blocks(
 
 
 def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV cache tensor. Zeros, not garbage: decode attention reads whole blocks, and
-    the unwritten tail of a sequence's last block is masked to probability 0, which a NaN left in
-    fresh memory would still turn into NaN (0 * NaN). On the CPU the memory is an anonymous mapping:
-    zero pages that cost no memory and no start-up time until a block is first written. (Advising
-    transparent huge pages for it measured no faster at batch 32.)"""
+    """A zero-filled KV cache tensor, its memory committed now. Zeros, not garbage: decode attention
+    reads whole blocks, and the unwritten tail of a sequence's last block is masked to probability
+    0, which a NaN left in fresh memory would still turn into NaN (0 * NaN).
+
+    On the CPU the memory is its own anonymous mapping (outside the malloc heap; bench/soak.py
+    reads its resident size from /proc/<pid>/smaps), and every page is written at once. Left to be
+    committed as blocks were first written, the cache grew the RSS for as long as new prompts came:
+    with prefix caching, freed blocks keep their prompts and new blocks are taken from the
+    never-used ones first, so a 1 GiB cache grew RSS by ~70 MiB/min under a mixed soak until all of
+    it was resident, while the RSS outside its mappings stayed flat (bench/memory_probe.py).
+    Committed at start, the RSS a server reaches in its first seconds is the one it keeps, and a
+    pod whose memory limit cannot hold the cache fails at start, not hours later. Writing 1 GiB
+    took 0.65 s on the busy 2-core development machine."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    cache = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+    cache.fill_(0)  # commit every page (they read as zeros already)
+    return cache.view(dtype).view(shape)
 
 
 @dataclass
@@ -169,14 +180,18 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.eos_token_ids = spec.eos_token_ids
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
         # Grammar masks are filled on this thread while the forward pass runs, where that pays: on
         # a GPU the CPU is idle meanwhile; on the CPU a third busy thread slows torch's own threads
         # (measured: bench/structured.py --overlap), so there it fills after the pass.
         self.overlap_masks = device.type == "cuda"
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
+        self._masks: Future[torch.Tensor | None] | None = None  # forward() -> sample()
 
-    def _overlap(self, seqs: list[Sequence]) -> bool:
-        return self.overlap_masks and any(s.grammar is not None for s in seqs)
+    @staticmethod
+    def _sampled(out: SchedulerOutput) -> list[Sequence]:
+        """The sequences whose chunk completes this step (they sample), in logits order."""
+        return [c.seq for c in out.decodes] + [c.seq for c in out.prefills if c.completes]
 
     def _slots(self, block_tables: torch.Tensor, num_positions: int) -> torch.Tensor:
         """Slots of positions 0..num_positions-1 for each row of `block_tables` [R, max_blocks]."""
@@ -240,16 +255,23 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
 
+    # A step is two calls, so that the engine knows which of them failed (engine/llm_engine.py).
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one scheduled step and sample for every sequence whose chunk completes."""
-        batch = self.build_batch(out)
-        sampled: list[ScheduledChunk] = list(out.decodes) + [c for c in out.prefills if c.completes]
-        seqs = [c.seq for c in sampled]
-        vocab_size = self.model.spec.vocab_size
-        # Every grammar's state is final before the forward pass: fill the mask during it.
-        masks = self._mask_filler.submit(fill_bitmask, seqs, vocab_size) if self._overlap(seqs) else None
-        logits = self.model.forward(batch, self.kv_caches)
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one scheduled step's forward pass (writing its K/V to the cache); returns the logits
+        of every sequence whose chunk completes, in `sample`'s order."""
+        seqs = self._sampled(out)
+        self._masks = None
+        if self.overlap_masks and any(s.grammar is not None for s in seqs):
+            # Every grammar's state is final before the forward pass: fill the mask during it.
+            self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size)
+        return self.model.forward(self.build_batch(out), self.kv_caches)
+
+    @torch.inference_mode()
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> StepResult:
+        """Choose the next token of every sequence whose chunk completes, from `forward`'s logits."""
+        seqs = self._sampled(out)
         rows = [
             SamplingRow(
                 params=s.sampling,
@@ -260,8 +282,9 @@ class ModelRunner:
             )
             for s in seqs
         ]
-        bitmask = masks.result() if masks is not None else fill_bitmask(seqs, vocab_size)
-        tokens, logprobs = sample(logits, rows, bitmask) if seqs else ([], [])
+        masks, self._masks = self._masks, None
+        bitmask = masks.result() if masks is not None else fill_bitmask(seqs, logits.shape[-1])
+        tokens, logprobs = sample_logits(logits, rows, bitmask) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)
 
 

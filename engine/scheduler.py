@@ -25,6 +25,20 @@ Length buckets: while shorter prompts (of the same or a higher class) wait and a
 prefill chunks of longer prompts share at most `long_prefill_share` of the step's budget, so a burst
 of long prompts cannot hold back short ones.
 
+Step-time budget (`target_itl_ms`; 0 turns it off): every running stream gets one token per step, so
+a step's duration is its streams' inter-token latency. A long prompt (beyond the first length
+bucket) must therefore not make a step slower than the target while others are interactive: while
+this step decodes anything or prefills a short prompt, or shorter prompts wait, a long prompt's
+chunk is cut to what `engine.step_cost` predicts still fits the target beside them (the cost model
+is fitted online to the step times the engine reports through `record_step`). Within a class,
+running short prompts' chunks and admissions come before running long prompts' chunks, so short
+prompts take the step's room first; a long newcomer waits while a long prompt of its class (or a
+higher one) still prefills. Against starvation: the first long chunk of a step gets at least
+`min_long_prefill_chunk` tokens even when nothing fits, and a long prompt that has not progressed
+for `max_long_prefill_stall_steps` steps is scheduled ahead of the admissions with that many. When
+nothing else is interactive, long prefill takes the whole token budget. Until the cost model has
+seen enough steps with prefill, only the token caps apply.
+
 Static batching (the baseline): a batch of up to `max_num_seqs` forms from the waiting queue while
 nothing runs (over several steps if the budget is short), and nobody else is admitted until all of
 it has finished. It keeps the class order but neither preempts for priority nor caps long prompts.
@@ -39,8 +53,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.config import DEFAULT_TARGET_ITL_MS
 from engine.policy import WaitingQueue, validate_boundaries
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_cost import StepCostModel
 from engine.types import Priority
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "WaitingQueue"]
@@ -61,6 +77,13 @@ class SchedulerConfig:
     # Preemptions after which a sequence is no longer preempted for priority (0: never for priority).
     max_preemptions_per_seq: int = 3
     batching: str = "continuous"
+    # Step-time budget while long prompts prefill next to interactive work (module docstring); 0: off.
+    target_itl_ms: float = DEFAULT_TARGET_ITL_MS
+    # Floor of a long prompt's chunk when it must progress although nothing fits the budget: below
+    # a few dozen tokens a chunk's fixed cost (one pass over the weights) buys too little prefill.
+    min_long_prefill_chunk: int = 32
+    # A long prompt still prefilling progresses at least once in this many steps.
+    max_long_prefill_stall_steps: int = 4
 
     def __post_init__(self) -> None:
         validate_boundaries(self.length_buckets)
@@ -70,6 +93,14 @@ class SchedulerConfig:
             raise ValueError(f"max_preemptions_per_seq must be >= 0, got {self.max_preemptions_per_seq}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+        if not self.target_itl_ms >= 0:
+            raise ValueError(f"target_itl_ms must be >= 0 (0: off), got {self.target_itl_ms}")
+        if self.min_long_prefill_chunk < 1:
+            raise ValueError(f"min_long_prefill_chunk must be >= 1, got {self.min_long_prefill_chunk}")
+        if self.max_long_prefill_stall_steps < 1:
+            raise ValueError(
+                f"max_long_prefill_stall_steps must be >= 1, got {self.max_long_prefill_stall_steps}"
+            )
 
     @property
     def long_prefill_budget(self) -> int:
@@ -105,6 +136,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)
+
+    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
@@ -119,27 +154,49 @@ class _Step:
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     chunks: dict[tuple[str, int], ScheduledChunk] = field(default_factory=dict)
-    long_chunks: dict[tuple[str, int], int] = field(default_factory=dict)
+    long_chunks: dict[tuple[str, int], int] = field(default_factory=dict)  # against long_budget
+    num_prefill_tokens: int = 0
+    num_short_prefills: int = 0  # prefill chunks of prompts within the first length bucket
+    num_long_prefills: int = 0  # and of longer ones
     memory_preempted: bool = False
     admit_below: int = len(Priority)  # only classes below this may be admitted (priority preemption)
     admitting: bool = True
 
-    def add(self, chunk: ScheduledChunk, decode: bool, long: bool = False) -> None:
+    def add(self, chunk: ScheduledChunk, decode: bool, shared: bool = False, long: bool = False) -> None:
+        """`shared`: the chunk counts against `long_budget`; `long`: it is a long prompt's."""
         (self.decodes if decode else self.prefills).append(chunk)
         self.chunks[chunk.seq.seq_id] = chunk
         self.budget -= chunk.num_tokens
-        if long:
+        if shared:
             self.long_chunks[chunk.seq.seq_id] = chunk.num_tokens
             self.long_budget -= chunk.num_tokens
+        if not decode:
+            self.num_prefill_tokens += chunk.num_tokens
+            if long:
+                self.num_long_prefills += 1
+            else:
+                self.num_short_prefills += 1
 
-    def drop(self, seq: Sequence) -> None:
+    def drop(self, seq: Sequence, long: bool) -> None:
         """Unschedule `seq` (a priority victim) and give its tokens back."""
         chunk = self.chunks.pop(seq.seq_id, None)
         if chunk is None:
             return
-        (self.decodes if chunk in self.decodes else self.prefills).remove(chunk)
+        decode = chunk in self.decodes
+        (self.decodes if decode else self.prefills).remove(chunk)
         self.budget += chunk.num_tokens
         self.long_budget += self.long_chunks.pop(seq.seq_id, 0)
+        if not decode:
+            self.num_prefill_tokens -= chunk.num_tokens
+            if long:
+                self.num_long_prefills -= 1
+            else:
+                self.num_short_prefills -= 1
+
+    @property
+    def interactive(self) -> bool:
+        """Something in this step is latency-bound: a stream decoding or a short prompt prefilling."""
+        return bool(self.decodes) or self.num_short_prefills > 0
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
@@ -172,6 +229,11 @@ class Scheduler:
         # or finished since are dropped when they reach the top.
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._deadline_order = itertools.count()
+        # The step-time budget: the cost model the engine's step times train, the number of steps
+        # scheduled so far, and the step in which each long prompt still prefilling last progressed.
+        self.step_cost = StepCostModel()
+        self._num_steps = 0
+        self._long_progress: dict[tuple[str, int], int] = {}
 
     # ---- queue operations -------------------------------------------------------------------
 
@@ -189,19 +251,30 @@ class Scheduler:
         yield from self.waiting
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End `seq` with a terminal status: out of every queue, all its blocks freed (one place)."""
+        """End `seq` with a terminal status: out of every queue, all its blocks freed (one place).
+
+        Goes by where the sequence is, not by what its status says, so it also ends one that a
+        failed step left between queues (e.g. taken from the waiting queue, not yet running);
+        finishing a finished sequence again only sets its status."""
         assert status.finished, status
-        if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif not seq.status.finished:
+        if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         self.blocks.free(seq)
+        self._long_progress.pop(seq.seq_id, None)
         seq.status = status
+
+    def record_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The measured duration of the step that ran `output` (the engine calls this after each
+        step): trains the step-cost model behind the step-time budget."""
+        self.step_cost.observe(seconds, output.num_prefill_tokens, len(output.decodes))
 
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         expired = self._expire_waiting()
+        self._num_steps += 1
         step = _Step(self.config.max_num_batched_tokens, self.config.long_prefill_budget)
         if self.static and not self.running:  # the previous batch has drained: form the next
             self._batch_open, self._batch_size = True, 0
@@ -210,8 +283,17 @@ class Scheduler:
         ranked = sorted(self.running, key=_rank)
         self._schedule_decodes(step, ranked)
         for priority in sorted(Priority):
-            self._schedule_prefills(step, [s for s in ranked if s.priority == priority])
+            mine = [s for s in ranked if s.priority == priority]
+            if self._time_budget_s is None:
+                self._schedule_prefills(step, mine)
+                self._admit(step, priority)
+                continue
+            # Short prompts (and long ones stalled too long) first, then admissions, then the
+            # other long prompts' chunks, in what is left of the step.
+            later = [s for s in mine if self._is_long(s) and not self._stalled(s)]
+            self._schedule_prefills(step, [s for s in mine if s not in later])
             self._admit(step, priority)
+            self._schedule_prefills(step, later)
 
         if self.static and step.budget > 0:
             self._batch_open = False  # it stopped taking members for want of room or of requests
@@ -245,7 +327,7 @@ class Scheduler:
                 continue
             if step.budget < 1:
                 return
-            want, long = self._chunk_limit(step, seq, joining=False)
+            want, shared = self._chunk_limit(step, seq, joining=False)
             if want == 0:
                 continue
             chunk = self._fit_chunk(seq, want, reserve=0)
@@ -258,7 +340,7 @@ class Scheduler:
             if chunk == 0:
                 continue  # keeps its blocks; decodes finishing will free room
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
-            step.add(ScheduledChunk(seq, chunk), decode=False, long=long)
+            step.add(ScheduledChunk(seq, chunk), decode=False, shared=shared, long=self._is_long(seq))
 
     def _admit(self, step: _Step, priority: Priority) -> None:
         """Admit waiting sequences of one class while the budget, slots and blocks allow."""
@@ -273,7 +355,7 @@ class Scheduler:
                 step.admitting = False
                 return
             self.blocks.take_cached_prefix(seq)
-            want, long = self._chunk_limit(step, seq, joining=True)
+            want, shared = self._chunk_limit(step, seq, joining=True)
             if want == 0:
                 self.blocks.release_cached_prefix(seq)
                 skip.add(self.waiting.bucket(seq))
@@ -287,7 +369,7 @@ class Scheduler:
                     return
                 seq, out_of_turn = fair, True
                 self.blocks.take_cached_prefix(seq)
-                want, long = self._chunk_limit(step, seq, joining=True)
+                want, shared = self._chunk_limit(step, seq, joining=True)
             # The watermark keeps blocks back for running sequences to grow into, when there are any.
             reserve = self.config.watermark_blocks if self.running else 0
             chunk = self._fit_chunk(seq, want, reserve)
@@ -307,7 +389,7 @@ class Scheduler:
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
             seq.mark_admitted()
             self.running.append(seq)
-            step.add(ScheduledChunk(seq, chunk), decode=False, long=long)
+            step.add(ScheduledChunk(seq, chunk), decode=False, shared=shared, long=self._is_long(seq))
             if self.static:
                 self._join_batch(seq)
 
@@ -323,14 +405,68 @@ class Scheduler:
     def _chunk_limit(self, step: _Step, seq: Sequence, joining: bool) -> tuple[int, bool]:
         """The most tokens `seq` may prefill now, and whether the long-prompt share bounds it."""
         want = min(seq.num_uncomputed_tokens, step.budget)
-        if self.static or self.config.long_prefill_share >= 1.0 or not self.config.length_buckets:
+        if self.static or not self.config.length_buckets:
             return want, False  # (static batching admits nobody mid-batch: a cap would only waste)
-        if not self.waiting.has_waiting_below(self.waiting.bucket(seq), seq.priority):
-            return want, False
-        # A shorter prompt is waiting; the cap only helps if it could be admitted this step.
-        if len(self.running) + (1 if joining else 0) >= self.config.max_num_seqs:
-            return want, False
-        return max(0, min(want, step.long_budget)), True
+        shorter_waiting = self.waiting.has_waiting_below(self.waiting.bucket(seq), seq.priority)
+        shared = (
+            self.config.long_prefill_share < 1.0
+            and shorter_waiting
+            # A shorter prompt is waiting; the cap only helps if it could be admitted this step.
+            and len(self.running) + (1 if joining else 0) < self.config.max_num_seqs
+        )
+        if shared:
+            want = max(0, min(want, step.long_budget))
+        if want > 0 and self._is_long(seq) and (step.interactive or shorter_waiting):
+            want = self._time_limit(step, seq, want, joining)
+        return want, shared
+
+    # ---- the step-time budget --------------------------------------------------------------------
+
+    @property
+    def _time_budget_s(self) -> float | None:
+        """The step-time budget, once the cost model can predict; None: token caps only."""
+        if self.static or self.config.target_itl_ms <= 0 or not self.config.length_buckets:
+            return None
+        return self.config.target_itl_ms / 1000.0 if self.step_cost.cost is not None else None
+
+    def _is_long(self, seq: Sequence) -> bool:
+        """A prompt beyond the first length bucket: its chunks yield to interactive work."""
+        buckets = self.config.length_buckets
+        return bool(buckets) and seq.num_prompt_tokens > buckets[0]
+
+    def _stalled(self, seq: Sequence) -> bool:
+        """A long prompt still prefilling that has not progressed for the allowed number of steps."""
+        last = self._long_progress.get(seq.seq_id)
+        return last is not None and self._num_steps - last >= self.config.max_long_prefill_stall_steps
+
+    def _time_limit(self, step: _Step, seq: Sequence, want: int, joining: bool) -> int:
+        """`want` cut to what the step-time budget leaves beside what `step` already holds.
+
+        A newcomer waits (0) while long prompts of its class or a higher one still prefill: they
+        take the room first, and fewer prompts hold blocks half-computed. A stalled long prompt
+        gets the floor (`min_long_prefill_chunk`) and no more: it is scheduled ahead of the
+        admissions, before the step's room is known. Otherwise a chunk is what fits, and below the
+        floor 0, except that the step's first long chunk gets the floor."""
+        budget_s = self._time_budget_s
+        cost = self.step_cost.cost
+        if budget_s is None or cost is None:
+            return want
+        if joining and self._long_prefilling(seq.priority):
+            return 0
+        floor = self.config.min_long_prefill_chunk
+        if self._stalled(seq):
+            return min(want, floor)
+        fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
+        if fits is None:
+            return want
+        fits -= step.num_prefill_tokens
+        if fits >= floor:
+            return min(want, fits)
+        return min(want, floor) if step.num_long_prefills == 0 else 0
+
+    def _long_prefilling(self, max_priority: Priority) -> bool:
+        """Whether a long prompt of class <= `max_priority` is admitted and still prefilling."""
+        return any(s.priority <= max_priority and s.is_prefilling and self._is_long(s) for s in self.running)
 
     def _fit_chunk(self, seq: Sequence, want: int, reserve: int) -> int:
         """The largest chunk <= `want` whose slots fit in `seq`'s blocks plus the free ones."""
@@ -356,7 +492,7 @@ class Scheduler:
         if not victims:
             return False
         victim = max(victims, key=_rank)
-        step.drop(victim)
+        step.drop(victim, self._is_long(victim))
         self._preempt(victim)
         step.preempted.append(victim)
         self.num_priority_preemptions += 1
@@ -393,7 +529,7 @@ class Scheduler:
         if waiting is None:
             return None
         victim = max((s for s in movable if counts[s.fairness_key] == heaviest), key=_rank)
-        step.drop(victim)
+        step.drop(victim, self._is_long(victim))
         self._preempt(victim)
         step.preempted.append(victim)
         self.num_fairness_preemptions += 1
@@ -432,6 +568,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self._long_progress.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -473,3 +610,9 @@ class Scheduler:
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.register_full_blocks(chunk.seq)
+        for chunk in output.prefills:
+            seq = chunk.seq
+            if self._is_long(seq) and seq.is_prefilling and not seq.finished:
+                self._long_progress[seq.seq_id] = self._num_steps
+            else:
+                self._long_progress.pop(seq.seq_id, None)

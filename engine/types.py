@@ -183,9 +183,50 @@ class GrammarError(EngineError, ValueError):
 
 
 class GenerationFailedError(EngineError):
-    """A forward pass failed; the sequences in that batch end with this error."""
+    """A failure in an engine step ended this request (see `StepStage`).
+
+    Built with `for_request`: the message is generic and names only this request's id, never the
+    failure's text (which may quote another request's data); the details go to the server log."""
 
     code = "generation_failed"
+
+    @classmethod
+    def for_request(cls, request_id: str) -> GenerationFailedError:
+        return cls(f"generation failed for request {request_id}; see the server log")
+
+
+class StepStage(enum.StrEnum):
+    """The part of an engine step that failed; the label of the step-failure counter."""
+
+    SCHEDULE = "schedule"  # building the batch and its bookkeeping (admission, expiry, progress)
+    FORWARD = "forward"  # the forward pass
+    SAMPLING = "sampling"  # choosing each sequence's next token from the logits
+    OUTPUT = "output"  # appending the token, stop checks, detokenization, the output record
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """Liveness of the engine loop, from the heartbeat its thread updates.
+
+    `alive`: the loop is running (False once it died or was shut down; `reason` says which).
+    `stalled_s`: seconds since the loop last made progress while work was waiting; 0 when idle.
+    """
+
+    alive: bool
+    stalled_s: float = 0.0
+    reason: str = ""
+
+    def problem(self, stall_timeout_s: float) -> str | None:
+        """Why a liveness probe should fail, or None: the loop is not running, or work has waited
+        longer than `stall_timeout_s` with no step."""
+        if not self.alive:
+            return self.reason or "the engine is not running"
+        if self.stalled_s > stall_timeout_s:
+            return (
+                f"the engine made no progress for {self.stalled_s:.0f}s while work was waiting "
+                f"(stall timeout {stall_timeout_s:g}s)"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -215,3 +256,5 @@ class EngineStats:
     batching: str = "continuous"
     prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up in the cache
     prefix_cache_hit_tokens: int = 0  # of those, found there (not computed)
+    # Failed engine steps (or one sequence's output processing) so far, by `StepStage` value.
+    step_failures_by_stage: dict[str, int] = field(default_factory=dict)

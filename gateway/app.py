@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import admission, generation, protocol, responses, telemetry, tools
+from gateway import admission, embeddings, generation, protocol, responses, telemetry, tools
 from gateway.body import read_json
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, from_engine_error, invalid_request
 from gateway.metrics import Metrics, MetricsMiddleware, TimedStream
@@ -62,17 +62,21 @@ class Gateway:
         tenancy: Any | None,
         engine_factory: EngineFactory,
         owns_tenancy: bool,
+        embedder: embeddings.EmbeddingService | None = None,
     ) -> None:
         self.settings = settings
         self.tenancy = tenancy
         self.owns_tenancy = owns_tenancy
         self.engine_factory = engine_factory
         self.owns_engine = engine is None
+        # `--model none`: no chat model (an embedding-only replica); the chat endpoints are 404s.
+        self.serves_chat = engine is not None or settings.model != "none"
         self.engine: Any | None = None
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine)
+        self.embeddings = embeddings.Embeddings(settings, self.metrics, self._authenticate, tenancy, embedder)
         if engine is not None:
             self._attach(engine)
 
@@ -97,7 +101,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        loader = asyncio.ensure_future(self.load_engine()) if self.engine is None else None
+        loader = (
+            asyncio.ensure_future(self.load_engine()) if self.engine is None and self.serves_chat else None
+        )
+        embedding_loader = asyncio.ensure_future(self.embeddings.load())
         if loader is None:
             freeze_startup_heap()
         try:
@@ -105,6 +112,8 @@ class Gateway:
         finally:
             if loader is not None:
                 await loader  # a load in progress cannot be interrupted; wait, then shut it down
+            await embedding_loader
+            await self.embeddings.shutdown()
             if self.owns_engine and self.engine is not None:
                 await anyio.to_thread.run_sync(self.engine.shutdown)
             if self.owns_tenancy and self.tenancy is not None:
@@ -117,6 +126,11 @@ class Gateway:
         return self.settings.served_model_name or str(self.engine.model_name)
 
     def _require_engine(self) -> tuple[Any, Tokenizer]:
+        if not self.serves_chat:
+            served = f" Its embedding model is `{self.embeddings.name}`." if self.embeddings.name else ""
+            raise APIError(
+                ErrorKind.MODEL_NOT_FOUND, f"This server serves no chat model.{served}", param="model"
+            )
         if self.engine is None or self.tokenizer is None:
             if self.load_error is not None:
                 raise APIError(ErrorKind.UNAVAILABLE, f"The model failed to load: {self.load_error}")
@@ -130,42 +144,70 @@ class Gateway:
     # -- probes and metadata -----------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """Liveness: 503 once the model failed to load, the engine loop died or stopped, or the
+        engine went `--engine-stall-timeout` seconds without a step while work waited; the
+        orchestrator then restarts the process."""
         if self.load_error is not None:
             return JSONResponse(
                 {"status": "error", "detail": f"model failed to load: {self.load_error}"}, 503
             )
-        if self.engine is not None and not self.engine.ready:
-            return JSONResponse({"status": "error", "detail": "the engine stopped"}, 503)
+        if self.embeddings.load_error is not None:
+            return JSONResponse({"status": "error", "detail": self.embeddings.not_ready()}, 503)
+        if self.engine is not None:
+            problem = self.engine.health().problem(self.settings.engine_stall_timeout_s)
+            if problem is not None:
+                return JSONResponse({"status": "error", "detail": problem}, 503)
         return JSONResponse({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        if self.engine is None:
+        if self.engine is None and self.serves_chat:
             status = "error" if self.load_error is not None else "loading"
             return JSONResponse({"status": status}, 503)
-        if not self.engine.ready:
+        if self.engine is not None and not self.engine.ready:
             return JSONResponse({"status": "unavailable", "detail": "the engine stopped"}, 503)
+        embeddings_not_ready = self.embeddings.not_ready()
+        if embeddings_not_ready is not None:
+            status = "loading" if embeddings_not_ready == "loading" else "unavailable"
+            return JSONResponse({"status": status, "detail": embeddings_not_ready}, 503)
         check = getattr(self.tenancy, "ready", None)
         if check is not None and not await check():
             return JSONResponse({"status": "unavailable", "detail": "the rate limiter is unreachable"}, 503)
-        return JSONResponse({"status": "ready", "model": self.model_name})
+        return JSONResponse({"status": "ready", "model": self.model_name or self.embeddings.name})
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "batchgate"}
 
     async def list_models(self, request: Request) -> Response:
-        self._require_engine()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = []
+        if self.serves_chat:
+            self._require_engine()
+            cards.append(self._model_card())
+        if self.embeddings.service is not None:
+            cards.append(self.embeddings.service.card(self.created))
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
+        service = self.embeddings.service
+        if service is not None and request.path_params["model"] == service.name:
+            return JSONResponse(service.card(self.created))
         self._require_engine()
         self._check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 
     async def openapi(self, request: Request) -> Response:
         vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else None
-        return JSONResponse(build_openapi(self.model_name, vocab_size))
+        return JSONResponse(build_openapi(self.model_name, vocab_size, embedding=self.embeddings.service))
+
+    async def create_embeddings(self, request: Request) -> Response:
+        return await self.embeddings.handle(request, self.model_name)
 
     def _check_model(self, model: str) -> None:
+        if model == self.embeddings.name:
+            raise invalid_request(
+                f"`{model}` is an embedding model; send it to /v1/embeddings. "
+                f"This server's chat model is `{self.model_name}`.",
+                param="model",
+            )
         if model != self.model_name:
             raise APIError(
                 ErrorKind.MODEL_NOT_FOUND,
@@ -255,6 +297,8 @@ class Gateway:
     async def internal_stats(self, request: Request) -> Response:
         """engine.stats() as JSON, for gateways routing by outstanding work."""
         admission.check_internal(self.settings.internal_token, request.headers)
+        if not self.serves_chat:  # an embedding-only replica: the pool routes by its own in-flight count
+            return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0})
         engine, _ = self._require_engine()
         return JSONResponse(dataclasses.asdict(engine.stats()))
 
@@ -479,19 +523,22 @@ def create_app(
     *,
     engine_factory: EngineFactory = _default_engine_factory,
     owns_tenancy: bool = False,
+    embedder: embeddings.EmbeddingService | None = None,
 ) -> Starlette:
     """Build the app.
 
     `engine`: a started AsyncEngine (the caller owns it and shuts it down), or None to have the app
     build one with `engine_factory(settings)` in a worker thread at start-up (the app owns it; /ready
     is 503 until it is loaded; /health answers at once). `tenancy`: a `tenancy.Tenancy`, or None for
-    open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`.
+    open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`. `embedder`: a
+    started embedding service (the caller owns it), or None to load `settings.embedding_model` at
+    start-up beside the engine (none: no /v1/embeddings model).
     """
     if settings.upstreams and engine is None:
         from gateway.pool import create_proxy_app
 
         return create_proxy_app(settings, tenancy, owns_tenancy=owns_tenancy)
-    gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy)
+    gateway = Gateway(settings, engine, tenancy, engine_factory, owns_tenancy, embedder)
     return build_starlette(gateway, Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]))
 
 
@@ -503,6 +550,7 @@ def build_starlette(gateway: Any, internal: Route) -> Starlette:
     routes = [
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/embeddings", gateway.create_embeddings, methods=["POST"]),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),

@@ -114,8 +114,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         flags = {spec.name: _flag_value(spec, getattr(args, spec.name)) for spec in option_specs()}
         try:
             settings = Settings.load(flags, os.environ if environ is None else environ)
-            if settings.model is not None and not Path(settings.model).expanduser().exists():
+            if settings.model not in (None, "none") and not Path(settings.model).expanduser().exists():
                 raise ValueError(f"--model: {settings.model} does not exist")
+            if settings.embedding_model not in ("bundled", "none") and not (
+                Path(settings.embedding_model).expanduser().exists()
+            ):
+                raise ValueError(f"--embedding-model: {settings.embedding_model} does not exist")
+            if settings.model == "none" and settings.embedding_model == "none" and not settings.upstreams:
+                raise ValueError("--model none and --embedding-model none: nothing to serve")
             tenancy = build_tenancy(settings)
         except ValueError as exc:
             print(f"batchgate: error: {exc}", file=sys.stderr)

@@ -2,9 +2,11 @@
 
 Latency histograms and request/token counters are recorded as requests flow; engine gauges
 (running/waiting by priority, KV use, batch size) and engine counters (preemptions, deadline
-refusals) are read from `engine.stats()` at scrape time. Label values come from bounded sets only:
-priority `paid`/`free`, plan `paid`/`free`/`open`, status class `2xx`..`5xx`, refusal reasons from a
-fixed list; never a key, a tenant name or any other client-controlled string.
+refusals, step failures) are read from `engine.stats()` at scrape time, and the engine's liveness
+from `engine.health()` (only in a process that serves a local engine: not in gateway-only mode).
+Label values come from bounded sets only: priority `paid`/`free`, plan `paid`/`free`/`open`, status
+class `2xx`..`5xx`, refusal reasons and step stages from fixed lists; never a key, a tenant name or
+any other client-controlled string.
 
     batchgate_time_to_first_token_seconds      histogram
     batchgate_inter_token_latency_seconds      histogram
@@ -20,6 +22,13 @@ fixed list; never a key, a tenant name or any other client-controlled string.
     batchgate_refusals_total{reason}           counter (rate_limit, deadline, overload, unavailable)
     batchgate_tokens_total{direction,plan}     counter (direction in|out)
     batchgate_requests_total{code}             counter (generation endpoints, by status class)
+    batchgate_engine_up                        gauge (1: the engine loop runs; 0: dead, shut down or loading)
+    batchgate_engine_stalled_seconds           gauge (since the engine's last step while work waits; 0 idle)
+    batchgate_engine_step_failures_total{stage} counter (stage: forward, sampling, output, schedule)
+    batchgate_embedding_batch_inputs           histogram (inputs per embedding model call)
+    batchgate_embedding_batch_tokens           histogram (padded tokens per embedding model call)
+    batchgate_embedding_queue_wait_seconds     histogram (per input: arrival -> its model call)
+    batchgate_embedding_model_seconds          histogram (per embedding model call)
 """
 
 from __future__ import annotations
@@ -35,25 +44,31 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.types import StepStage
+
 PRIORITIES = ("paid", "free")
 PLANS = ("paid", "free", "open")
 REFUSAL_REASONS = ("rate_limit", "deadline", "overload", "unavailable")
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+STEP_STAGES = tuple(stage.value for stage in StepStage)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BATCH_INPUT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 100, 128, 256, 512)
+_BATCH_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
 class _EngineCollector(Collector):
-    """Gauges and engine-side counters read from `engine.stats()` at scrape time."""
+    """Gauges and engine-side counters read from `engine.stats()` and `engine.health()` at scrape
+    time; `engine_of` None: no local engine (gateway-only mode), so no liveness series."""
 
-    def __init__(self, metrics: Metrics, engine_of: Callable[[], Any]) -> None:
+    def __init__(self, metrics: Metrics, engine_of: Callable[[], Any] | None) -> None:
         self._metrics = metrics
         self._engine_of = engine_of
 
     def collect(self) -> Iterable[Metric]:
-        engine = self._engine_of()
+        engine = self._engine_of() if self._engine_of is not None else None
         stats = engine.stats() if engine is not None else None
         running = GaugeMetricFamily(
             "batchgate_requests_running", "Requests running in the engine", labels=["priority"]
@@ -91,7 +106,31 @@ class _EngineCollector(Collector):
             counts["deadline"] += sum(stats.refusals_by_reason.values())
         for reason in REFUSAL_REASONS:
             refusals.add_metric([reason], counts[reason])
-        return [running, waiting, kv, batch, preemptions, queries, hits, refusals]
+        families = [running, waiting, kv, batch, preemptions, queries, hits, refusals]
+        if self._engine_of is not None:
+            families += _liveness(engine, stats)
+        return families
+
+
+def _liveness(engine: Any, stats: Any) -> list[Metric]:
+    """Whether the engine loop runs, how long it has been stuck, and its contained step failures."""
+    health = engine.health() if engine is not None else None
+    up = GaugeMetricFamily("batchgate_engine_up", "1 while the engine loop runs; 0 dead, stopped or loading")
+    up.add_metric([], 1 if health is not None and health.alive else 0)
+    stalled = GaugeMetricFamily(
+        "batchgate_engine_stalled_seconds",
+        "Seconds since the engine's last step while work waits (0 when idle)",
+    )
+    stalled.add_metric([], health.stalled_s if health is not None else 0.0)
+    failures = CounterMetricFamily(
+        "batchgate_engine_step_failures",
+        "Engine step failures contained (the sequences concerned ended with an error), by stage",
+        labels=["stage"],
+    )
+    by_stage = stats.step_failures_by_stage if stats is not None else {}
+    for stage in STEP_STAGES:
+        failures.add_metric([stage], by_stage.get(stage, 0))
+    return [up, stalled, failures]
 
 
 def _by_priority(counts: dict[Any, int], priority: str) -> int:
@@ -99,9 +138,10 @@ def _by_priority(counts: dict[Any, int], priority: str) -> int:
 
 
 class Metrics:
-    """The app's metrics; `engine_of()` returns the current engine (None in gateway-only mode)."""
+    """The app's metrics; `engine_of()` returns the local engine (None while it loads). Without
+    `engine_of` (gateway-only mode) the engine gauges read 0 and there are no liveness series."""
 
-    def __init__(self, engine_of: Callable[[], Any] = lambda: None) -> None:
+    def __init__(self, engine_of: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -137,6 +177,30 @@ class Metrics:
         self.requests = Counter(
             "batchgate_requests", "Generation requests answered, by status class", ["code"], registry=r
         )
+        self.embedding_batch_inputs = Histogram(
+            "batchgate_embedding_batch_inputs",
+            "Inputs per embedding model call",
+            buckets=_BATCH_INPUT_BUCKETS,
+            registry=r,
+        )
+        self.embedding_batch_tokens = Histogram(
+            "batchgate_embedding_batch_tokens",
+            "Padded tokens (inputs x the longest) per embedding model call",
+            buckets=_BATCH_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.embedding_queue_wait = Histogram(
+            "batchgate_embedding_queue_wait_seconds",
+            "Seconds each embedding input waited from arrival to its model call",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.embedding_model_time = Histogram(
+            "batchgate_embedding_model_seconds",
+            "Seconds per embedding model call",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         for plan in PLANS:
             for direction in ("in", "out"):
                 self.tokens.labels(direction, plan)
@@ -155,6 +219,14 @@ class Metrics:
             self.tokens.labels("in", plan).inc(num_in)
         if num_out:
             self.tokens.labels("out", plan).inc(num_out)
+
+    def observe_embedding_batch(self, record: Any) -> None:
+        """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""
+        self.embedding_batch_inputs.observe(record.num_inputs)
+        self.embedding_batch_tokens.observe(record.num_padded_tokens)
+        self.embedding_model_time.observe(record.model_s)
+        for wait in record.queue_wait_s:
+            self.embedding_queue_wait.observe(wait)
 
     def request_done(self, status: int, seconds: float) -> None:
         code = f"{min(max(status // 100, 2), 5)}xx"

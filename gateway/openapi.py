@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from gateway.embeddings import EmbeddingsRequest, input_schema
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, prompt_schema
 
 REF = "#/components/schemas/{model}"
@@ -240,6 +241,32 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
         "required": ["object", "data"],
         "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
     },
+    "Embedding": {
+        "type": "object",
+        "required": ["object", "index", "embedding"],
+        "properties": {
+            "object": {"const": "embedding"},
+            "index": _INT0,
+            "embedding": {
+                "description": "float: the numbers; base64: their little-endian float32 bytes",
+                "anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}],
+            },
+        },
+    },
+    "CreateEmbeddingResponse": {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": _ref("Embedding")},
+            "model": {"type": "string"},
+            "usage": {
+                "type": "object",
+                "required": ["prompt_tokens", "total_tokens"],
+                "properties": {"prompt_tokens": _INT0, "total_tokens": _INT0},
+            },
+        },
+    },
     "Status": {
         "type": "object",
         "required": ["status"],
@@ -319,12 +346,18 @@ def _status_op(summary: str, not_ok: str) -> dict[str, Any]:
 
 
 def build_openapi(
-    model_name: str | None, vocab_size: int | None = None, version: str = "0.1.0"
+    model_name: str | None, vocab_size: int | None = None, version: str = "0.1.0", *, embedding: Any = None
 ) -> dict[str, Any]:
     """The document for a server serving `model_name` (None while the model is loading), whose
-    tokenizer has `vocab_size` tokens (bounds the token ids a prompt may hold)."""
+    tokenizer has `vocab_size` tokens (bounds the token ids a prompt may hold), and `embedding`
+    (a gateway.embeddings.EmbeddingService, or None) at /v1/embeddings."""
     _, defs = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")], ref_template=REF
+        [
+            (ChatCompletionRequest, "validation"),
+            (CompletionRequest, "validation"),
+            (EmbeddingsRequest, "validation"),
+        ],
+        ref_template=REF,
     )
     schemas: dict[str, Any] = copy.deepcopy(defs["$defs"])
     if model_name is not None:
@@ -332,6 +365,9 @@ def build_openapi(
             schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
     if vocab_size is not None:
         schemas["CompletionRequest"]["properties"]["prompt"] = prompt_schema(vocab_size)
+    if embedding is not None:
+        schemas["EmbeddingsRequest"]["properties"]["model"] = {"type": "string", "enum": [embedding.name]}
+        schemas["EmbeddingsRequest"]["properties"]["input"] = input_schema(embedding.vocab_size)
     schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
     return {
         "openapi": "3.1.0",
@@ -358,6 +394,22 @@ def build_openapi(
                     "text_completion",
                     "Completion",
                 )
+            },
+            "/v1/embeddings": {
+                "post": {
+                    "summary": "Create embeddings",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("EmbeddingsRequest")}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "A list of embeddings, one per input, in input order",
+                            "content": {"application/json": {"schema": _ref("CreateEmbeddingResponse")}},
+                        },
+                        **_POST_ERRORS,
+                    },
+                }
             },
             "/v1/models": {
                 "get": {

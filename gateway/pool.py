@@ -14,7 +14,10 @@ rendezvous hashing): each request has a preferred order of replicas, from a hash
 the start of its prompt (the first message, or the prompt's first 512 characters), and goes to the
 first in that order whose load is within `--route-affinity-tokens` of the least loaded. So requests
 sharing a system prompt meet the KV blocks that replica's prefix cache holds for it, while no
-replica takes more than that margin above the rest. A replica failing its poll, or a call,
+replica takes more than that margin above the rest. With `--long-prompt-upstream` replicas, prompts
+of more than `--long-prompt-threshold` tokens go to those and the others to the `--upstream` ones
+(length-aware pools: a long prefill on a replica serving chat turns stalls their streams), each set
+taking the other's prompts when none of its own replicas is healthy. A replica failing its poll, or a call,
 gets no new requests until a poll finds it ready again. A replica that fails before the client got
 its first byte is retried on another; one that dies mid-stream ends the client's stream with an
 SSE error event in OpenAI's shape, then `[DONE]`.
@@ -40,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admission, protocol, telemetry
+from gateway import admission, embeddings, protocol, telemetry
 from gateway.body import read_json
 from gateway.errors import APIError, ErrorKind, sse_error_event
 from gateway.metrics import Metrics
@@ -69,6 +72,7 @@ class Upstream:
     num_sent: int = 0
     last_error: str | None = None
     created: dict[str, int] = field(default_factory=dict)
+    long_prompts: bool = False  # one of the replicas reserved for prompts over the threshold
 
     @property
     def load(self) -> int:
@@ -78,8 +82,18 @@ class Upstream:
 class Pool:
     """The replicas, their health and load, and the HTTP client that reaches them."""
 
-    def __init__(self, urls: tuple[str, ...], internal_token: str | None, interval_s: float) -> None:
-        self.upstreams = [Upstream(u) for u in urls]
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        internal_token: str | None,
+        interval_s: float,
+        long_prompt_urls: tuple[str, ...] = (),
+        long_prompt_threshold: int = 0,
+    ) -> None:
+        self.upstreams = [Upstream(u) for u in urls] + [
+            Upstream(u, long_prompts=True) for u in long_prompt_urls
+        ]
+        self.long_prompt_threshold = long_prompt_threshold
         self.internal_token = internal_token
         self.interval_s = interval_s
         self.client = httpx.AsyncClient(
@@ -153,13 +167,24 @@ class Pool:
         return out
 
     def pick(
-        self, model: str, exclude: set[str], affinity: bytes = b"", slack_tokens: int = 0
+        self,
+        model: str,
+        exclude: set[str],
+        affinity: bytes = b"",
+        slack_tokens: int = 0,
+        num_prompt_tokens: int = 0,
     ) -> Upstream | None:
         """The least-loaded candidate; with an `affinity` key, the candidate that key ranks first
-        among those whose load is at most `slack_tokens` above the least."""
+        among those whose load is at most `slack_tokens` above the least. Candidates: the healthy
+        replicas serving `model`, not in `exclude`, of the set for the prompt's length (replicas
+        for long prompts when it has more than `long_prompt_threshold` tokens, else the others)
+        when that set has any, else of either set."""
         candidates = [u for u in self.healthy() if model in u.models and u.url not in exclude]
         if not candidates:
             return None
+        if any(u.long_prompts for u in self.upstreams):
+            long = num_prompt_tokens > self.long_prompt_threshold
+            candidates = [u for u in candidates if u.long_prompts == long] or candidates
         best = min(u.load for u in candidates)
         if affinity and slack_tokens > 0:
             near = [u for u in candidates if u.load <= best + slack_tokens]
@@ -211,7 +236,13 @@ class ProxyGateway:
         self.settings = settings
         self.tenancy = tenancy
         self.owns_tenancy = owns_tenancy
-        self.pool = Pool(settings.upstreams, settings.internal_token, settings.health_interval_s)
+        self.pool = Pool(
+            settings.upstreams,
+            settings.internal_token,
+            settings.health_interval_s,
+            settings.long_prompt_upstreams,
+            settings.long_prompt_threshold,
+        )
         self.metrics = Metrics()
         self._counter: Any = None
 
@@ -266,6 +297,7 @@ class ProxyGateway:
                     "url": u.url,
                     "healthy": u.healthy,
                     "models": list(u.models),
+                    "long_prompts": u.long_prompts,
                     "reported_tokens": u.reported_tokens,
                     "inflight": u.inflight,
                     "num_sent": u.num_sent,
@@ -332,6 +364,21 @@ class ProxyGateway:
             request, "/v1/completions", body, caller, num_prompt, max_tokens, bool(req.stream), span
         )
 
+    async def create_embeddings(self, request: Request) -> Response:
+        """Relayed to a replica that lists the model (gateway/embeddings.py has the endpoint)."""
+        body = await read_json(request, self.settings.max_body_bytes)
+        req = embeddings.parse_embeddings_request(body)
+        caller = await admission.authenticate(self.tenancy, request.headers.get("authorization"), req.user)
+        self._check_model(req.model, self.pool.models())
+        num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
+        span = embeddings.span(req.model, caller, req)
+        relayed = self._proxy(
+            request, "/v1/embeddings", body, caller, num_prompt, 0, False, span, prompt_routing=False
+        )
+        # A client that leaves closes the call to the replica, which then drops its inputs.
+        response = await embeddings.unless_disconnected(request, relayed)
+        return Response(status_code=499) if response is None else response
+
     async def _proxy(
         self,
         request: Request,
@@ -342,7 +389,12 @@ class ProxyGateway:
         max_tokens: int,
         stream: bool,
         span: telemetry.ChatSpan,
+        *,
+        prompt_routing: bool = True,
     ) -> Response:
+        """Admit, relay to a replica, settle. `prompt_routing`: route by the prompt (prefix
+        affinity, long-prompt replicas); off for embeddings, whose inputs share no KV cache and are
+        each short."""
         request_id = f"gw-{random.getrandbits(64):016x}"  # the lease id; never client-chosen
         try:
             held = await admission.admit(
@@ -385,7 +437,10 @@ class ProxyGateway:
                     headers,
                     num_prompt + max_tokens,
                     stream,
-                    affinity_key(caller, body) if self.settings.route_affinity_tokens else b"",
+                    affinity_key(caller, body)
+                    if prompt_routing and self.settings.route_affinity_tokens
+                    else b"",
+                    num_prompt if prompt_routing else 0,
                 )
             out_headers = {
                 k: v for k, v in upstream_response.headers.items() if k.lower() not in _DROP_HEADERS
@@ -454,6 +509,7 @@ class ProxyGateway:
         tokens: int,
         stream: bool,
         affinity: bytes = b"",
+        num_prompt_tokens: int = 0,
     ) -> tuple[_Call, httpx.Response, bytes | asyncio.Future[bytes], AsyncIterator[bytes]]:
         """Send to the least-loaded healthy replica, failing over until one answers.
 
@@ -464,7 +520,9 @@ class ProxyGateway:
         tried: set[str] = set()
         last: tuple[_Call, httpx.Response, bytes, AsyncIterator[bytes]] | None = None
         while True:
-            up = self.pool.pick(model, tried, affinity, self.settings.route_affinity_tokens)
+            up = self.pool.pick(
+                model, tried, affinity, self.settings.route_affinity_tokens, num_prompt_tokens
+            )
             if up is None:
                 if last is not None:
                     return last
@@ -593,7 +651,7 @@ class _Usage:
                 self.span.finish_reason(int(choice.get("index", 0)), choice.get("finish_reason"))
             u = body["usage"]
             self.prompt = int(u["prompt_tokens"])
-            self.completion = int(u["completion_tokens"])
+            self.completion = int(u.get("completion_tokens", 0))  # embeddings have none
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
 

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_TARGET_ITL_MS, EngineConfig
+from engine.embeddings.batcher import BatchLimits
 
 ENV_PREFIX = "BATCHGATE_"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -96,7 +97,10 @@ class Settings:
     host: str = _opt("127.0.0.1", _str, "address to bind")
     port: int = _opt(8000, _int, "port to bind")
     model: str | None = _opt(
-        None, _str, "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M)"
+        None,
+        _str,
+        "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M), or none (no chat "
+        "model: an embedding-only replica)",
     )
     served_model_name: str | None = _opt(None, _str, "the model id clients send and /v1/models lists")
     dtype: str = _opt(
@@ -121,6 +125,13 @@ class Settings:
         _float,
         "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
         flag="--queue-deadline",
+    )
+    engine_stall_timeout_s: float = _opt(
+        60.0,
+        _float,
+        "seconds the engine may go without a step while work waits before /health fails (503), so "
+        "the orchestrator restarts the process",
+        flag="--engine-stall-timeout",
     )
     num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
     quantization: str = _opt(
@@ -154,6 +165,13 @@ class Settings:
     long_prefill_share: float = _opt(
         0.5, _float, "most of a step's token budget one long prompt may take while shorter ones wait"
     )
+    target_itl_ms: float = _opt(
+        DEFAULT_TARGET_ITL_MS,
+        _float,
+        "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
+        "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "
+        "online); 0: off",
+    )
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )
@@ -175,6 +193,21 @@ class Settings:
         env="BATCHGATE_UPSTREAMS",
         multi=True,
     )
+    long_prompt_upstreams: tuple[str, ...] = _opt(
+        (),
+        _urls,
+        "gateway-only mode: an engine replica reserved for prompts over --long-prompt-threshold "
+        "(repeatable; the variable takes a comma-separated list); the --upstream replicas get the "
+        "others; either set takes the other's prompts when none of its own replicas is healthy",
+        flag="--long-prompt-upstream",
+        env="BATCHGATE_LONG_PROMPT_UPSTREAMS",
+        multi=True,
+    )
+    long_prompt_threshold: int = _opt(
+        1024,
+        _int,
+        "gateway-only mode: prompts of more tokens than this go to the --long-prompt-upstream replicas",
+    )
     internal_token: str | None = _opt(
         None,
         _str,
@@ -193,6 +226,25 @@ class Settings:
         "gateway-only mode: extra outstanding tokens a replica may carry and still get a request whose "
         "tenant and leading prompt it is preferred for (prefix-cache hits); 0: least loaded only",
     )
+    embedding_model: str = _opt(
+        "bundled",
+        _str,
+        "the embedding model served at /v1/embeddings beside the chat model: a BERT-family folder "
+        "(sentence-transformers layout), bundled (all-MiniLM-L6-v2) or none",
+    )
+    embedding_max_batch_inputs: int = _opt(
+        BatchLimits.max_batch_inputs, _int, "most inputs in one embedding model call"
+    )
+    embedding_max_batch_tokens: int = _opt(
+        BatchLimits.max_batch_tokens, _int, "most padded tokens (inputs x the longest) in one embedding call"
+    )
+    embedding_max_wait_s: float = _opt(
+        BatchLimits.max_wait_s,
+        _float,
+        "seconds the oldest queued embedding input waits for a fuller batch (a request that finds the "
+        "model idle never waits)",
+        flag="--embedding-max-wait",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -204,10 +256,18 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.long_prompt_upstreams and not self.upstreams:
+            raise ValueError("long_prompt_upstreams needs upstreams (--upstream) for the other prompts")
+        if set(self.long_prompt_upstreams) & set(self.upstreams):
+            raise ValueError("a replica cannot be both an --upstream and a --long-prompt-upstream")
+        if self.long_prompt_threshold < 1:
+            raise ValueError(f"long_prompt_threshold must be >= 1, got {self.long_prompt_threshold}")
         if self.route_affinity_tokens < 0:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        if not self.engine_stall_timeout_s > 0:
+            raise ValueError(f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -215,6 +275,7 @@ class Settings:
                     f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
                 )
         self.engine_config()  # EngineConfig validates its own fields; fail here, before anything starts
+        self.embedding_batch_limits()  # likewise BatchLimits
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -237,6 +298,15 @@ class Settings:
             batching=self.batching,
             length_buckets=self.length_buckets,
             long_prefill_share=self.long_prefill_share,
+            target_itl_ms=self.target_itl_ms,
+        )
+
+    def embedding_batch_limits(self) -> BatchLimits:
+        return BatchLimits(
+            max_batch_inputs=self.embedding_max_batch_inputs,
+            max_batch_tokens=self.embedding_max_batch_tokens,
+            max_wait_s=self.embedding_max_wait_s,
+            window_inputs=max(BatchLimits.window_inputs, self.embedding_max_batch_inputs),
         )
 
     @classmethod

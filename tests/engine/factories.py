@@ -99,6 +99,7 @@ def run_step(sched: Scheduler, check: bool = True) -> SchedulerOutput:
             sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
     if check:
         check_blocks(sched)
+        check_waiting(sched)
     return out
 
 
@@ -161,3 +162,21 @@ def check_blocks(sched: Scheduler) -> None:
                 assert bm._hashes(seq, i + 1)[i] == bm._hash_of[b], (seq, i)
     for seq in sched.waiting:
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
+
+
+def check_waiting(sched: Scheduler) -> None:
+    """The waiting queue's counters equal the sums over the sequences in it (they are kept as
+    sequences come and go, so whatever happens to a sequence while queued must not skew them)."""
+    waiting = sched.waiting
+    members = list(waiting)
+    assert len(waiting) == len(members)
+    for p in Priority:
+        of_class = [s for s in members if s.priority == p]
+        assert waiting.tokens_by_priority()[p] == sum(s.num_uncomputed_tokens for s in of_class), p
+        assert waiting.decode_tokens_by_priority()[p] == sum(
+            max(0, s.sampling.max_tokens - s.num_output_tokens) for s in of_class
+        ), p
+        by_bucket = dict.fromkeys(waiting.labels, 0)
+        for s in of_class:
+            by_bucket[waiting.labels[waiting.bucket(s)]] += 1
+        assert waiting.count_by_priority_and_bucket()[p.name.lower()] == by_bucket, p

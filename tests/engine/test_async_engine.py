@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.types import (
     EngineDeadError,
+    EngineHealth,
     EngineOverloadedError,
     FinishReason,
     GenerationRequest,
@@ -20,6 +23,8 @@ from engine.types import (
     PromptTooLongError,
     SamplingParams,
 )
+from tests.engine.factories import FakeClock
+from tests.engine.helpers import tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -195,5 +200,113 @@ async def test_a_burst_between_snapshots_counts_itself_as_ahead(tiny_model_dir: 
         for stream in accepted:
             await stream.aclose()
         await wait_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+# ---- faults and liveness ----------------------------------------------------------------------
+
+
+async def test_a_forward_fault_ends_its_batch_with_generic_errors_and_the_loop_goes_on(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The victim's batch fails once: every stream still ends exactly once, each failed one with
+    its own request id and no exception text; the others finish; the loop serves the next one."""
+    original = engine.engine.runner.forward
+    fired = []
+
+    def faulty(out: Any) -> Any:
+        if not fired and any(c.seq.request_id == "victim" for c in out.chunks):
+            fired.append(True)
+            raise RuntimeError("secret text of the victim's batch")
+        return original(out)
+
+    monkeypatch.setattr(engine.engine.runner, "forward", faulty)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    names = ["victim", "x1", "x2", "x3"]
+    streams = [engine.submit(GenerationRequest(n, [20 + i] * 9, params)) for i, n in enumerate(names)]
+
+    async def drain(stream: Any) -> list[Any]:
+        return [o async for o in stream]
+
+    results = dict(zip(names, await asyncio.gather(*(drain(s) for s in streams)), strict=True))
+    assert fired
+    for name, outs in results.items():
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], name
+        last = outs[-1]
+        if last.finish_reason == FinishReason.ERROR:
+            assert str(last.error) == f"generation failed for request {name}; see the server log"
+        else:
+            assert last.finish_reason == FinishReason.LENGTH and last.num_output_tokens == 6
+    assert results["victim"][-1].finish_reason == FinishReason.ERROR
+    await wait_idle(engine)
+    after = [o async for o in engine.submit(GenerationRequest("after", [5] * 9, params))]
+    assert after[-1].finish_reason == FinishReason.LENGTH
+    assert engine.health().alive and engine.stats().step_failures_by_stage["forward"] >= 1
+
+
+async def test_health_tells_a_stuck_loop_from_an_idle_one(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No step while work waits counts as stalled (by the injected clock); idle time never does."""
+    clock = FakeClock(1000.0)
+    eng = AsyncEngine(tiny_engine(tiny_model_dir), clock=clock)
+    entered, release = threading.Event(), threading.Event()
+    original = eng.engine.runner.forward
+
+    def stuck(out: Any) -> Any:
+        entered.set()
+        release.wait(30)  # safety net only: the test releases it
+        return original(out)
+
+    monkeypatch.setattr(eng.engine.runner, "forward", stuck)
+    assert eng.health() == EngineHealth(alive=False, reason="the engine loop is not running")
+    eng.start()
+    try:
+        assert eng.health() == EngineHealth(alive=True, stalled_s=0.0)
+        clock.advance(3600)  # an hour idle is not a stall
+        assert eng.health().stalled_s == 0.0
+        stream = eng.submit(GenerationRequest("slow", [4] * 9, SamplingParams(max_tokens=2, ignore_eos=True)))
+        assert await asyncio.to_thread(entered.wait, 30)
+        clock.advance(61)
+        health = eng.health()
+        assert health.alive and health.stalled_s == 61.0
+        assert health.problem(stall_timeout_s=120) is None
+        assert health.problem(stall_timeout_s=60) == (
+            "the engine made no progress for 61s while work was waiting (stall timeout 60s)"
+        )
+        release.set()
+        outs = [o async for o in stream]
+        assert outs[-1].finish_reason == FinishReason.LENGTH
+        await wait_idle(eng)
+        assert eng.health() == EngineHealth(alive=True, stalled_s=0.0)
+    finally:
+        release.set()
+        eng.shutdown()
+    assert eng.health() == EngineHealth(alive=False, reason="the engine was shut down")
+
+
+async def test_a_dead_loop_fails_its_requests_and_says_so(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something outside a step's stages fails on the loop thread: the loop ends, every pending
+    request gets an error, and health and submit report the death without its exception text."""
+    eng = AsyncEngine(tiny_engine(tiny_model_dir))
+
+    def broken_stats() -> Any:
+        raise RuntimeError("secret text")
+
+    monkeypatch.setattr(eng.engine, "stats", broken_stats)
+    eng.start()
+    try:
+        stream = eng.submit(GenerationRequest("d", [4] * 9, SamplingParams(max_tokens=50, ignore_eos=True)))
+        outs = [o async for o in stream]
+        assert outs[-1].finish_reason == FinishReason.ERROR and isinstance(outs[-1].error, EngineDeadError)
+        health = eng.health()
+        assert not health.alive and health.problem(stall_timeout_s=60) == health.reason
+        assert health.reason == "the engine loop died (RuntimeError); see the server log"
+        with pytest.raises(EngineDeadError) as info:
+            eng.submit(GenerationRequest("e", [4] * 9, SamplingParams()))
+        assert "secret" not in str(info.value) and not eng.ready
     finally:
         eng.shutdown()

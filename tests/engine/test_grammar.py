@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
-from engine.grammar import GrammarCache, LLGuidanceBackend, allocate_bitmask
+from engine.grammar import GrammarCache, LLGuidanceBackend, allocate_bitmask, bound_integers
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, apply_bitmask, sample
 from engine.types import FinishReason, GenerationRequest, GrammarError, GrammarSpec, SamplingParams
@@ -320,3 +320,16 @@ def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_e
     for i in range(2):
         assert tokens_of(overlapped[("overlap", i)]) == tokens_of(serial[("serial", i)])
         jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
+
+
+def test_unbounded_integers_get_json_s_safe_range() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": ["integer", "null"], "maximum": 5}},
+    }
+    bounded = bound_integers(schema)
+    assert bounded["properties"]["a"] == {"type": "integer", "maximum": 2**53 - 1, "minimum": -(2**53 - 1)}
+    assert bounded["properties"]["b"]["maximum"] == 5 and bounded["properties"]["b"]["minimum"] == -(
+        2**53 - 1
+    )
+    assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not modified

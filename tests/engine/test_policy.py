@@ -113,6 +113,32 @@ def test_counters_follow_every_way_in_and_out() -> None:
     assert q.tokens_by_priority() == {PAID: 0, FREE: 0}
 
 
+def test_counters_take_off_what_a_sequence_added_even_if_it_changed_while_queued() -> None:
+    """Admission takes a cached prefix (raising `num_computed_tokens`) before it pops the sequence;
+    neither that nor a failed admission that gives the prefix back may skew the counters."""
+    q = WaitingQueue((16,))
+    a, b = make_seq(10, max_tokens=5), make_seq(12, max_tokens=3)
+    q.push(a)
+    q.push(b)
+    assert a in q and b in q and q.tokens_by_priority()[PAID] == 22
+    a.num_computed_tokens = 8  # its cached prefix
+    q.pop(a)
+    b.num_computed_tokens = 4
+    q.remove(b)
+    assert a not in q and b not in q and len(q) == 0
+    assert q.tokens_by_priority() == q.decode_tokens_by_priority() == {PAID: 0, FREE: 0}
+    assert q.count_by_bucket() == {"<=16": 0, ">16": 0}
+
+
+def test_a_sequence_queued_twice_is_a_bug() -> None:
+    q = WaitingQueue(())
+    seq = make_seq(4)
+    q.push(seq)
+    with pytest.raises(RuntimeError, match="already in the waiting queue"):
+        q.push_front(seq)
+    assert len(q) == 1
+
+
 def test_pop_of_something_that_is_not_next_is_a_bug() -> None:
     q = WaitingQueue(())
     first, second = make_seq(4), make_seq(4)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import engine.quant as quant
 from engine.config import EngineConfig
 from engine.loader import is_q4_1_gguf
-from engine.quant import Linear, quantize_int4
+from engine.quant import Linear, padded_rows, quantize_int4
 from engine.runner import resolve_int4_max_rows
 from engine.types import GenerationRequest
 from tests.engine.helpers import greedy, run_all, tiny_engine, tokens_of
@@ -155,6 +155,24 @@ def test_packed_bf16_weights_give_bit_identical_results(bias: bool) -> None:
     for rows in (1, 5, 33):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert torch.equal(layer(x), F.linear(x, weight, b))
+
+
+def test_packed_matmuls_run_at_a_bounded_set_of_row_counts() -> None:
+    # oneDNN keeps memory for every row count a packed matmul has run (issue 15: RSS kept rising
+    # as a served engine met new step sizes), so counts are padded onto a short ladder.
+    counts = {padded_rows(m) for m in range(1, 513)}
+    assert len(counts) <= 36
+    for m in range(1, 513):
+        step = 1 if m <= 8 else 8 if m <= 64 else 16 if m <= 256 else 32
+        assert m <= padded_rows(m) < m + step and padded_rows(m) % step == 0
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    b = torch.randn(48).to(torch.bfloat16)
+    layer = Linear.build(weight, b)
+    for rows in (9, 70, 300):  # off the ladder: padded, computed, cut back, bit-identical
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        y = layer(x, int4_ok=False)
+        assert y.shape == (rows, 48) and torch.equal(y, F.linear(x, weight, b))
 
 
 def test_float32_weights_stay_plain() -> None:

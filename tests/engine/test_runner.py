@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import runner
 from engine.runner import cgroup_memory_available
@@ -45,3 +46,55 @@ def test_available_memory_is_capped_by_the_container(monkeypatch: pytest.MonkeyP
     assert runner.available_memory() == min(1 << 30, runner.psutil.virtual_memory().available)
     monkeypatch.setattr(runner, "cgroup_memory_available", lambda: None)
     assert runner.available_memory() == pytest.approx(runner.psutil.virtual_memory().available, rel=0.2)
+
+
+def resident_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """(size, resident bytes) of the memory mapping that holds `tensor`, from /proc/self/smaps."""
+    address = tensor.data_ptr()
+    inside = False
+    size = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if not head.endswith(":"):  # a mapping's header: "start-end perms offset dev inode [path]"
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Size:":
+                size = int(line.split()[1]) * 1024
+            elif inside and head == "Rss:":
+                return size, int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+def test_cpu_kv_cache_is_zeroed_and_committed_when_built() -> None:
+    # Committed as blocks were first written, the cache made RSS climb for as long as new prompts
+    # came (issue 15); now all of it is resident from the start.
+    cache = runner.zeroed_cache((2, 256, 16, 128), torch.float32, torch.device("cpu"))  # 4 MiB
+    size, resident = resident_bytes(cache)
+    assert size >= cache.numel() * cache.element_size() == 4 << 20
+    assert resident == size
+    assert not cache.any()
+
+
+def test_serving_unique_prompts_grows_no_kv_memory_and_keeps_no_request_state(tiny_model_dir: Path) -> None:
+    from engine.types import GenerationRequest
+    from tests.engine.helpers import greedy, run_all, tiny_engine
+
+    engine = tiny_engine(tiny_model_dir, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20)
+    caches = [t for kv in engine.runner.kv_caches for t in kv]
+    committed = [resident_bytes(t)[1] for t in caches]
+    assert sum(committed) >= engine.runner.kv_cache_bytes  # before any request
+    for round_ in range(3):
+        requests = [
+            GenerationRequest(
+                f"r{round_}-{i}", [(round_ * 97 + i * 31 + j) % 4000 + 1 for j in range(40)], greedy(6)
+            )
+            for i in range(12)
+        ]
+        outputs = run_all(engine, requests)
+        assert len(outputs) == 12 and all(outs[-1].finished for outs in outputs.values())
+        assert [resident_bytes(t)[1] for t in caches] == committed
+        # Per-request state is dropped when a request ends; the prefix cache is bounded by the blocks.
+        assert engine._seqs == {} and engine._detok == {}
+        assert engine.block_manager.num_cached_blocks <= engine.block_manager.num_blocks
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

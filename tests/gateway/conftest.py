@@ -21,9 +21,13 @@ def fake_engine() -> FakeEngine:
 
 @pytest.fixture
 def make_app(fake_engine: FakeEngine) -> AppFactory:
-    def make(engine: Any = None, tenancy: Any = None, **settings: Any) -> Starlette:
+    def make(engine: Any = None, tenancy: Any = None, embedder: Any = None, **settings: Any) -> Starlette:
         settings.setdefault("keep_alive_s", 5.0)
-        return create_app(Settings(**settings), engine=engine or fake_engine, tenancy=tenancy)
+        # Only embedding tests pay for an embedding model: they pass one (`embedder`).
+        settings.setdefault("embedding_model", "none")
+        return create_app(
+            Settings(**settings), engine=engine or fake_engine, tenancy=tenancy, embedder=embedder
+        )
 
     return make
 
@@ -126,7 +130,7 @@ def tiny_server(tiny_model_dir: Any) -> Any:
             kv_cache_memory_bytes=64 * 1024 * 1024,
         )
     )
-    server = LiveServer(create_app(Settings(keep_alive_s=1.0), engine=engine))
+    server = LiveServer(create_app(Settings(keep_alive_s=1.0, embedding_model="none"), engine=engine))
     try:
         yield TinyServer(engine, server)
     finally:

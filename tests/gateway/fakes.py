@@ -1,6 +1,7 @@
 """Stand-ins for the engine, its tokenizer and the tenancy facade, for unit tests of the gateway.
 
-`FakeEngine` implements the interface the gateway uses (submit / stream / aclose / stats / ready)
+`FakeEngine` implements the interface the gateway uses (submit / stream / aclose / stats / ready /
+health)
 on the event loop, with no model: each choice "generates" a scripted reply one byte-token at a
 time. Tests steer it with `gate` (outputs wait until it is set), `fail_after` (a choice fails
 after that many tokens) and `submit_error` (submit raises). End-to-end tests use the real engine.
@@ -15,6 +16,7 @@ from typing import Any
 
 from engine.types import (
     EngineError,
+    EngineHealth,
     EngineStats,
     FinishReason,
     GenerationFailedError,
@@ -68,6 +70,8 @@ class FakeEngine:
     num_total_blocks: int = 64
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     ready: bool = True
+    stalled_s: float = 0.0  # what health() reports while ready
+    step_failures_by_stage: dict[str, int] = field(default_factory=dict)
     gate: asyncio.Event | None = None
     fail_after: int | None = None
     submit_error: EngineError | ValueError | None = None
@@ -103,7 +107,13 @@ class FakeEngine:
             num_preemptions=0,
             num_waiting_tokens=0,
             num_running_tokens=0,
+            step_failures_by_stage=dict(self.step_failures_by_stage),
         )
+
+    def health(self) -> EngineHealth:
+        if not self.ready:
+            return EngineHealth(alive=False, reason="the engine was shut down")
+        return EngineHealth(alive=True, stalled_s=self.stalled_s)
 
     def shutdown(self) -> None:
         self.ready = False

@@ -47,6 +47,25 @@ async def test_probes_when_engine_stopped(make_app: AppFactory, fake_engine: Fak
         assert r.headers["retry-after"] == "5"
 
 
+async def test_health_fails_when_the_engine_stalls_past_the_timeout(
+    make_app: AppFactory, fake_engine: FakeEngine
+) -> None:
+    """Liveness, not readiness: a loop that makes no progress while work waits gets restarted."""
+    async with client_for(make_app(engine_stall_timeout_s=30.0)) as c:
+        fake_engine.stalled_s = 29.0
+        assert (await c.get("/health")).json() == {"status": "ok"}
+        fake_engine.stalled_s = 31.0
+        r = await c.get("/health")
+        assert r.status_code == 503
+        assert r.json() == {
+            "status": "error",
+            "detail": "the engine made no progress for 31s while work was waiting (stall timeout 30s)",
+        }
+        fake_engine.ready = False
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["detail"] == "the engine was shut down"
+
+
 async def test_chat_completion_shape_and_usage(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
     r = await client.post("/v1/chat/completions", json=chat())
     assert r.status_code == 200, r.text

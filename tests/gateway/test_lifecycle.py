@@ -21,7 +21,7 @@ def test_loading_then_ready_then_shutdown() -> None:
         assert release.wait(10)
         return engine
 
-    app = create_app(Settings(), engine_factory=factory)
+    app = create_app(Settings(embedding_model="none"), engine_factory=factory)
     with TestClient(app) as client:
         assert client.get("/health").json() == {"status": "ok"}
         r = client.get("/ready")
@@ -47,7 +47,7 @@ def test_failed_load_is_reported() -> None:
     def factory(settings: Settings) -> FakeEngine:
         raise ValueError("model path /nope does not exist")
 
-    app = create_app(Settings(), engine_factory=factory)
+    app = create_app(Settings(embedding_model="none"), engine_factory=factory)
     with TestClient(app) as client:
         gateway = app.state.gateway
         for _ in range(1000):
@@ -63,6 +63,6 @@ def test_failed_load_is_reported() -> None:
 
 def test_given_engine_is_not_shut_down() -> None:
     engine = FakeEngine()
-    with TestClient(create_app(Settings(), engine=engine)) as client:
+    with TestClient(create_app(Settings(embedding_model="none"), engine=engine)) as client:
         assert client.get("/ready").status_code == 200
     assert engine.ready

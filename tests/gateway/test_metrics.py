@@ -79,6 +79,10 @@ def test_metrics_count_requests_and_tokens(tiny_server) -> None:
     assert delta("batchgate_prefix_cache_hits_total") == cached_tokens > 0
     for reason in ("rate_limit", "deadline", "overload", "unavailable"):
         assert ("batchgate_refusals_total", (("reason", reason),)) in after
+    assert get(after, "batchgate_engine_up") == 1
+    assert 0.0 <= get(after, "batchgate_engine_stalled_seconds") < 10.0
+    for stage in ("forward", "sampling", "output", "schedule"):
+        assert ("batchgate_engine_step_failures_total", (("stage", stage),)) in after
 
 
 async def test_each_app_has_its_own_registry(fake_engine) -> None:
@@ -155,3 +159,31 @@ async def test_replica_trusts_priority_headers_only_with_the_internal_token(make
     assert (trusted.priority, trusted.queue_deadline_s, trusted.fairness_key) == (Priority.FREE, 2.5, "acme")
     assert (untrusted.priority, untrusted.queue_deadline_s) == (Priority.PAID, None)
     assert get(values, "batchgate_tokens_total", direction="out", plan="free") > 0
+
+
+async def test_engine_liveness_series_follow_the_engine(make_app, fake_engine) -> None:
+    fake_engine.step_failures_by_stage = {"forward": 2, "output": 1}
+    async with client_for(make_app()) as client:
+        values = scrape((await client.get("/metrics")).text)
+        assert get(values, "batchgate_engine_up") == 1
+        assert get(values, "batchgate_engine_stalled_seconds") == 0
+        assert get(values, "batchgate_engine_step_failures_total", stage="forward") == 2
+        assert get(values, "batchgate_engine_step_failures_total", stage="output") == 1
+        assert ("batchgate_engine_step_failures_total", (("stage", "sampling"),)) in values
+        fake_engine.stalled_s = 75.5
+        values = scrape((await client.get("/metrics")).text)
+        assert get(values, "batchgate_engine_stalled_seconds") == 75.5
+        fake_engine.ready = False
+        values = scrape((await client.get("/metrics")).text)
+        assert get(values, "batchgate_engine_up") == 0
+
+
+def test_a_gateway_without_a_local_engine_has_no_liveness_series() -> None:
+    """Gateway-only mode: nothing to be up or stalled, so no series an alert could mistake for a
+    dead engine."""
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    assert "batchgate_requests_waiting" in text and "batchgate_engine_" not in text

@@ -41,6 +41,7 @@ def test_schemathesis_loads_every_operation() -> None:
     assert labels == {
         "POST /v1/chat/completions",
         "POST /v1/completions",
+        "POST /v1/embeddings",
         "GET /v1/models",
         "GET /v1/models/{model}",
         "GET /health",

@@ -127,7 +127,10 @@ def test_readme_curl_example(served: str) -> None:
 
 def test_models_and_health(served: str) -> None:
     client = openai.OpenAI(base_url=served + "/v1", api_key="unused")
-    assert [m.id for m in client.models.list()] == [MODEL]
+    # `make serve` serves both bundled models: the chat model and the embedding model.
+    assert [m.id for m in client.models.list()] == [MODEL, "all-MiniLM-L6-v2"]
+    vectors = client.embeddings.create(model="all-MiniLM-L6-v2", input=["first text", "second text"])
+    assert [len(d.embedding) for d in vectors.data] == [384, 384]  # the README's embeddings call
     assert httpx.get(served + "/health").json() == {"status": "ok"}
     doc = httpx.get(served + "/openapi.json").json()
     assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == [MODEL]

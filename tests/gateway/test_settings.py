@@ -42,6 +42,7 @@ def test_defaults() -> None:
     )
     cfg = s.engine_config()
     assert cfg.model is None and cfg.block_size == 16
+    assert s.engine_stall_timeout_s == 60.0
 
 
 def test_flag_over_env_over_default() -> None:
@@ -73,6 +74,7 @@ def test_flag_over_env_over_default() -> None:
         ({"BATCHGATE_DTYPE": "int3"}, "dtype"),
         ({"BATCHGATE_REDIS_POLICY": "maybe"}, "redis_policy"),
         ({"BATCHGATE_KEEP_ALIVE": "0"}, "keep_alive_s"),
+        ({"BATCHGATE_ENGINE_STALL_TIMEOUT": "0"}, "engine_stall_timeout_s"),
         ({"BATCHGATE_KEEP_ALIVE": "nan"}, "BATCHGATE_KEEP_ALIVE"),
         ({"BATCHGATE_MAX_BODY_BYTES": "lots"}, "BATCHGATE_MAX_BODY_BYTES"),
         ({"BATCHGATE_QUEUE_DEADLINE": "-1"}, "default_queue_deadline_s"),
@@ -90,6 +92,7 @@ def test_every_setting_has_a_flag_and_variable() -> None:
     assert specs["keep_alive_s"] == ("--keep-alive", "BATCHGATE_KEEP_ALIVE")
     assert specs["max_num_batched_tokens"] == ("--max-num-batched-tokens", "BATCHGATE_MAX_NUM_BATCHED_TOKENS")
     assert specs["queue_deadline_s"] == ("--queue-deadline", "BATCHGATE_QUEUE_DEADLINE")
+    assert specs["engine_stall_timeout_s"] == ("--engine-stall-timeout", "BATCHGATE_ENGINE_STALL_TIMEOUT")
     for name in (
         "host",
         "port",

@@ -66,7 +66,9 @@ def server(
     tenants.write_text(
         TENANTS.format(acme=hash_key("sk-acme"), slow=hash_key("sk-slow"), tiny=hash_key("sk-tiny"))
     )
-    settings = Settings(tenants=str(tenants), redis_url=redis_server, keep_alive_s=1.0)
+    settings = Settings(
+        tenants=str(tenants), redis_url=redis_server, keep_alive_s=1.0, embedding_model="none"
+    )
     engine = AsyncEngine.from_config(
         EngineConfig(
             model=str(tiny_model_dir),
@@ -188,7 +190,7 @@ def test_overloaded_engine_answers_503_with_retry_after(tiny_model_dir: Path) ->
             default_queue_deadline_s=0.3,
         )
     )
-    live = LiveServer(create_app(Settings(keep_alive_s=1.0), engine=engine))
+    live = LiveServer(create_app(Settings(keep_alive_s=1.0, embedding_model="none"), engine=engine))
     try:
         long_request = threading.Thread(
             target=lambda: httpx.post(

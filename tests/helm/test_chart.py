@@ -31,12 +31,21 @@ FULLNAME = f"{RELEASE}-batchgate"
 
 # Kinds whose schemas are not part of Kubernetes (CRDs): checked below against the fields the chart
 # uses instead. Every other kind must be found by kubernetes-validate.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+}
 
 # Every optional part switched on, to render and validate every template.
 ALL_FEATURES = (
     "serviceMonitor.enabled=true",
     "serviceMonitor.labels.release=kube-prometheus-stack",
+    "grafana.dashboard.enabled=true",
+    "grafana.dashboard.annotations.grafana_folder=batchgate",
+    "prometheusRule.enabled=true",
+    "prometheusRule.labels.release=kube-prometheus-stack",
+    "prometheusRule.alertLabels.team=ml",
     "engine.keda.enabled=true",
     "otel.enabled=true",
     "otel.endpoint=http://collector:4317",
@@ -60,6 +69,11 @@ ALL_FEATURES = (
     "engine.runtimeClassName=nvidia",
     "image.digest=sha256:" + "b" * 64,
     "imagePullSecrets[0].name=regcred",
+    "engineLong.enabled=true",
+    "engineLong.maxNumBatchedTokens=2048",
+    "engineLong.resources.limits.memory=8Gi",
+    "gateway.longPromptThreshold=2000",
+    "engine.targetItlMs=80",
 )
 
 SCENARIOS = {
@@ -284,7 +298,7 @@ def test_rendered_manifests_pass_kubernetes_validate(rendered, kv, scenario):
         "ServiceAccount",
     } <= validated
     if scenario == "all-features":
-        assert crds == {"ServiceMonitor", "ScaledObject"}
+        assert crds == {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
         assert "ConfigMap" in validated
 
 
@@ -318,6 +332,51 @@ CRD_SCHEMAS = {
                                 "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
                                 "relabelings": {"type": "array"},
                                 "metricRelabelings": {"type": "array"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+    ("monitoring.coreos.com/v1", "PrometheusRule"): {
+        "type": "object",
+        "required": ["metadata", "spec"],
+        "properties": {
+            "metadata": {"type": "object", "required": ["name", "namespace"]},
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["groups"],
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["name", "rules"],
+                            "properties": {
+                                "name": {"type": "string", "minLength": 1},
+                                "interval": {"type": "string"},
+                                "rules": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "additionalProperties": False,
+                                        "required": ["alert", "expr"],
+                                        "properties": {
+                                            "alert": {
+                                                "type": "string",
+                                                "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+                                            },
+                                            "expr": {"type": "string", "minLength": 1},
+                                            "for": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                                            "labels": _STR_MAP,
+                                            "annotations": _STR_MAP,
+                                        },
+                                    },
+                                },
                             },
                         },
                     },
@@ -591,6 +650,89 @@ def test_prefix_caching_and_route_affinity_settings(rendered):
     assert gateway_env["BATCHGATE_ROUTE_AFFINITY_TOKENS"]["value"] == "0"
 
 
+def test_embedding_model_and_embedding_only_replicas(rendered, tmp_path):
+    engine = container(one(rendered(), "Deployment", f"{FULLNAME}-engine"), "engine")
+    env = env_of(engine)
+    assert env["BATCHGATE_EMBEDDING_MODEL"]["value"] == "bundled"  # beside the chat model
+    assert "BATCHGATE_EMBEDDING_MAX_WAIT" not in env
+    assert "--model" not in engine["args"]
+    values = tmp_path / "embedding-replicas.yaml"  # a file: --set would make 0.002 a string
+    values.write_text(
+        "engine:\n  chat: false\n  model: {path: /models/ignored.gguf}\n"
+        "  embeddings: {model: /models/bge-small, maxWait: 0.002}\n"
+    )
+    engine = container(one(rendered(files=(values,)), "Deployment", f"{FULLNAME}-engine"), "engine")
+    env = env_of(engine)
+    i = engine["args"].index("--model")
+    assert engine["args"][i + 1] == "none" and "/models/ignored.gguf" not in engine["args"]
+    assert env["BATCHGATE_EMBEDDING_MODEL"]["value"] == "/models/bge-small"
+    assert env["BATCHGATE_EMBEDDING_MAX_WAIT"]["value"] == "0.002"
+
+
+def test_engine_long_is_a_second_pool_the_gateways_send_long_prompts_to(rendered):
+    docs = rendered()
+    assert not find(docs, "Deployment", f"{FULLNAME}-engine-long")
+    assert not find(docs, "Service", f"{FULLNAME}-engine-long")
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert "BATCHGATE_LONG_PROMPT_UPSTREAMS" not in gateway_env
+    assert "BATCHGATE_LONG_PROMPT_THRESHOLD" not in gateway_env
+    assert "BATCHGATE_TARGET_ITL_MS" not in env_of(
+        container(one(docs, "Deployment", f"{FULLNAME}-engine"), "engine")
+    )
+
+    docs = rendered(
+        (VALUES_CPU,),
+        (
+            "engineLong.enabled=true",
+            "engineLong.replicaCount=2",
+            "engineLong.maxNumBatchedTokens=2048",
+            "engineLong.resources.limits.memory=8Gi",
+            "engine.targetItlMs=80",
+            "engine.autoscaling.enabled=true",
+            "gateway.longPromptThreshold=2000",
+        ),
+    )
+    engine = one(docs, "Deployment", f"{FULLNAME}-engine")
+    long = one(docs, "Deployment", f"{FULLNAME}-engine-long")
+    engine_labels = engine["spec"]["template"]["metadata"]["labels"]
+    long_labels = long["spec"]["template"]["metadata"]["labels"]
+    assert long_labels["app.kubernetes.io/component"] == "engine-long"
+    assert long["spec"]["replicas"] == 2  # fixed: engine's autoscaling is not carried over
+    assert "replicas" not in engine["spec"]
+    assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in find(docs, "HorizontalPodAutoscaler")) == [
+        f"{FULLNAME}-engine",
+        f"{FULLNAME}-gateway",
+    ]
+    # The same pod as engine's, with engineLong's settings over it.
+    engine_c, long_c = container(engine, "engine"), container(long, "engine")
+    assert long_c["image"] == engine_c["image"] and long_c["args"] == engine_c["args"]
+    assert long_c["resources"]["limits"]["memory"] == "8Gi"
+    long_env = env_of(long_c)
+    assert long_env["BATCHGATE_MAX_NUM_BATCHED_TOKENS"]["value"] == "2048"
+    assert long_env["BATCHGATE_TARGET_ITL_MS"]["value"] == "80"
+    assert env_of(engine_c)["BATCHGATE_TARGET_ITL_MS"]["value"] == "80"
+    assert "BATCHGATE_MAX_NUM_BATCHED_TOKENS" not in env_of(engine_c)
+    # Each Service selects its own pool only.
+    service = one(docs, "Service", f"{FULLNAME}-engine-long")
+    assert matches(service["spec"]["selector"], long_labels)
+    assert not matches(service["spec"]["selector"], engine_labels)
+    for name in (f"{FULLNAME}-engine", f"{FULLNAME}-engine-headless"):
+        assert not matches(one(docs, "Service", name)["spec"]["selector"], long_labels)
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_UPSTREAMS"]["value"] == f"http://{FULLNAME}-engine.{NAMESPACE}.svc:8000"
+    assert (
+        gateway_env["BATCHGATE_LONG_PROMPT_UPSTREAMS"]["value"]
+        == f"http://{FULLNAME}-engine-long.{NAMESPACE}.svc:8000"
+    )
+    assert gateway_env["BATCHGATE_LONG_PROMPT_THRESHOLD"]["value"] == "2000"
+
+    docs = rendered(sets=("engineLong.enabled=true", "gateway.upstreamService=headless"))
+    assert one(docs, "Service", f"{FULLNAME}-engine-long")["spec"]["clusterIP"] == "None"
+    docs = rendered(sets=("gateway.longPromptUpstreams={http://big:8000}",))
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_LONG_PROMPT_UPSTREAMS"]["value"] == "http://big:8000"
+
+
 @pytest.mark.parametrize("scenario", ["default", "cpu", "gpu"])
 def test_pods_run_non_root_with_a_read_only_root(rendered, scenario):
     for deployment in find(rendered(*SCENARIOS[scenario]), "Deployment"):
@@ -713,6 +855,223 @@ def test_otel_environment(rendered):
     assert env["OTEL_SDK_DISABLED"]["value"] == "true"
 
 
+# --- monitoring: dashboard and alerts -------------------------------------------------------------
+
+# What an operator must find on the dashboard (issue 15): panel titles, and a metric each queries.
+DASHBOARD_PANELS = {
+    "Time to first token": "batchgate_time_to_first_token_seconds_bucket",
+    "Inter-token latency": "batchgate_inter_token_latency_seconds_bucket",
+    "End-to-end latency": "batchgate_e2e_request_latency_seconds_bucket",
+    "Output tokens/s": "batchgate_tokens_total",
+    "Queue depth by priority": "batchgate_requests_waiting",
+    "KV cache in use": "batchgate_kv_cache_usage_ratio",
+    "Prefix-cache hit rate": "batchgate_prefix_cache_hits_total",
+    "Refusals by reason": "batchgate_refusals_total",
+    "Tokens by plan": "batchgate_tokens_total",
+    "Engines up": "batchgate_engine_up",
+    "Longest engine stall": "batchgate_engine_stalled_seconds",
+    "Engine step failures": "batchgate_engine_step_failures_total",
+    "Redis reachable": "batchgate_redis_up",
+    "Replicas healthy (gateway view)": "batchgate_upstreams_healthy",
+    "Pods draining": "batchgate_draining",
+}
+
+
+def dashboard_of(docs) -> dict:
+    import json
+
+    (cm,) = [d for d in find(docs, "ConfigMap") if d["metadata"]["name"] == f"{FULLNAME}-dashboard"]
+    return json.loads(cm["data"]["batchgate.json"])
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def rule_exprs(docs) -> dict[str, str]:
+    (rule,) = find(docs, "PrometheusRule")
+    return {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_dashboard_and_rules_only_when_enabled(rendered):
+    docs = rendered()
+    assert find(docs, "PrometheusRule") == []
+    assert [d for d in find(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")] == []
+
+
+def test_dashboard_configmap_is_labelled_for_the_grafana_sidecar(rendered):
+    docs = rendered(
+        sets=(
+            "grafana.dashboard.enabled=true",
+            "grafana.dashboard.annotations.grafana_folder=LLM",
+            "grafana.dashboard.namespace=monitoring",
+        )
+    )
+    (cm,) = [d for d in find(docs, "ConfigMap") if d["metadata"]["name"] == f"{FULLNAME}-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert cm["metadata"]["namespace"] == "monitoring"
+    dashboard = dashboard_of(docs)
+    assert dashboard["uid"] and dashboard["title"] == "batchgate"
+    titles = {p["title"]: p for p in dashboard["panels"]}
+    for title, metric in DASHBOARD_PANELS.items():
+        assert title in titles, f"no panel {title!r} in {sorted(titles)}"
+        assert any(metric in t["expr"] for t in titles[title]["targets"]), (title, titles[title]["targets"])
+    # Latency panels are percentiles over the histograms; every query goes through the data source
+    # variable and the namespace the operator picks.
+    for title in ("Time to first token", "Inter-token latency", "End-to-end latency"):
+        exprs = [t["expr"] for t in titles[title]["targets"]]
+        assert [e.split("(")[1].split(",")[0] for e in exprs] == ["0.5", "0.9", "0.99"], exprs
+        assert all(e.startswith("histogram_quantile(") for e in exprs)
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "gateway", "engine"} <= variables
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        for t in p["targets"]:
+            assert 'namespace="$namespace"' in t["expr"], (p["title"], t["expr"])
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_prometheus_rule_alerts(rendered, tmp_path):
+    values = tmp_path / "values.yaml"  # a values file, not --set: --set reads 1.5 as a string
+    rule_values = {
+        "enabled": True,
+        "ttftP99SloSeconds": 1.5,
+        "errorRatio5xx": 0.02,
+        "engineStalledSeconds": 45,
+        "labels": {"release": "kube-prometheus-stack"},
+        "alertLabels": {"team": "ml"},
+    }
+    values.write_text(yaml.safe_dump({"prometheusRule": rule_values}))
+    docs = rendered((values,))
+    (rule,) = find(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    exprs = rule_exprs(docs)
+    assert set(exprs) == {
+        "BatchgateEngineDown",
+        "BatchgateEngineStalled",
+        "BatchgateEngineStepFailures",
+        "BatchgateTTFTSLO",
+        "Batchgate5xxRate",
+        "BatchgateRedisDown",
+        "BatchgateReplicaUnhealthy",
+        "BatchgateNoHealthyReplica",
+    }
+    assert "batchgate_engine_up" in exprs["BatchgateEngineDown"]
+    assert exprs["BatchgateEngineStalled"].endswith("> 45")
+    assert exprs["BatchgateTTFTSLO"].startswith("histogram_quantile(0.99, ")
+    assert "batchgate_time_to_first_token_seconds_bucket" in exprs["BatchgateTTFTSLO"]
+    assert exprs["BatchgateTTFTSLO"].endswith("> 1.5")
+    assert 'code="5xx"' in exprs["Batchgate5xxRate"] and exprs["Batchgate5xxRate"].endswith("> 0.02")
+    assert "batchgate_redis_up" in exprs["BatchgateRedisDown"]
+    assert "batchgate_upstreams_healthy" in exprs["BatchgateReplicaUnhealthy"]
+    # Each alert looks at this release's services only: the gateway's or the engine's.
+    for alert, expr in exprs.items():
+        component = "engine" if "Engine" in alert else "gateway"
+        assert f'namespace="{NAMESPACE}", service="{FULLNAME}-{component}"' in expr, (alert, expr)
+    for g in rule["spec"]["groups"]:
+        for r in g["rules"]:
+            assert r["labels"]["severity"] in ("critical", "warning")
+            assert r["labels"]["team"] == "ml"
+            assert r["annotations"]["summary"]
+    # Without Redis there is no Redis alert.
+    docs = rendered(sets=("prometheusRule.enabled=true", "redis.enabled=false"))
+    assert "BatchgateRedisDown" not in rule_exprs(docs)
+
+
+# --- drain: grace period, preStop sleep, drain timeout ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("files", "sets", "expected"),
+    [
+        ((), (), {"gateway": (60, 5), "engine": (60, 5)}),
+        ((VALUES_GPU,), (), {"gateway": (285, 5), "engine": (285, 5)}),
+        (
+            (),
+            (
+                "gateway.drainTimeoutSeconds=120",
+                "engine.drainTimeoutSeconds=90",
+                "engine.preStopSleepSeconds=0",
+            ),
+            {"gateway": (120, 5), "engine": (90, 0)},
+        ),
+    ],
+)
+def test_grace_period_covers_the_prestop_sleep_and_the_drain(rendered, files, sets, expected):
+    docs = rendered(files, sets)
+    for component, (drain_s, sleep_s) in expected.items():
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{component}")
+        pod = deployment["spec"]["template"]["spec"]
+        c = container(deployment, component)
+        assert env_of(c)["BATCHGATE_DRAIN_TIMEOUT"]["value"] == str(drain_s)
+        # SIGTERM comes after the preStop sleep; the drain then runs; 10 s to end and exit.
+        assert pod["terminationGracePeriodSeconds"] == sleep_s + drain_s + 10
+        if sleep_s:
+            assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", str(sleep_s)]}}
+        else:
+            assert "lifecycle" not in c
+
+
+# --- memory: a CPU engine's pod holds its KV cache -------------------------------------------------
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "GiB": 2**30, "MiB": 2**20}
+    for suffix, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if quantity.endswith(suffix):
+            return int(float(quantity.removesuffix(suffix)) * factor)
+    return int(quantity)
+
+
+@pytest.mark.parametrize("scenario", ["default", "cpu"])
+def test_cpu_engine_memory_holds_the_kv_cache(rendered, scenario):
+    files, sets = SCENARIOS[scenario]
+    docs = rendered(files, sets)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["engine"]
+    for f in files:
+        values.update(yaml.safe_load(Path(f).read_text()).get("engine", {}))
+    c = container(one(docs, "Deployment", f"{FULLNAME}-engine"), "engine")
+    kv = env_of(c)["BATCHGATE_KV_CACHE_MEMORY"]["value"]
+    need = _bytes(kv) + _bytes(values["memoryBesidesKvCache"])
+    assert _bytes(c["resources"]["requests"]["memory"]) >= need
+    assert _bytes(c["resources"]["limits"]["memory"]) >= need
+
+
+@pytest.mark.parametrize(
+    ("sets", "renders"),
+    [
+        # 1GiB + 1280Mi = 2304Mi, in several spellings.
+        (("engine.resources.requests.memory=2304Mi",), True),
+        (("engine.resources.requests.memory=2303Mi",), False),
+        (("engine.kvCacheMemory=1073741824", "engine.resources.requests.memory=2304Mi"), True),
+        (("engine.kvCacheMemory=1024MiB", "engine.resources.requests.memory=2.25Gi"), True),
+        (("engine.kvCacheMemory=1.5GiB", "engine.resources.requests.memory=2.5Gi"), False),
+        (
+            (
+                "engine.kvCacheMemory=2GB",
+                "engine.memoryBesidesKvCache=1G",
+                "engine.resources.limits.memory=3G",
+                "engine.resources.requests.memory=3G",
+            ),
+            True,
+        ),  # fmt: skip
+        # A GPU engine's KV cache is device memory: not counted against the pod.
+        (("engine.kvCacheMemory=40GiB", "engine.resources.limits.nvidia\\.com/gpu=1"), True),
+        (("engine.kvCacheMemory=40GiB", "engine.device=cuda"), True),
+        (("engine.kvCacheMemory=40GiB",), False),
+        # Sized from free memory: only within a memory limit.
+        (("engine.kvCacheMemory=null",), True),
+    ],
+)
+def test_engine_memory_arithmetic(template, sets, renders):
+    proc, _ = template((), sets)
+    assert (proc.returncode == 0) == renders, proc.stderr
+
+
 # --- bad values fail -----------------------------------------------------------------------------
 
 BAD_VALUES = {
@@ -747,7 +1106,46 @@ BAD_VALUES = {
         "Does not match pattern '^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$'",
     ),
     "kv cache as a fraction word": ((), (), ("engine.kvCacheMemory=half",), "engine.kvCacheMemory"),
+    "memory besides the kv cache in GiB words": (
+        (),
+        (),
+        ("engine.memoryBesidesKvCache=a lot",),
+        "engine.memoryBesidesKvCache",
+    ),
+    "zero drain timeout": ((), ("gateway.drainTimeoutSeconds=0",), (), "gateway.drainTimeoutSeconds"),
+    "drain timeout as a word": ((), (), ("engine.drainTimeoutSeconds=long",), "engine.drainTimeoutSeconds"),
+    "negative prestop sleep": ((), ("engine.preStopSleepSeconds=-1",), (), "engine.preStopSleepSeconds"),
+    "grace period set by hand": (
+        (),
+        ("engine.terminationGracePeriodSeconds=30",),
+        (),
+        "Additional property terminationGracePeriodSeconds is not allowed",
+    ),
+    "5xx ratio above one": ((), ("prometheusRule.errorRatio5xx=5",), (), "prometheusRule.errorRatio5xx"),
+    "zero ttft slo": ((), ("prometheusRule.ttftP99SloSeconds=0",), (), "prometheusRule.ttftP99SloSeconds"),
+    "dashboard typo": ((), ("grafana.dashbaord.enabled=true",), (), "Additional property dashbaord"),
     "unknown prefix caching mode": ((), (), ("engine.prefixCaching=shared",), "engine.prefixCaching"),
+    "negative target itl": ((), ("engine.targetItlMs=-5",), (), "engine.targetItlMs"),
+    "typo in engineLong": ((), ("engineLong.replicas=2",), (), "Additional property replicas is not allowed"),
+    "engineLong token budget zero": (
+        (),
+        ("engineLong.maxNumBatchedTokens=0",),
+        (),
+        "engineLong.maxNumBatchedTokens",
+    ),
+    "long prompt upstream not a url": (
+        (),
+        ("gateway.longPromptUpstreams={big:8000}",),
+        (),
+        "gateway.longPromptUpstreams.0: Does not match pattern",
+    ),
+    "relative embedding model path": (
+        (),
+        (),
+        ("engine.embeddings.model=minilm",),
+        "engine.embeddings.model: Does not match pattern",
+    ),
+    "chat as a word": ((), (), ("engine.chat=no",), "engine.chat: Invalid type"),
     "typo in gpu values file": (
         (VALUES_GPU,),
         ("engine.nodeselector.a=b",),
@@ -779,6 +1177,27 @@ CROSS_CHECKS = {
         'tenancy.tenants.acme.plan is "gold"',
     ),
     "min above max replicas": (("gateway.autoscaling.minReplicas=9",), "gateway.autoscaling.minReplicas (9)"),
+    "an engine with nothing to serve": (
+        ("engine.chat=false", "engine.embeddings.model=none"),
+        "leave the engine nothing to serve",
+    ),
+    "gateway drains shorter than its engines": (
+        ("engine.drainTimeoutSeconds=120",),
+        "gateway.drainTimeoutSeconds (60) is below engine.drainTimeoutSeconds (120)",
+    ),
+    "memory request below the kv cache": (
+        ("engine.kvCacheMemory=4GiB", "engine.resources.limits.memory=8Gi"),
+        "engine.resources.requests.memory (2304Mi) is below engine.kvCacheMemory (4GiB) + "
+        "engine.memoryBesidesKvCache (1280Mi) = 5376Mi",
+    ),
+    "memory limit below the kv cache": (
+        ("engine.kvCacheMemory=2GiB", "engine.resources.requests.memory=4Gi"),
+        "engine.resources.limits.memory (3Gi) is below engine.kvCacheMemory (2GiB)",
+    ),
+    "kv cache sized from the node": (
+        ("engine.kvCacheMemory=null", "engine.resources.limits=null"),
+        "engine.kvCacheMemory is null and engine.resources.limits.memory is not set",
+    ),
 }
 
 

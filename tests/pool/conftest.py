@@ -89,6 +89,7 @@ def start(name: str, args: list[str], workdir: Path, env: dict[str, str] | None 
         "BATCHGATE_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "BATCHGATE_EMBEDDING_MODEL": "none",  # the embedding tests start their own
         **(env or {}),
     }
     if "OTEL_EXPORTER_OTLP_ENDPOINT" in full_env:

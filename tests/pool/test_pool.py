@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool.conftest import FREE_KEY, PAID_KEY, PoolCluster
+from tests.pool.conftest import FREE_KEY, INTERNAL_TOKEN, PAID_KEY, PoolCluster, start, wait_ready
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -159,6 +161,57 @@ def test_one_trace_spans_gateway_and_replica_with_genai_attributes(cluster: Pool
     assert replica_roots, [(s.service, s.name, s.parent_id) for s in mine]
     # The gateway's server span continued the client's traceparent.
     assert any(s.parent_id == "00f067aa0ba902b7" for s in mine if s.service == "batchgate-gateway")
+
+
+def test_long_prompts_go_to_their_own_replica(cluster: PoolCluster, tmp_path: Path) -> None:
+    """A second gateway over the same replicas, one of them reserved for prompts over 60 tokens."""
+    short_replica, long_replica = cluster.replicas
+    gateway = start(
+        "gateway-by-length",
+        [
+            "--upstream",
+            short_replica.url,
+            "--long-prompt-upstream",
+            long_replica.url,
+            "--long-prompt-threshold",
+            "60",
+            "--internal-token",
+            INTERNAL_TOKEN,
+            "--health-interval",
+            "0.2",
+        ],
+        tmp_path,
+    )
+    try:
+        wait_ready([gateway])
+        with httpx.Client(base_url=gateway.url, timeout=120) as http:
+            deadline = time.monotonic() + 30
+            while not all(u["healthy"] for u in upstreams_of(http)):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            document = " ".join(f"word{i}" for i in range(120))
+            for i in range(6):
+                long = i % 2 == 0
+                content = f"{document} request {i}" if long else f"request {i}"
+                body = {"model": cluster.model, "messages": [{"role": "user", "content": content}]}
+                before = [ok_count(scrape(rep.url)) for rep in cluster.replicas]
+                r = http.post("/v1/chat/completions", json=body | {"max_tokens": 2})
+                assert r.status_code == 200, r.text
+                served = [
+                    ok_count(scrape(rep.url)) - b for rep, b in zip(cluster.replicas, before, strict=True)
+                ]
+                assert served == ([0, 1] if long else [1, 0]), (i, served)
+            long_prompt = [u for u in upstreams_of(http) if u["long_prompts"]]
+            assert [u["url"] for u in long_prompt] == [long_replica.url]
+            assert long_prompt[0]["num_sent"] == 3
+    finally:
+        gateway.stop()
+
+
+def upstreams_of(http: httpx.Client) -> list[dict]:
+    r = http.get("/v1/internal/upstreams", headers={"x-batchgate-internal": INTERNAL_TOKEN})
+    assert r.status_code == 200
+    return r.json()
 
 
 def test_killed_replica_gets_no_requests_and_the_pool_keeps_serving(cluster: PoolCluster) -> None:

@@ -140,6 +140,38 @@ generated values survive upgrades; "" under `helm template` or on first install.
 {{- end }}
 {{- end }}
 
+{{/* Long-prompt upstreams for the gateways: gateway.longPromptUpstreams, else the engineLong
+Service when engineLong is enabled, else none (""). */}}
+{{- define "batchgate.longPromptUpstreams" -}}
+{{- if .Values.gateway.longPromptUpstreams }}
+{{- join "," .Values.gateway.longPromptUpstreams }}
+{{- else if .Values.engineLong.enabled }}
+{{- printf "http://%s-engine-long.%s.svc:%d" (include "batchgate.fullname" .) .Release.Namespace (int .Values.engine.service.port) }}
+{{- end }}
+{{- end }}
+
+{{/*
+engineLong's settings over a copy of engine's: (dict "ctx" $ "e" (deepCopy .Values.engine)); sets
+keys of "e" in place and renders nothing. Settings left null or empty keep engine's.
+*/}}
+{{- define "batchgate.engineLongValues" -}}
+{{- $l := .ctx.Values.engineLong }}
+{{- $e := .e }}
+{{- $_ := set $e "replicaCount" $l.replicaCount }}
+{{- $_ := set $e "autoscaling" (dict "enabled" false) }}
+{{- $_ := set $e "keda" (dict "enabled" false) }}
+{{- range $k := list "maxNumSeqs" "maxNumBatchedTokens" "maxModelLen" "kvCacheMemory" "targetItlMs" }}
+{{- if not (kindIs "invalid" (index $l $k)) }}
+{{- $_ := set $e $k (index $l $k) }}
+{{- end }}
+{{- end }}
+{{- range $k := list "resources" "extraArgs" "nodeSelector" "tolerations" "affinity" }}
+{{- if index $l $k }}
+{{- $_ := set $e $k (index $l $k) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/*
 A TOML table group from a map of maps: (dict "root" "plans" "tables" .Values.tenancy.plans).
 Written by hand rather than with toToml: Helm reads every YAML number as a float, which toToml
@@ -299,4 +331,42 @@ spec:
   behavior:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
+
+{{/*
+A Deployment's terminationGracePeriodSeconds from its drain settings (the component's values):
+the preStop sleep, then the server's drain timeout, then DRAIN_EXIT_MARGIN_SECONDS for it to end
+the streams still open, settle, flush telemetry and exit, before Kubernetes sends SIGKILL.
+*/}}
+{{- define "batchgate.drainExitMarginSeconds" -}}10{{- end }}
+{{- define "batchgate.terminationGracePeriodSeconds" -}}
+{{- add (int64 .preStopSleepSeconds) (int64 .drainTimeoutSeconds) (include "batchgate.drainExitMarginSeconds" . | int64) }}
+{{- end }}
+
+{{/*
+Bytes in a memory size, as a whole number: a Kubernetes quantity (1280Mi, 4Gi, 4G, 512M) or a
+batchgate size (1GiB, 512MB, 2147483648). Binary suffixes (Ki, Mi, Gi, KiB...) count in 1024s,
+decimal ones (k, M, G, KB...) in 1000s. "0" for anything else (the schema has refused it already).
+*/}}
+{{- define "batchgate.bytes" -}}
+{{- $s := trim (toString .) -}}
+{{- if (kindIs "float64" .) }}{{- $s = printf "%.0f" . }}{{- end -}}
+{{- if regexMatch "^[0-9]+(\\.[0-9]+)?\\s*([KMGTPEkmgtpe][iI]?)?[bB]?$" $s -}}
+{{- $number := regexReplaceAll "^([0-9.]+).*$" $s "${1}" | float64 -}}
+{{- $power := regexReplaceAll "^[0-9.]+\\s*([KMGTPEkmgtpe]?).*$" $s "${1}" | upper -}}
+{{- $base := ternary 1024.0 1000.0 (regexMatch "^[0-9.]+\\s*[KMGTPEkmgtpe][iI]" $s) -}}
+{{- $bytes := $number -}}
+{{- range $p := list "K" "M" "G" "T" "P" "E" -}}
+{{- if $power -}}{{- $bytes = mulf $bytes $base -}}{{- end -}}
+{{- if eq $p $power -}}{{- $power = "" -}}{{- end -}}
+{{- end -}}
+{{- printf "%.0f" $bytes -}}
+{{- else -}}0{{- end -}}
+{{- end }}
+
+{{/* "true" when the engine runs on the CPU, so that its KV cache is host (pod) memory. */}}
+{{- define "batchgate.engineOnCpu" -}}
+{{- $e := .Values.engine -}}
+{{- $gpu := or (hasKey (default dict $e.resources.limits) "nvidia.com/gpu") (hasKey (default dict $e.resources.requests) "nvidia.com/gpu") -}}
+{{- if or (eq $e.device "cpu") (and (eq $e.device "auto") (not $gpu)) }}true{{ end -}}
 {{- end }}
