@@ -18,6 +18,9 @@ xgrammar precomputes per-state token masks at compile time (hence its 2 us media
 0.4-1.4 s compile); llguidance compiles lazily (its lexer builds token sets as it goes), so a new
 schema costs a request ~1 ms instead of ~0.4 s, and its mean mask time over a random walk is no
 worse. A server that sees arbitrary client schemas pays first use on every new one; it decided.
+(First use there is per schema once the backend is warm: a process's very first llguidance grammar
+also builds its tokenizer tables, ~0.5 s plus up to seconds on a loaded machine, on the compile
+thread, so only that first constrained request waits for it.)
 
 Runaway whitespace (models looping on newlines until max_tokens inside grammar-constrained JSON,
 a known failure of other servers): JSON is compiled compact (`whitespace_flexible: false`), so no
@@ -46,6 +49,7 @@ __all__ = [  # the records live in engine.types (they travel in SamplingParams a
     "GrammarSpec",
     "LLGuidanceBackend",
     "allocate_bitmask",
+    "bound_integers",
 ]
 
 # One bit per token, 32 tokens per int32 word (the layout llguidance and xgrammar both fill).
@@ -240,7 +244,7 @@ class GrammarCache:
     def get(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         with self._lock:
             future = self._entries.get(spec)
-            if future is not None:
+            if future is not None and not future.cancelled():
                 self._entries.move_to_end(spec)
                 return future
             self.num_compiles += 1

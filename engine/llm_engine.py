@@ -76,6 +76,13 @@ _THROUGHPUT_WINDOW_S = 10.0
 _GRAMMAR_WAIT_S = 0.005
 
 
+def _compile_error(future: Future[CompiledGrammar]) -> BaseException | None:
+    """A done compile's failure (None if it succeeded); a cancelled one (engine shutdown) fails too."""
+    if future.cancelled():
+        return GrammarError("the grammar's compile was cancelled")
+    return future.exception()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -224,7 +231,7 @@ class LLMEngine:
             )
             seqs.append(seq)
         future = self.grammars.get(p.grammar) if p.grammar is not None else None
-        failed = future.exception() if future is not None and future.done() else None
+        failed = _compile_error(future) if future is not None and future.done() else None
         if failed is not None:
             raise failed  # a schema known to be bad: refused before it is accepted
         detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
@@ -255,7 +262,7 @@ class LLMEngine:
         for request_id, (future, seqs) in list(self._compiling.items()):
             if not future.done():
                 continue
-            exc = future.exception()
+            exc = _compile_error(future)
             if exc is not None:  # _finish drops the entry once every choice has ended
                 error = exc if isinstance(exc, GrammarError) else GrammarError(f"grammar: {exc}")
                 for seq in seqs:

@@ -320,6 +320,7 @@ async def compile_checks(engine: Any, plan: OutputPlan) -> None:
         )
     for spec, param in plan.checks:
         try:
-            await asyncio.wrap_future(compile_grammar(spec))
+            # Shielded: a caller that goes away must not cancel a compile other requests share.
+            await asyncio.shield(asyncio.wrap_future(compile_grammar(spec)))
         except GrammarError as exc:
             raise invalid_request(f"Invalid schema for '{param}': {exc}", param=param) from None

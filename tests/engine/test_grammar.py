@@ -333,3 +333,15 @@ def test_unbounded_integers_get_json_s_safe_range() -> None:
         2**53 - 1
     )
     assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not modified
+
+
+def test_a_cancelled_compile_is_compiled_again() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    cache = GrammarCache(backend)
+    cache.get(literal(0))  # occupies the one worker
+    queued = cache.get(literal(1))
+    assert queued.cancel()
+    backend.gate.set()
+    assert cache.get(literal(1)).result().tokens == [1]
+    cache.shutdown()
