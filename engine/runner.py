@@ -181,9 +181,11 @@ class ModelRunner:
         ]
         self.eos_token_ids = spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
-        # Grammar masks are filled on this thread while the forward pass runs, where that pays: on
-        # a GPU the CPU is idle meanwhile; on the CPU a third busy thread slows torch's own threads
-        # (measured: bench/structured.py --overlap), so there it fills after the pass.
+        # Grammar masks are filled on this thread while the forward pass runs on a GPU, where the
+        # CPU is idle meanwhile. On the CPU they are filled after the pass: a third busy thread
+        # stalls torch's OpenMP threads on small machines (see DELIVERY_WAIT_S in async_engine.py),
+        # and `bench/structured.py --overlap` showed no gain within the noise of our shared 2-core
+        # machine (the masks take ~1-2 ms of a ~60 ms step at 32 rows).
         self.overlap_masks = device.type == "cuda"
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
         self._masks: Future[torch.Tensor | None] | None = None  # forward() -> sample()
