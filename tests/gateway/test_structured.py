@@ -143,3 +143,24 @@ def test_auto_lets_the_model_answer_in_text_or_call(client: openai.OpenAI, real_
         GetWeather.model_validate_json(message.tool_calls[0].function.arguments)
     else:
         assert message.content and not message.content.startswith("<")
+
+
+def test_langchain_structured_output_and_bound_tools(real_server: TinyServer) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=real_server.base_url + "/v1",
+        api_key="unused",
+        model=real_server.model,
+        temperature=0,
+        max_tokens=80,
+    )
+    city = llm.with_structured_output(City).invoke(
+        "What is the capital of France? Give its name, country, population."
+    )
+    assert isinstance(city, City)
+    message = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke(QUESTION[0]["content"])
+    (call,) = message.tool_calls[:1]
+    assert call["name"] == "GetWeather"
+    GetWeather.model_validate(call["args"])
+    real_server.wait_idle()
