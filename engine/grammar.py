@@ -34,11 +34,14 @@ import collections
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from engine.types import GrammarError, GrammarSpec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 __all__ = [  # the records live in engine.types (they travel in SamplingParams and outputs)
     "CompiledGrammar",
@@ -198,9 +201,7 @@ class LLGuidanceBackend:
     def _grammar_text(spec: GrammarSpec) -> str:
         import llguidance
 
-        options: dict[str, Any] = {"whitespace_flexible": False}
-        if not spec.strict:
-            options["lenient"] = True
+        options: JsonCompileOptions = {"whitespace_flexible": False, "lenient": not spec.strict}
         if spec.kind == "json_schema":
             try:
                 schema = json.loads(spec.source)
