@@ -24,10 +24,12 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from engine.admission import PendingWork
 from engine.config import EngineConfig
+from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
 from engine.types import (
     EngineDeadError,
@@ -37,6 +39,7 @@ from engine.types import (
     FinishReason,
     GenerationFailedError,
     GenerationRequest,
+    GrammarSpec,
     RequestOutput,
 )
 
@@ -222,6 +225,11 @@ class AsyncEngine:
             self._incoming.append(request)
             self._wakeup.notify()
         return stream
+
+    def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """`spec` compiled off the engine thread (cached); await it with asyncio.wrap_future. The
+        gateway does, before admission, so a bad schema is a 400 that never reaches the engine."""
+        return self.engine.grammar(spec)
 
     def abort(self, request_id: str) -> None:
         """Abort at the next iteration; its blocks are freed then. Unknown ids are ignored."""

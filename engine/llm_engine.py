@@ -4,6 +4,10 @@ Not thread-safe: AsyncEngine drives it from one thread. Every accepted request e
 one finished output per choice (stop, length, abort or error), and every terminal path frees its
 blocks through `Scheduler.finish`.
 
+Constrained requests (`SamplingParams.grammar`) wait beside the scheduler, not in it, until their
+grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
+grammar that fails to compile fails only its request.
+
 Faults. A step has four stages (`StepStage`): scheduling, the forward pass, sampling, and output
 processing. An exception in any of them ends only the sequences it concerns: the one sequence
 whose output processing failed, else the step's batch (the forward pass and sampling run the batch
@@ -20,6 +24,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -35,6 +41,7 @@ from engine.admission import (
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend
 from engine.loader import LoadedModel, load_model
 from engine.runner import (
     ModelRunner,
@@ -53,6 +60,8 @@ from engine.types import (
     EngineStats,
     GenerationFailedError,
     GenerationRequest,
+    GrammarError,
+    GrammarSpec,
     Priority,
     PromptTooLongError,
     RequestOutput,
@@ -64,6 +73,15 @@ from engine.types import (
 logger = logging.getLogger(__name__)
 
 _THROUGHPUT_WINDOW_S = 10.0
+# With nothing to run but compiles in flight, the step waits this long for one (not a busy loop).
+_GRAMMAR_WAIT_S = 0.005
+
+
+def _compile_error(future: Future[CompiledGrammar]) -> BaseException | None:
+    """A done compile's failure (None if it succeeded); a cancelled one (engine shutdown) fails too."""
+    if future.cancelled():
+        return GrammarError("the grammar's compile was cancelled")
+    return future.exception()
 
 
 class LLMEngine:
@@ -122,6 +140,11 @@ class LLMEngine:
         self._last_batch_size = 0
         self._num_steps = 0
         self._step_failures = dict.fromkeys(StepStage, 0)
+        self.grammars = GrammarCache(
+            LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
+        )
+        # Constrained sequences whose grammar is still compiling, by request (not yet scheduled).
+        self._compiling: dict[str, tuple[Future[CompiledGrammar], list[Sequence]]] = {}
         logger.info(
             "engine ready: %s, %s on %s%s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
             "max_model_len %d, prefix caching %s",
@@ -157,6 +180,11 @@ class LLMEngine:
                 f"{total} were requested ({len(prompt)} in the prompt + {request.sampling.max_tokens} "
                 f"for the completion); reduce the prompt or max_tokens"
             )
+
+    def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """The compiled `spec` (a Future; cached); from any thread. The gateway awaits it before
+        admission so a bad schema is a 400 up front; its failure is a GrammarError."""
+        return self.grammars.get(spec)
 
     def queue_deadline_s(self, request: GenerationRequest) -> float | None:
         """Seconds from arrival by which `request` must start: its own, else the configured default."""
@@ -213,11 +241,18 @@ class LLMEngine:
                 generator=generator,
             )
             seqs.append(seq)
+        future = self.grammars.get(p.grammar) if p.grammar is not None else None
+        failed = _compile_error(future) if future is not None and future.done() else None
+        if failed is not None:
+            raise failed  # a schema known to be bad: refused before it is accepted
         detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
         self._seqs[request.request_id] = seqs
         for seq, detok in zip(seqs, detoks, strict=True):
             self._detok[seq.seq_id] = detok
-            self.scheduler.add(seq)
+            if future is None:
+                self.scheduler.add(seq)
+        if future is not None:
+            self._compiling[request.request_id] = (future, seqs)  # step() schedules it when ready
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` as aborted; unknown ids are ignored."""
@@ -229,7 +264,30 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Schedule the sequences whose grammar is ready (each with its own parser state); fail
+        those whose grammar failed to compile."""
+        outputs: list[RequestOutput] = []
+        for request_id, (future, seqs) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            exc = _compile_error(future)
+            if exc is not None:  # _finish drops the entry once every choice has ended
+                error = exc if isinstance(exc, GrammarError) else GrammarError(f"grammar: {exc}")
+                for seq in seqs:
+                    if not self._ended(seq):
+                        end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
+                        outputs += self._guarded(StepStage.SCHEDULE, seq, end)
+                continue
+            del self._compiling[request_id]
+            compiled = future.result()
+            for seq in seqs:
+                if not self._ended(seq):
+                    seq.grammar = compiled.new_grammar()
+                    self.scheduler.add(seq)
+        return outputs
 
     @property
     def failure(self) -> str | None:
@@ -251,13 +309,15 @@ class LLMEngine:
         """One iteration: schedule, forward, sample, advance, process outputs. Never raises for a
         fault in a stage: what it concerns ends with an error (see the module docstring)."""
         start = self.clock()
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._start_compiled() if self._compiling else []
         stage = StepStage.SCHEDULE
         out: SchedulerOutput | None = None
         try:
             out = self.scheduler.schedule()
             outputs.extend(self._expired_outputs(out.expired))
             if out.is_empty:
+                if self._compiling and not outputs:  # nothing to run but compiles: wait for one
+                    wait_futures([f for f, _ in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
                 return outputs
             self._num_steps += 1
             self._last_batch_size = len(out.chunks)
@@ -306,16 +366,23 @@ class LLMEngine:
         p = seq.sampling
         detok = self._detok[seq.seq_id]
         status = None
+        error = None
         stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
-        if token in stop_ids and seq.num_output_tokens > p.min_tokens:
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The mask allowed only what the grammar accepts; reaching here is a bug, not input.
+            status = SequenceStatus.FINISHED_ERROR
+            error = GenerationFailedError(f"the grammar rejected sampled token {token}")
+        elif token in stop_ids and seq.num_output_tokens > p.min_tokens:
             status = SequenceStatus.FINISHED_STOPPED
         elif detok.add(token):
             status = SequenceStatus.FINISHED_STOPPED
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH
         if status is None:
             return self._output(seq, (token,), detok.take(final=False), logprob)
-        return self._finish(seq, status, (token,), logprob)
+        return self._finish(seq, status, (token,), logprob, error)
 
     def _guarded(
         self, stage: StepStage, seq: Sequence, make: Callable[[], RequestOutput]
@@ -360,7 +427,9 @@ class LLMEngine:
         through admission). Clean waiting ones stay queued."""
         sched = self.scheduler
         unsettled = []
-        for seqs in self._seqs.values():
+        for request_id, seqs in self._seqs.items():
+            if request_id in self._compiling:  # not in the scheduler yet: untouched by it
+                continue
             for seq in seqs:
                 if seq.finished:
                     continue
@@ -409,7 +478,10 @@ class LLMEngine:
         failure part-way leaves it for `_contain` to end with an error."""
         detok = self._detok[seq.seq_id]
         text = detok.take(final=True) if error is None else ""
-        self.scheduler.finish(seq, status)
+        self.scheduler.finish(seq, status)  # also one still compiling its grammar (in no queue)
+        compiling = self._compiling.get(seq.request_id)
+        if compiling is not None and all(s.finished for s in compiling[1]):
+            del self._compiling[seq.request_id]
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
         out = self._output(seq, new_ids, text, logprob, error)

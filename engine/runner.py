@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import math
 import mmap
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,13 +17,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.grammar import allocate_bitmask
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
 from engine.parallel import ParallelExecutor, TensorParallel, check_divisible, shard_weights
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.types import TokenLogprob
 
@@ -248,6 +250,19 @@ class ModelRunner:
             )
         self.eos_token_ids = spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        # Grammar masks are filled on this thread while the forward pass runs on a GPU, where the
+        # CPU is idle meanwhile. On the CPU they are filled after the pass: a third busy thread
+        # stalls torch's OpenMP threads on small machines (see DELIVERY_WAIT_S in async_engine.py),
+        # and `bench/structured.py --overlap` showed no gain within the noise of our shared 2-core
+        # machine (the masks take ~1-2 ms of a ~60 ms step at 32 rows).
+        self.overlap_masks = device.type == "cuda"
+        self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
+        self._masks: Future[torch.Tensor | None] | None = None  # forward() -> sample()
+
+    @staticmethod
+    def _sampled(out: SchedulerOutput) -> list[Sequence]:
+        """The sequences whose chunk completes this step (they sample), in logits order."""
+        return [c.seq for c in out.decodes] + [c.seq for c in out.prefills if c.completes]
 
     @property
     def failure(self) -> str | None:
@@ -334,6 +349,11 @@ class ModelRunner:
 
         On a tensor-parallel replica any failure is fatal (EngineDeadError): the ranks' collectives
         would no longer pair up."""
+        seqs = self._sampled(out)
+        self._masks = None
+        if self.overlap_masks and any(s.grammar is not None for s in seqs):
+            # Every grammar's state is final before the forward pass: fill the mask during it.
+            self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size)
         inputs = self.step_inputs(out)
         if self.executor is not None:
             return self.executor.run(self.forward_inputs, inputs)
@@ -349,16 +369,30 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> StepResult:
         """Choose the next token of every sequence whose chunk completes, from `forward`'s logits."""
-        sampled: list[ScheduledChunk] = list(out.decodes) + [c for c in out.prefills if c.completes]
-        seqs = [c.seq for c in sampled]
+        seqs = self._sampled(out)
         rows = [
             SamplingRow(
                 params=s.sampling,
                 output_token_ids=s.output_token_ids,
                 stop_ids=(() if s.sampling.ignore_eos else self.eos_token_ids) + s.sampling.stop_token_ids,
                 generator=s.generator,
+                constrained=s.grammar is not None,
             )
             for s in seqs
         ]
-        tokens, logprobs = sample_logits(logits, rows) if seqs else ([], [])
+        masks, self._masks = self._masks, None
+        bitmask = masks.result() if masks is not None else fill_bitmask(seqs, logits.shape[-1])
+        tokens, logprobs = sample_logits(logits, rows, bitmask) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)
+
+
+def fill_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+    """The step's one token bitmask: a row per sampled sequence, filled by its grammar where it has
+    one (all tokens allowed elsewhere); None when no sequence is constrained."""
+    if all(s.grammar is None for s in seqs):
+        return None
+    bitmask = allocate_bitmask(len(seqs), vocab_size)
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.fill_bitmask(bitmask, i)
+    return bitmask

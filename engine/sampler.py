@@ -1,15 +1,19 @@
 """Sampling: a pure function of logits and per-sequence parameters, with a fast path for greedy.
 
-Order per row: logit bias, presence/frequency penalties, min_tokens (stop ids masked), then
-temperature, top-k, top-p and a draw from the sequence's own generator (a fixed seed gives the same
-output whatever else is in the batch). Logprobs are the model's (log-softmax of the raw logits),
-as OpenAI and vLLM report them.
+Order per row: logit bias, presence/frequency penalties, min_tokens (stop ids masked), the grammar's
+token bitmask (constrained rows), then temperature, top-k, top-p and a draw from the sequence's own
+generator (a fixed seed gives the same output whatever else is in the batch). Logprobs are the
+model's (log-softmax of the raw logits), as OpenAI and vLLM report them.
+
+A constrained row skips min_tokens: its grammar alone decides when the output may end (masking
+EOS where the grammar allows nothing else would leave no token to sample).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.types import SamplingParams, TokenLogprob
@@ -23,6 +27,7 @@ class SamplingRow:
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]  # EOS and extra stop ids, masked while below min_tokens
     generator: torch.Generator | None
+    constrained: bool = False  # its row of the step's bitmask applies
 
 
 def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -36,8 +41,32 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
             logits[i] -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
-        if len(row.output_token_ids) < p.min_tokens and row.stop_ids:
+        if len(row.output_token_ids) < p.min_tokens and row.stop_ids and not row.constrained:
             logits[i, list(row.stop_ids)] = float("-inf")
+    return logits
+
+
+# bit -> what it adds to a logit: a disallowed token's becomes -inf, an allowed one's is unchanged.
+_BIT_TO_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Set to -inf, in place, the logits of `rows` whose bit in `bitmask` (same rows, int32 words,
+    32 tokens each, bit set: allowed) is clear; returns `logits`.
+
+    Bits are unpacked by numpy (little-endian words, least significant bit first) and added as a
+    0/-inf bias: at 32 rows x 49152 tokens on one core, ~2 ms against ~30 ms for shifting the bits
+    out in torch and ~7-14 ms for a masked_fill_ with the unpacked mask (medians, shared machine)."""
+    if not rows:
+        return logits
+    words = bitmask[rows].contiguous().numpy()
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[1]]
+    bias = torch.from_numpy(_BIT_TO_BIAS[bits]).to(device=logits.device, dtype=logits.dtype)
+    if len(rows) == logits.shape[0]:
+        logits.add_(bias)
+    else:
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits.index_add_(0, index, bias)
     return logits
 
 
@@ -61,8 +90,13 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Choose one token per row of float32 `logits` [S, vocab]; return tokens and logprobs."""
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Choose one token per row of float32 `logits` [S, vocab]; return tokens and logprobs.
+
+    `bitmask` [S, ceil(vocab / 32)] int32 (engine/grammar.py) applies to the rows marked
+    `constrained`; it is required when any row is."""
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     needs_processing = any(
@@ -72,8 +106,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         or len(r.output_token_ids) < r.params.min_tokens
         for r in rows
     )
-    if needs_processing:
+    constrained = [i for i, r in enumerate(rows) if r.constrained]
+    if needs_processing or constrained:
         logits = _apply_processors(logits.clone(), rows)
+    if constrained:
+        if bitmask is None:
+            raise RuntimeError("constrained rows need the step's bitmask")
+        apply_bitmask(logits, bitmask, constrained)
     if all(r.params.greedy for r in rows):
         tokens = logits.argmax(dim=-1).tolist()
     else:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.types import FinishReason, Priority, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammar
 
 
 class SequenceStatus(enum.IntEnum):
@@ -83,6 +87,9 @@ class Sequence:
         self.started = False  # first prefill chunk has been scheduled (deadline met)
         self.output_logprobs: list[TokenLogprob] = []
         self.error: Exception | None = None
+        # The parser state of its grammar (sampling.grammar), set when the compiled grammar is ready:
+        # a constrained sequence enters the scheduler only then (engine/llm_engine.py).
+        self.grammar: Grammar | None = None
 
     def __repr__(self) -> str:
         return (

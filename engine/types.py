@@ -6,7 +6,9 @@ The engine knows requests, priorities and deadlines; it knows nothing of tenants
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 class Priority(enum.IntEnum):
@@ -21,6 +23,37 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # the caller aborted (e.g. disconnected)
     ERROR = "error"  # the engine failed this sequence; see RequestOutput.error
+
+
+GrammarKind = Literal["json_schema", "json_object", "lark"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a sequence's output must match; hashable, the cache key.
+
+    `source`: for `json_schema`, the schema as compact JSON text, its key order kept (the order of
+    `properties` is the order the output's fields are generated in); for `json_object`, ""; for
+    `lark`, the grammar text (llguidance's Lark dialect, which embeds JSON schemas: `%json {...}`).
+    `strict` (JSON schemas): a keyword the engine does not implement is an error; not strict, it
+    is ignored (the rest still constrains).
+    """
+
+    kind: GrammarKind
+    source: str = ""
+    strict: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), strict)
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        return cls("json_object")
+
+    @classmethod
+    def lark(cls, grammar: str) -> GrammarSpec:
+        return cls("lark", grammar)
 
 
 @dataclass(frozen=True)
@@ -42,6 +75,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # Constrained output (engine/grammar.py): every choice's text matches it; None: free text.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -139,6 +174,12 @@ class EngineOverloadedError(EngineError):
 
 class EngineDeadError(EngineError):
     code = "engine_unavailable"
+
+
+class GrammarError(EngineError, ValueError):
+    """A grammar (JSON schema, tool-call grammar) cannot be compiled; the message names why."""
+
+    code = "invalid_grammar"
 
 
 class GenerationFailedError(EngineError):

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import admission, embeddings, generation, protocol, responses, telemetry
+from gateway import admission, embeddings, generation, protocol, responses, telemetry, tools
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, DrainMiddleware, deadline_frame
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, from_engine_error, invalid_request
@@ -235,14 +235,18 @@ class Gateway:
         # Authenticate before the model check: an unauthenticated caller learns nothing of the server.
         caller = await self._authenticate(request, req.user)
         self._check_model(req.model)
-        size = sum(len(m.content) for m in req.messages)
-        prompt = await self._tokenize(tokenizer.encode_chat, req.messages, size)
+        plan = tools.plan_output(req)  # response_format and tools (gateway/tools.py)
+        size = sum(len(m.text) for m in req.messages)
+        prompt = await self._tokenize(lambda ms: tokenizer.encode_chat(ms, plan.tools), req.messages, size)
         params = protocol.sampling_params(
             req,
             num_prompt_tokens=len(prompt),
             max_model_len=engine.max_model_len,
             vocab_size=tokenizer.vocab_size,
         )
+        if plan.grammar is not None:
+            await tools.compile_checks(engine, plan)  # a schema it cannot compile: 400 before admission
+            params = dataclasses.replace(params, grammar=plan.grammar)
         job = generation.Job(
             request_id=responses.new_id("chatcmpl"),
             created=responses.now(),
@@ -252,6 +256,7 @@ class Gateway:
             tokenizer=tokenizer,
             logprobs=params.logprobs,
             include_usage=req.include_usage,
+            parse_tool_calls=plan.parse_tool_calls,
         )
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         span = _chat_span("chat", req, params, caller, messages=messages)

@@ -74,6 +74,7 @@ ENGINE_ERROR_KINDS: dict[str, ErrorKind] = {
     "server_overloaded": ErrorKind.OVERLOADED,
     "engine_unavailable": ErrorKind.UNAVAILABLE,
     "generation_failed": ErrorKind.GENERATION_FAILED,
+    "invalid_grammar": ErrorKind.INVALID_REQUEST,
 }
 
 # Starlette raises HTTPException for routing and protocol problems; these are the ones it raises.

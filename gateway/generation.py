@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from engine.types import EngineError, FinishReason, RequestOutput
-from gateway import responses
+from gateway import responses, tools
 from gateway.errors import APIError, ErrorKind, from_engine_error, sse_error_event
 from gateway.sse import DONE, encode_event
 from gateway.tokens import Tokenizer
@@ -144,6 +144,7 @@ class Job:
     on_usage: Callable[[int], None] = lambda num_completion_tokens: None
     # Prompt tokens found in the prefix cache, per engine request (its choices share the prompt).
     cached_by_request: dict[str, int] = field(default_factory=dict)
+    parse_tool_calls: bool = False  # chat with tools: calls become `tool_calls` (gateway/tools.py)
 
     def observe(self, out: RequestOutput) -> None:
         seen = self.cached_by_request.get(out.request_id, 0)
@@ -172,7 +173,7 @@ async def gather(outputs: Outputs, job: Job) -> list[responses.Choice]:
 
 def chat_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
     """The `chat.completion` object for gathered choices."""
-    return responses.chat_completion(
+    body = responses.chat_completion(
         request_id=job.request_id,
         created=job.created,
         model=job.model,
@@ -182,6 +183,18 @@ def chat_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
         with_logprobs=job.logprobs,
         num_cached_tokens=job.num_cached_tokens,
     )
+    if job.parse_tool_calls:
+        for choice in body["choices"]:
+            content, calls = tools.parse_message(choice["message"]["content"])
+            if calls:
+                choice["message"].update(content=content, tool_calls=calls)
+                choice["finish_reason"] = _with_calls(choice["finish_reason"], len(calls))
+    return body
+
+
+def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:
+    """A choice that stopped after calling tools finished with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
 def completion_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
@@ -235,6 +248,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
     started = [False] * job.num_choices
     num_output_tokens = [0] * job.num_choices
+    parsers = [tools.ToolCallParser() for _ in range(job.num_choices)] if job.parse_tool_calls else None
 
     chunk = _chunk_encoder(job, responses.chat_chunk)
 
@@ -252,11 +266,20 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
             num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
             job.observe(out)
             job.on_usage(sum(num_output_tokens))
-            if out.new_text or (job.logprobs and out.logprobs):
-                logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
-                yield chunk([responses.chat_delta(index, {"content": out.new_text}, logprobs=logprobs)])
+            logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
+            if parsers is None:
+                deltas = [{"content": out.new_text}] if out.new_text else []
+            else:  # text and tool-call deltas, as OpenAI streams them
+                deltas = parsers[index].feed(out.new_text, final=out.finished)
+            if not deltas and job.logprobs and out.logprobs:
+                deltas = [{"content": ""}]
+            for k, delta in enumerate(deltas):
+                yield chunk([responses.chat_delta(index, delta, logprobs=logprobs if k == 0 else None)])
             if out.finished:
-                yield chunk([responses.chat_delta(index, {}, finish_reason=_finish_reason(out))])
+                reason = _finish_reason(out)
+                if parsers is not None:
+                    reason = _with_calls(reason, parsers[index].num_calls)
+                yield chunk([responses.chat_delta(index, {}, finish_reason=reason)])
         else:
             if job.include_usage:
                 yield chunk(

@@ -757,7 +757,7 @@ class _Usage:
             if choice.get("finish_reason"):
                 self.span.finish_reason(int(choice.get("index", 0)), str(choice["finish_reason"]))
             delta = choice.get("delta") or {}
-            if delta.get("content") or choice.get("text"):
+            if delta.get("content") or delta.get("tool_calls") or choice.get("text"):  # tool calls count too
                 carried = True
                 if not self._reported:
                     self.completion += 1  # one token per chunk: an estimate, corrected by usage

@@ -4,8 +4,8 @@ Parsing turns any JSON value into a `ChatCompletionRequest` / `CompletionRequest
 `APIError` (400) that names the offending field in `param`. Nothing is silently ignored:
 
 - a field we do not know is "Unrecognized request argument supplied: <name>";
-- a field OpenAI defines but we do not implement (`tools`, `audio`, ...) is accepted only when it
-  is null (clients that always send every key keep working) and otherwise named as unsupported;
+- a field OpenAI defines but we do not implement (`functions`, `audio`, ...) is accepted only when
+  it is null (clients that always send every key keep working) and otherwise named as unsupported;
 - types are strict: `"max_tokens": "5"` or `"stream": 1` are 400s, not coerced.
 
 `sampling_params()` turns a parsed request plus its prompt length into the engine's
@@ -17,7 +17,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from engine.types import SamplingParams
 from gateway.errors import APIError, ErrorKind, invalid_request
@@ -31,11 +38,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # OpenAI fields we do not implement. Null (and the listed "off" values) means "not asked for".
 UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -51,13 +55,13 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 UNSUPPORTED_COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
 # Keys an assistant message carries when a client sends a previous response back verbatim.
 UNSUPPORTED_MESSAGE_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (None, []),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
     "annotations": (None, []),
-    "tool_call_id": (None,),
 }
+# OpenAI's pattern for function and response-format names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _StrictModel(BaseModel):
@@ -96,8 +100,8 @@ def _integral(value: Any) -> Any:
 
 
 def _role(value: Any) -> Any:
-    if value in ("tool", "function"):
-        raise ValueError(f"role {value!r} is not supported: this server does not implement tool calling")
+    if value == "function":
+        raise ValueError("role 'function' (the deprecated function calling) is not supported; use 'tool'")
     return value
 
 
@@ -198,7 +202,7 @@ def prompt_schema(vocab_size: int | None = None) -> dict[str, Any]:
 
 Content = Annotated[str, BeforeValidator(_text_parts), WithJsonSchema(_CONTENT)]
 Role = Annotated[
-    Literal["system", "user", "assistant", "developer"],
+    Literal["system", "user", "assistant", "developer", "tool"],
     BeforeValidator(_role),
 ]
 Stop = Annotated[tuple[str, ...] | None, BeforeValidator(_stop), WithJsonSchema(_STRING_OR_STRINGS)]
@@ -211,18 +215,100 @@ MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 
 
+class FunctionCall(_StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_StrictModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_StrictModel):
+    """One message. `content` may be null only on an assistant message that carries `tool_calls`;
+    a `tool` message answers one call (`tool_call_id`)."""
+
     role: Role
-    content: Content
+    content: Content | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
 
 
 class StreamOptions(_StrictModel):
     include_usage: bool | None = None
 
 
-class ResponseFormat(_StrictModel):
+class JsonSchemaFormat(_StrictModel):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class TextFormat(_StrictModel):
     type: Literal["text"]
+
+
+class JsonObjectFormat(_StrictModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+class FunctionDefinition(_StrictModel):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_StrictModel):
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise ValueError(
+                "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+            )
+        return value
+    if value is None or isinstance(value, NamedToolChoice):
+        return value
+    try:
+        return NamedToolChoice.model_validate(value)
+    except ValidationError:
+        raise ValueError(
+            "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        ) from None
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_tool_choice)]
 
 
 class _SamplingFields(_StrictModel):
@@ -261,6 +347,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -311,6 +400,25 @@ def _check_unsupported(body: dict[str, Any], fields: dict[str, tuple[Any, ...]],
             del body[name]
 
 
+def _drop_sdk_fields(message: dict[str, Any]) -> None:
+    """Drop what the openai SDK's parse()/stream helpers add to a message on the client side
+    (`parsed`; a call's `parsed_arguments`, and its stream `index`), so a response the SDK
+    assembled can be sent back as history."""
+    message.pop("parsed", None)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message["tool_calls"] = [_drop_sdk_call_fields(c) for c in calls]
+
+
+def _drop_sdk_call_fields(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    call = {k: v for k, v in call.items() if k != "index"}
+    if isinstance(call.get("function"), dict):
+        call["function"] = {k: v for k, v in call["function"].items() if k != "parsed_arguments"}
+    return call
+
+
 def _validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     loc = tuple(err["loc"])
@@ -343,6 +451,7 @@ def _parse(model: type[_SamplingFields], body: Any, unsupported: dict[str, tuple
             if isinstance(message, dict):
                 message = dict(message)
                 _check_unsupported(message, UNSUPPORTED_MESSAGE_FIELDS, where=f"messages[{i}].")
+                _drop_sdk_fields(message)
             cleaned.append(message)
         body["messages"] = cleaned
     try:
@@ -363,8 +472,61 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
             )
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    _check_messages(req)
+    _check_tools(req)
     _check_common(req)
     return req
+
+
+def _check_messages(req: ChatCompletionRequest) -> None:
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise invalid_request(
+                f"Invalid value for 'messages[{i}].content': a {m.role} message needs content (it may "
+                "be null only on an assistant message with 'tool_calls').",
+                param=f"messages[{i}].content",
+            )
+        if m.tool_calls and m.role != "assistant":
+            raise invalid_request(
+                "Only assistant messages carry 'tool_calls'.", param=f"messages[{i}].tool_calls"
+            )
+        if (m.tool_call_id is not None) != (m.role == "tool"):
+            raise invalid_request(
+                "A 'tool' message needs 'tool_call_id' (the call it answers); only a tool message has one.",
+                param=f"messages[{i}].tool_call_id",
+            )
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    names = [t.function.name for t in req.tools or ()]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid_request(
+                f"Duplicate tool name '{name}' in 'tools'.", param=f"tools[{i}].function.name"
+            )
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not names:
+        raise invalid_request(
+            "'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
+        )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise invalid_request(
+            f"'tool_choice' names function '{choice.function.name}', which is not in 'tools'.",
+            param="tool_choice",
+        )
+    if names and choice != "none" and req.response_format is not None and req.response_format.type != "text":
+        raise invalid_request(
+            "'response_format' of type json_object or json_schema together with 'tools' is not supported; "
+            "use one of them (or tool_choice 'none').",
+            param="response_format",
+        )
+    ids = {call.id for m in req.messages for call in m.tool_calls or ()}
+    for i, m in enumerate(req.messages):
+        if m.tool_call_id is not None and m.tool_call_id not in ids:
+            raise invalid_request(
+                f"'tool_call_id' {m.tool_call_id!r} answers no tool call of an earlier assistant message.",
+                param=f"messages[{i}].tool_call_id",
+            )
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

@@ -14,8 +14,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from gateway import tools as tool_prompt
 from gateway.errors import invalid_request
-from gateway.protocol import ChatMessage
+from gateway.protocol import ChatMessage, Tool
 
 
 @functools.cache
@@ -60,21 +61,16 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.vocab_size = len(hf_tokenizer)
         self._byte_level = _is_byte_level(hf_tokenizer)
+        self.renders_tools = tool_prompt.template_renders_tools(hf_tokenizer)
         self.token = functools.lru_cache(maxsize=65536)(self._token)
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        conversation = []
-        for m in messages:
-            message: dict[str, str] = {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content,
-            }
-            if m.name is not None:
-                message["name"] = m.name
-            conversation.append(message)
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
+        """`messages` (and the `tools` shown to the model, gateway/tools.py) rendered and encoded."""
+        conversation, template_tools = tool_prompt.conversation(messages, tools, self.renders_tools)
         try:
             ids = self.hf.apply_chat_template(
                 conversation,
+                tools=template_tools,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,

@@ -175,7 +175,22 @@ def test_completions(client: openai.OpenAI, server: TinyServer) -> None:
         ({"max_tokens": 10 * TINY_MAX_MODEL_LEN}, "messages", "context_length_exceeded"),
         ({"messages": []}, "messages", None),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
-        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools", None),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+            "tools[0].function.parameters",
+            None,
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+            None,
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format.json_schema.schema",
+            None,
+        ),
+        ({"extra_body": {"functions": [{"name": "f"}]}}, "functions", None),
         ({"extra_body": {"no_such_field": 1}}, "no_such_field", None),
         ({"top_logprobs": 2}, "top_logprobs", None),
     ],

@@ -72,16 +72,46 @@ def _request_validator(name: str) -> jsonschema.Draft202012Validator:
             True,
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, True),
+        ({"model": MODEL, "messages": MSG, "max_tokens": None, "tools": None}, True),
         (
-            {"model": MODEL, "messages": MSG, "max_tokens": None, "tools": None},
-            False,
-        ),  # unknown to the schema
+            {
+                "model": MODEL,
+                "messages": [
+                    *MSG,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        ],
+                    },
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+                "response_format": {"type": "text"},
+            },
+            True,
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": MSG,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "strict": True},
+                },
+            },
+            True,
+        ),
+        ({"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema"}}, False),
+        ({"model": MODEL, "messages": MSG, "tool_choice": "sometimes"}, False),
         ({"model": MODEL, "messages": []}, False),
         ({"model": MODEL, "messages": MSG, "n": 0}, False),
         ({"model": MODEL, "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, False),
         ({"model": MODEL, "messages": MSG, "temperature": 3}, False),
         ({"model": MODEL, "messages": MSG, "extra": 1}, False),
-        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, False),
+        ({"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, False),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
     ],
 )
@@ -90,9 +120,7 @@ def test_chat_schema_agrees_with_parser(body: dict[str, Any], valid: bool) -> No
     assert schema_ok == valid
     if valid:
         parse_chat_request(body)
-    elif (
-        "tools" not in body
-    ):  # the parser accepts a null `tools` (clients send it); the schema does not list it
+    else:
         with pytest.raises(APIError):
             parse_chat_request(body)
 

@@ -15,6 +15,7 @@ from gateway.protocol import (
     sampling_params,
 )
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -43,9 +44,20 @@ def bad_chat(body: Any) -> APIError:
         (chat(messages=[]), "messages", "at least one message"),
         (chat(messages="hi"), "messages", "should be an array"),
         (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", "'system'"),
-        (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", "tool calling"),
-        (chat(messages=[{"role": "user"}]), "messages[0].content", "Missing"),
-        (chat(messages=[{"role": "user", "content": None}]), "messages[0].content", "string or a list"),
+        (
+            chat(messages=[{"role": "tool", "content": "x"}]),
+            "messages[0].tool_call_id",
+            "needs 'tool_call_id'",
+        ),
+        (chat(messages=[{"role": "function", "content": "x"}]), "messages[0].role", "use 'tool'"),
+        (
+            chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "call_1"}]),
+            "messages[0].tool_call_id",
+            "answers no tool call",
+        ),
+        (chat(messages=[{"role": "assistant", "content": None}]), "messages[0].content", "needs content"),
+        (chat(messages=[{"role": "user"}]), "messages[0].content", "needs content"),
+        (chat(messages=[{"role": "user", "content": None}]), "messages[0].content", "needs content"),
         (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "string or a list"),
         (
             chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
@@ -59,8 +71,8 @@ def bad_chat(body: Any) -> APIError:
         ),
         (
             chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [{}]}]),
-            "messages[0].tool_calls",
-            "not supported",
+            "messages[0].tool_calls[0].id",
+            "Missing",
         ),
         (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
         (chat(max_tokens="5"), "max_tokens", "valid integer"),
@@ -95,12 +107,33 @@ def bad_chat(body: Any) -> APIError:
         (chat(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
         (chat(ignore_eos="no"), "ignore_eos", "boolean"),
         (chat(user=5), "user", "valid string"),
-        (chat(tools=[{"type": "function"}]), "tools", "not supported"),
-        (chat(tool_choice="auto"), "tool_choice", "not supported"),
+        (chat(tools=[{"type": "function"}]), "tools[0].function", "Missing"),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+            "tools[0].function.name",
+            "pattern",
+        ),
+        (chat(tools=[{"type": "retrieval"}]), "tools[0].type", "'function'"),
+        (chat(tools=[_TOOL, _TOOL]), "tools[1].function.name", "Duplicate"),
+        (chat(tool_choice="auto"), "tool_choice", "only allowed when 'tools'"),
+        (chat(tools=[_TOOL], tool_choice="sometimes"), "tool_choice", "'required'"),
+        (chat(tools=[_TOOL], tool_choice={"type": "function"}), "tool_choice", "'required'"),
+        (
+            chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+            "tool_choice",
+            "not in",
+        ),
+        (chat(tools=[_TOOL], response_format={"type": "json_object"}), "response_format", "together with"),
         (chat(functions=[{}]), "functions", "not supported"),
         (chat(audio={"voice": "x"}), "audio", "not supported"),
         (chat(modalities=["text", "audio"]), "modalities", "not supported"),
-        (chat(response_format={"type": "json_object"}), "response_format.type", "'text'"),
+        (chat(response_format={"type": "xml"}), "response_format", "'text', 'json_object', 'json_schema'"),
+        (chat(response_format={"type": "json_schema"}), "response_format.json_schema.json_schema", "Missing"),
+        (
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}),
+            "response_format.json_schema.json_schema.schema",
+            "JSON object",
+        ),
         (chat(store=True), "store", "not supported"),
         (chat(best_of=2), "best_of", "Unrecognized"),
         (chat(frobnicate=1), "frobnicate", "Unrecognized request argument supplied: frobnicate"),
@@ -262,3 +295,18 @@ def test_completion_defaults() -> None:
     p = sampling_params(req, num_prompt_tokens=3, max_model_len=100, vocab_size=50)
     assert p.max_tokens == 16  # OpenAI's legacy default
     assert p.logprobs and p.top_logprobs == 0
+
+
+def test_a_message_the_sdk_assembled_can_be_sent_back() -> None:
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    call["function"]["parsed_arguments"] = {}  # type: ignore[index]
+    req = parse_chat_request(
+        chat(
+            messages=[
+                *MSG,
+                {"role": "assistant", "content": None, "tool_calls": [call], "parsed": None, "refusal": None},
+                {"role": "tool", "content": "1", "tool_call_id": "c1"},
+            ]
+        )
+    )
+    assert req.messages[1].tool_calls is not None and req.messages[1].tool_calls[0].function.arguments == "{}"

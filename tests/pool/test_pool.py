@@ -6,8 +6,11 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.pool.conftest import FREE_KEY, INTERNAL_TOKEN, PAID_KEY, PoolCluster, start, wait_ready
@@ -221,3 +224,41 @@ def test_killed_replica_gets_no_requests_and_the_pool_keeps_serving(cluster: Poo
         assert all(u["completion_tokens"] == 4 for u in usages)
         assert http.get("/ready").status_code == 200  # one healthy upstream is enough
     assert ok_count(scrape(survivor.url)) - before == n
+
+
+def test_tool_calls_are_relayed_and_counted_like_content(cluster: PoolCluster) -> None:
+    client = openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key=PAID_KEY, max_retries=0, timeout=60)
+    pick = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    args: Any = dict(
+        model=cluster.model,
+        messages=[{"role": "user", "content": "Pick a color."}],
+        tools=[{"type": "function", "function": {"name": "pick", "parameters": pick}}],
+        tool_choice={"type": "function", "function": {"name": "pick"}},
+        parallel_tool_calls=False,
+        max_tokens=40,
+    )
+    before = scrape(cluster.gateway.url)
+    with client.chat.completions.stream(**args, stream_options={"include_usage": True}) as stream:
+        streamed = stream.get_final_completion()
+    after = scrape(cluster.gateway.url)
+    (call,) = streamed.choices[0].message.tool_calls or []
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["color"] in ("red", "green")
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    # A stream of tool-call deltas has a first token, and its tokens are counted for the plan.
+    ttft = ("batchgate_time_to_first_token_seconds_count", ())
+    assert after.get(ttft, 0.0) - before.get(ttft, 0.0) == 1
+    out = ("batchgate_tokens_total", (("direction", "out"), ("plan", "paid")))
+    assert streamed.usage is not None
+    assert after.get(out, 0.0) - before.get(out, 0.0) == streamed.usage.completion_tokens > 0
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].message.tool_calls and whole.choices[0].finish_reason == "tool_calls"
+    # A schema the replica cannot compile is its 400, relayed.
+    bad = {"type": "function", "function": {"name": "pick", "parameters": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**{**args, "tools": [bad]})
+    assert info.value.param == "tools[0].function.parameters"

@@ -1,0 +1,348 @@
+"""Constrained decoding: the grammar interface and cache, mask application in the sampler, and the
+engine's handling of constrained sequences (waiting for compiles, termination, errors).
+
+A fake backend (token-literal grammars) stands in for llguidance where the test is about the
+engine's side of the interface; llguidance itself is tested on the real tokenizer (its grammars'
+outputs must parse and validate whatever the model's weights).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from bench.schemas import SCHEMAS
+from engine.grammar import GrammarCache, LLGuidanceBackend, allocate_bitmask, bound_integers
+from engine.llm_engine import LLMEngine
+from engine.sampler import SamplingRow, apply_bitmask, sample
+from engine.types import FinishReason, GenerationRequest, GrammarError, GrammarSpec, SamplingParams
+from tests.engine.helpers import chat_ids, run_all, text_of, tiny_engine, tokens_of
+
+VOCAB = 40
+
+
+class LiteralGrammar:
+    """Allows exactly `tokens`, in order, then terminates."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.pos = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.pos >= len(self.tokens) or self.tokens[self.pos] != token_id:
+            return False
+        self.pos += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        if self.pos < len(self.tokens):
+            t = self.tokens[self.pos]
+            bitmask[row, t // 32] = torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+
+    def is_terminated(self) -> bool:
+        return self.pos == len(self.tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.pos -= num_tokens
+
+
+class LiteralCompiled:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def new_grammar(self) -> LiteralGrammar:
+        return LiteralGrammar(self.tokens)
+
+
+class FakeBackend:
+    """`lark` specs whose source is token ids ("5 9 12"); "bad" fails; `gate` holds compiles."""
+
+    def __init__(self) -> None:
+        self.compiled: list[GrammarSpec] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def compile(self, spec: GrammarSpec) -> LiteralCompiled:
+        self.gate.wait(30)
+        self.compiled.append(spec)
+        if spec.source == "bad":
+            raise GrammarError("unsupported keyword 'bad'")
+        return LiteralCompiled([int(t) for t in spec.source.split()])
+
+
+def literal(*tokens: int) -> GrammarSpec:
+    return GrammarSpec.lark(" ".join(map(str, tokens)))
+
+
+# ---- the interface and the cache ---------------------------------------------------------------------
+
+
+def test_literal_grammar_follows_the_interface() -> None:
+    g = LiteralCompiled([3, 7]).new_grammar()
+    mask = allocate_bitmask(1, VOCAB)
+    g.fill_bitmask(mask, 0)
+    logits = torch.zeros(1, VOCAB)
+    apply_bitmask(logits, mask, [0])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
+    assert g.accept_token(3) and not g.is_terminated()
+    assert g.accept_token(7) and g.is_terminated()
+    g.rollback(1)
+    assert not g.is_terminated() and not g.accept_token(3)
+
+
+def test_cache_compiles_each_spec_once_and_caches_failures() -> None:
+    backend = FakeBackend()
+    cache = GrammarCache(backend, max_entries=2)
+    assert cache.get(literal(1)).result() is cache.get(literal(1)).result()
+    with pytest.raises(GrammarError, match="bad"):
+        cache.get(GrammarSpec.lark("bad")).result()
+    with pytest.raises(GrammarError):
+        cache.get(GrammarSpec.lark("bad")).result()
+    assert backend.compiled == [literal(1), GrammarSpec.lark("bad")]
+    cache.get(literal(2)).result()  # evicts the least recently used: literal(1)
+    cache.get(literal(1)).result()
+    assert backend.compiled.count(literal(1)) == 2
+    cache.shutdown()
+
+
+def test_equal_schemas_share_one_spec_and_keep_their_field_order() -> None:
+    a = GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}})
+    assert a == GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}})
+    assert hash(a) == hash(GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}}))
+    assert a.source.index('"y"') < a.source.index('"x"')  # fields are generated in the schema's order
+
+
+# ---- the sampler -----------------------------------------------------------------------------------
+
+
+def only(*tokens: int, rows: int = 1) -> torch.Tensor:
+    mask = torch.zeros(rows, (VOCAB + 31) // 32, dtype=torch.int32)
+    for r in range(rows):
+        g = LiteralGrammar(list(tokens))
+        for t in tokens:  # set every listed token's bit
+            g.pos = tokens.index(t)
+            part = allocate_bitmask(1, VOCAB)
+            g.fill_bitmask(part, 0)
+            mask[r] |= part[0]
+    return mask
+
+
+def srow(constrained: bool, seed: int | None = None, **params: Any) -> SamplingRow:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(SamplingParams(**params), [], (), generator, constrained=constrained)
+
+
+def test_greedy_picks_the_best_allowed_token_and_leaves_free_rows_alone() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[:, 5] = 100.0  # the favourite everywhere, allowed nowhere in constrained rows
+    mask = only(11, 33, rows=3)
+    rows = [srow(True, temperature=0.0), srow(False, temperature=0.0), srow(True, temperature=0.0)]
+    tokens, _ = sample(logits.clone(), rows, mask)
+    best = 11 if logits[0, 11] > logits[0, 33] else 33
+    assert tokens[0] == best
+    assert tokens[1] == 5
+    assert tokens[2] in (11, 33)
+
+
+def test_sampled_rows_draw_only_allowed_tokens_and_logprobs_stay_the_model_s() -> None:
+    num = 64  # like n=64 choices of one constrained request
+    logits = torch.zeros(num, VOCAB)
+    rows = [srow(True, seed=i, temperature=1.5, top_p=0.95, top_k=30, logprobs=True) for i in range(num)]
+    tokens, logprobs = sample(logits.clone(), rows, only(2, 17, 39, rows=num))
+    assert set(tokens) <= {2, 17, 39} and len(set(tokens)) == 3
+    raw = torch.log_softmax(torch.zeros(VOCAB), -1)[0].item()
+    assert all(lp is not None and lp.logprob == pytest.approx(raw) for lp in logprobs)
+
+
+def test_min_tokens_does_not_override_the_grammar() -> None:
+    # The grammar allows only the stop token: min_tokens must not mask it (nothing would be left).
+    rows = [SamplingRow(SamplingParams(min_tokens=5, temperature=0.0), [], (7,), None, constrained=True)]
+    tokens, _ = sample(torch.zeros(1, VOCAB), rows, only(7))
+    assert tokens == [7]
+
+
+def test_constrained_rows_need_a_bitmask() -> None:
+    with pytest.raises(RuntimeError):
+        sample(torch.zeros(1, VOCAB), [srow(True)])
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    return tiny_engine(tiny_model_dir)
+
+
+def with_fake_backend(engine: LLMEngine) -> FakeBackend:
+    backend = FakeBackend()
+    engine.grammars = GrammarCache(backend)
+    return backend
+
+
+def test_constrained_choices_follow_their_grammar_and_stop_when_it_terminates(engine: LLMEngine) -> None:
+    with_fake_backend(engine)
+    target = [100, 200, 300, 400]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, grammar=literal(*target)),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=3, logprobs=True, grammar=literal(*target)),
+    ]
+    free = GenerationRequest(
+        "free", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
+    outs = run_all(engine, [GenerationRequest(f"c{i}", [5, 6, 7], p) for i, p in enumerate(params)] + [free])
+    for key in [("c0", 0), ("c1", 0), ("c1", 1), ("c1", 2)]:
+        assert tokens_of(outs[key]) == target
+        assert outs[key][-1].finish_reason is FinishReason.STOP
+    assert len(tokens_of(outs[("free", 0)])) == 6
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_waits_for_its_grammar_while_others_run(engine: LLMEngine) -> None:
+    backend = with_fake_backend(engine)
+    backend.gate.clear()
+    engine.add_request(GenerationRequest("slow", [5, 6], SamplingParams(max_tokens=5, grammar=literal(9, 8))))
+    engine.add_request(GenerationRequest("other", [5, 6], SamplingParams(max_tokens=3, temperature=0.0)))
+    seen: list[str] = []
+    for _ in range(10):
+        seen += [o.request_id for o in engine.step()]
+    assert "other" in seen and "slow" not in seen
+    assert engine.has_unfinished()  # waiting for its compile, outside the batch
+    backend.gate.set()
+    outs = run_all(engine, [])
+    assert tokens_of(outs[("slow", 0)]) == [9, 8]
+
+
+def test_a_grammar_that_fails_to_compile_fails_only_its_request(engine: LLMEngine) -> None:
+    backend = with_fake_backend(engine)
+    backend.gate.clear()  # it fails after the request was accepted
+    engine.add_request(GenerationRequest("bad", [5], SamplingParams(n=2, grammar=GrammarSpec.lark("bad"))))
+    backend.gate.set()
+    good = GenerationRequest("good", [5], SamplingParams(max_tokens=2, temperature=0.0))
+    outs = run_all(engine, [good])
+    for i in range(2):
+        assert outs[("bad", i)][-1].finish_reason is FinishReason.ERROR
+        assert isinstance(outs[("bad", i)][-1].error, GrammarError)
+    assert outs[("good", 0)][-1].finish_reason is not FinishReason.ERROR
+    # Known bad now: refused at once.
+    with pytest.raises(GrammarError):
+        engine.add_request(GenerationRequest("bad2", [5], SamplingParams(grammar=GrammarSpec.lark("bad"))))
+
+
+def test_abort_while_compiling_ends_the_request(engine: LLMEngine) -> None:
+    backend = with_fake_backend(engine)
+    backend.gate.clear()
+    engine.add_request(GenerationRequest("gone", [5], SamplingParams(n=2, grammar=literal(1))))
+    outs = engine.abort_request("gone")
+    assert [o.finish_reason for o in outs] == [FinishReason.ABORT] * 2
+    backend.gate.set()
+    assert run_all(engine, []) == {}
+    assert not engine.has_unfinished()
+
+
+# ---- llguidance, for real -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llguidance_engine(tiny_model_dir: Path) -> LLMEngine:
+    return tiny_engine(tiny_model_dir, max_num_seqs=32, max_num_batched_tokens=256)
+
+
+def test_random_weights_still_produce_valid_json_for_every_schema(llguidance_engine: LLMEngine) -> None:
+    """Valid by construction: a random-weight model's constrained output parses and validates,
+    and it is compact (no whitespace between tokens)."""
+    engine = llguidance_engine
+    requests = [
+        GenerationRequest(
+            case.name,
+            chat_ids(engine.tokenizer, case.prompt),
+            SamplingParams(
+                max_tokens=400, temperature=0.7, seed=i, grammar=GrammarSpec.json_schema(case.schema)
+            ),
+        )
+        for i, case in enumerate(SCHEMAS)
+    ]
+    outs = run_all(engine, requests)
+    num_stopped = 0
+    for case in SCHEMAS:
+        out = outs[(case.name, 0)]
+        text = text_of(out)
+        if out[-1].finish_reason is FinishReason.STOP:
+            num_stopped += 1
+            jsonschema.validate(json.loads(text), case.schema)
+        else:  # random weights may fill an unbounded string (an email's local part) to max_tokens
+            assert out[-1].finish_reason is FinishReason.LENGTH and text.count('"') % 2 == 1, text
+            outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text.rsplit('"', 1)[0])
+            assert not any(c.isspace() for c in outside), "whitespace outside strings"
+    assert num_stopped >= len(SCHEMAS) - 3
+
+
+def test_llguidance_names_what_it_cannot_compile(llguidance_engine: LLMEngine) -> None:
+    backend = LLGuidanceBackend(llguidance_engine.tokenizer, 49152, (2,))
+    with pytest.raises(GrammarError, match="not"):
+        backend.compile(GrammarSpec.json_schema({"not": {"type": "string"}}))
+    with pytest.raises(GrammarError, match="strin"):
+        backend.compile(GrammarSpec.json_schema({"type": "strin"}))
+    backend.compile(GrammarSpec.json_object())
+    backend.compile(GrammarSpec.json_schema({"not": {"type": "string"}}, strict=False))  # ignored
+
+
+def test_json_object_output_is_one_object(llguidance_engine: LLMEngine) -> None:
+    engine = llguidance_engine
+    params = SamplingParams(max_tokens=300, temperature=1.0, seed=1, n=4, grammar=GrammarSpec.json_object())
+    outs = run_all(engine, [GenerationRequest("obj", chat_ids(engine.tokenizer, "Give JSON."), params)])
+    for i in range(4):
+        text = text_of(outs[("obj", i)])
+        if outs[("obj", i)][-1].finish_reason is FinishReason.STOP:
+            assert isinstance(json.loads(text), dict)
+        else:  # an unbounded object may run to max_tokens, but never on whitespace
+            assert text.startswith("{") and "\n\n" not in text
+
+
+def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_engine: LLMEngine) -> None:
+    engine = llguidance_engine
+    case = SCHEMAS[0]
+    params = SamplingParams(max_tokens=60, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
+    prompt = chat_ids(engine.tokenizer, case.prompt)
+    serial = run_all(engine, [GenerationRequest("serial", prompt, params)])
+    engine.runner.overlap_masks = True
+    try:
+        overlapped = run_all(engine, [GenerationRequest("overlap", prompt, params)])
+    finally:
+        engine.runner.overlap_masks = False
+    for i in range(2):
+        assert tokens_of(overlapped[("overlap", i)]) == tokens_of(serial[("serial", i)])
+        jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
+
+
+def test_unbounded_integers_get_json_s_safe_range() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": ["integer", "null"], "maximum": 5}},
+    }
+    bounded = bound_integers(schema)
+    assert bounded["properties"]["a"] == {"type": "integer", "maximum": 2**53 - 1, "minimum": -(2**53 - 1)}
+    assert bounded["properties"]["b"]["maximum"] == 5 and bounded["properties"]["b"]["minimum"] == -(
+        2**53 - 1
+    )
+    assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not modified
+
+
+def test_a_cancelled_compile_is_compiled_again() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    cache = GrammarCache(backend)
+    cache.get(literal(0))  # occupies the one worker
+    queued = cache.get(literal(1))
+    assert queued.cancel()
+    backend.gate.set()
+    assert cache.get(literal(1)).result().tokens == [1]
+    cache.shutdown()

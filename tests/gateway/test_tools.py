@@ -1,0 +1,141 @@
+"""gateway/tools.py: output plans, the default tool prompt, and reading calls back (whole and streamed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from engine.types import GrammarSpec
+from gateway.protocol import parse_chat_request
+from gateway.tools import MAX_PARALLEL_TOOL_CALLS, ToolCallParser, conversation, parse_message, plan_output
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TEXT = (
+    "Let me check."
+    '<tool_call>{"name":"get_weather","arguments":{"city":"Paris","opts":{"unit":"C"}}}</tool_call>\n'
+    '<tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call>\n'
+)
+
+
+def chat(**fields: Any) -> Any:
+    return parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_whole_output_parses_into_openai_tool_calls() -> None:
+    content, calls = parse_message(TEXT)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris", "opts": {"unit": "C"}},
+        {"city": "Rome"},
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_message("no calls <here>") == ("no calls <here>", [])
+    assert parse_message('<tool_call>{"name":"f","arguments":{}}</tool_call>')[0] is None
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_deltas_come_as_openai_sends_them_and_assemble_to_the_whole(step: int) -> None:
+    parser = ToolCallParser()
+    deltas = []
+    for i in range(0, len(TEXT), step):
+        deltas += parser.feed(TEXT[i : i + step], final=i + step >= len(TEXT))
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        for part in d.get("tool_calls", []):
+            if part["index"] not in calls:  # the first delta of a call: index, id, type, name
+                assert set(part) == {"index", "id", "type", "function"}
+                assert part["function"]["arguments"] == ""
+                calls[part["index"]] = {"id": part["id"], "name": part["function"]["name"], "arguments": ""}
+            else:  # then argument fragments only
+                assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}
+                calls[part["index"]]["arguments"] += part["function"]["arguments"]
+    whole_content, whole_calls = parse_message(TEXT)
+    assert content == whole_content
+    assert [c["arguments"] for c in calls.values()] == [c["function"]["arguments"] for c in whole_calls]
+    assert parser.num_calls == 2
+    if step == 1:  # arguments stream as they are generated, not in one piece at the end
+        assert sum(1 for d in deltas if "tool_calls" in d and d["tool_calls"][0]["index"] == 0) > 3
+
+
+def test_text_that_only_looks_like_a_call_start_is_held_then_released() -> None:
+    parser = ToolCallParser()
+    assert parser.feed("a <tool") == [{"content": "a "}]
+    assert parser.feed("box>") == [{"content": "<toolbox>"}]
+    assert parser.feed("<tool_c", final=True) == [{"content": "<tool_c"}]
+
+
+def test_a_call_cut_off_by_max_tokens_keeps_what_it_had() -> None:
+    content, calls = parse_message('<tool_call>{"name":"get_weather","arguments":{"city":"Pa')
+    assert content is None and calls[0]["function"]["arguments"] == '{"city":"Pa'
+
+
+def test_plans() -> None:
+    assert plan_output(chat()).grammar is None
+    assert plan_output(chat(response_format={"type": "json_object"})).grammar == GrammarSpec.json_object()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    plan = plan_output(
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema, "strict": False},
+            }
+        )
+    )
+    assert plan.grammar == GrammarSpec.json_schema(schema, strict=False)
+    assert plan.checks == ((plan.grammar, "response_format.json_schema.schema"),)
+    plan = plan_output(chat(tools=[WEATHER]))
+    assert plan.parse_tool_calls and plan.grammar is not None and "TEXT" in plan.grammar.source  # auto
+    assert [p for _, p in plan.checks] == ["tools[0].function.parameters", "tools"]
+    required = plan_output(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
+    assert required.grammar is not None and "TEXT" not in required.grammar.source
+    assert '"\\n" call' not in required.grammar.source  # one call only
+    assert f"~0..{MAX_PARALLEL_TOOL_CALLS - 1}" in plan.grammar.source  # a bounded number of calls
+    none = plan_output(chat(tools=[WEATHER], tool_choice="none"))
+    assert none.grammar is None and not none.tools and not none.parse_tool_calls
+
+
+def test_default_format_renders_tools_calls_and_results() -> None:
+    req = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "18C, sunny"},
+        ],
+        tools=[WEATHER],
+    )
+    messages, template_tools = conversation(req.messages, plan_output(req).tools, native=False)
+    assert template_tools is None
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert '"get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
+    assert messages[2] == {
+        "role": "assistant",
+        "content": '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>',
+    }
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n18C, sunny\n</tool_response>"}
+    native, tools = conversation(req.messages, plan_output(req).tools, native=True)
+    assert tools is not None and tools[0]["function"]["name"] == "get_weather"
+    assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert native[3]["role"] == "tool" and native[3]["tool_call_id"] == "c1"
