@@ -488,6 +488,12 @@ class ProxyGateway:
             }
             if caller.queue_deadline_s is not None:
                 headers[admission.DEADLINE_HEADER] = repr(float(caller.queue_deadline_s))
+            # Settlement and metrics need the replica's exact token count, which a stream only
+            # carries when asked: ask for it always, and keep it from a client that did not.
+            hide_usage = stream and not (body.get("stream_options") or {}).get("include_usage")
+            if hide_usage:
+                options = {**(body.get("stream_options") or {}), "include_usage": True}
+                body = {**body, "stream_options": options}
             content = json.dumps(body, ensure_ascii=False).encode()
             started = time.perf_counter()
             with span.use():
@@ -545,7 +551,7 @@ class ProxyGateway:
             out_headers.pop("cache-control", None)
             out_headers.pop("x-accel-buffering", None)
             response = EventStreamResponse(
-                self._relay(upstream_response, frames, first, usage, started),
+                self._relay(upstream_response, frames, first, usage, started, hide_usage),
                 keep_alive_s=self.settings.keep_alive_s,
                 headers=out_headers,
                 on_close=on_close,
@@ -655,7 +661,10 @@ class ProxyGateway:
         first: asyncio.Future[bytes],
         usage: _Usage,
         started: float,
+        hide_usage: bool,
     ) -> AsyncIterator[bytes]:
+        """The replica's frames to the client, observed for usage and latency; `hide_usage` drops
+        the usage-only chunk that the gateway asked for on the client's behalf."""
         last_token: float | None = None
         try:
             frame = await first
@@ -672,7 +681,8 @@ class ProxyGateway:
                     else:
                         self.metrics.itl.observe(now - last_token)
                     last_token = now
-                yield frame
+                if not (hide_usage and usage.usage_only):
+                    yield frame
                 frame = await frames.__anext__()
         except (httpx.HTTPError, _UpstreamEnded, StopAsyncIteration) as exc:
             logger.warning("upstream %s failed mid-stream: %r", response.request.url, exc)
@@ -722,6 +732,7 @@ class _Usage:
         self.response_id: str | None = None
         self.span = span
         self._reported = False
+        self.usage_only = False  # the last frame observed carried usage and no choices
 
     def observe_body(self, payload: bytes) -> None:
         try:
@@ -746,6 +757,7 @@ class _Usage:
         if self.response_id is None and event.get("id"):
             self.response_id = str(event["id"])
         u = event.get("usage")
+        self.usage_only = isinstance(u, dict) and not event.get("choices")
         if isinstance(u, dict):
             self.prompt = int(u.get("prompt_tokens", self.prompt))
             self.completion = int(u.get("completion_tokens", self.completion))

@@ -262,3 +262,33 @@ def test_tool_calls_are_relayed_and_counted_like_content(cluster: PoolCluster) -
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**{**args, "tools": [bad]})
     assert info.value.param == "tools[0].function.parameters"
+
+
+def test_a_stream_settles_the_replicas_exact_usage_without_showing_it(cluster: PoolCluster) -> None:
+    """The gateway asks the replica for usage on every stream (a chunk may carry no text, so
+    counting chunks is only an estimate) and keeps that chunk from a client that did not ask."""
+
+    def tokens_out(values: dict) -> float:
+        return sum(v for (name, labels), v in values.items() if name == "batchgate_tokens_total" and
+                   ("direction", "out") in labels)  # fmt: skip
+
+    before = tokens_out(scrape(cluster.gateway.url))
+    body = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": "count my tokens"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "stream": True,
+    }
+    with httpx.Client(base_url=cluster.gateway.url, timeout=60) as http:
+        with http.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {PAID_KEY}"}
+        ) as r:
+            assert r.status_code == 200
+            events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert payloads and not any(p.get("usage") for p in payloads), payloads
+    assert all(p["choices"] for p in payloads)
+    assert tokens_out(scrape(cluster.gateway.url)) - before == 5
