@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.grammar import bound_integers
+from engine.grammar import bound_numbers
 from engine.types import GrammarError, GrammarSpec
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
@@ -99,7 +99,7 @@ def tool_call_grammar(tools: Sequence[Tool], choice: Any, parallel: bool) -> str
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": bound_integers(_parameters(t))},
+            "properties": {"name": {"const": t.function.name}, "arguments": bound_numbers(_parameters(t))},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
-from engine.grammar import GrammarCache, LLGuidanceBackend, allocate_bitmask, bound_integers
+from engine.grammar import GrammarCache, LLGuidanceBackend, allocate_bitmask, bound_numbers
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, apply_bitmask, sample
 from engine.types import FinishReason, GenerationRequest, GrammarError, GrammarSpec, SamplingParams
@@ -323,17 +323,37 @@ def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_e
         jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
 
 
-def test_unbounded_integers_get_json_s_safe_range() -> None:
+def test_unbounded_numbers_get_json_s_safe_range_and_bounded_decimals() -> None:
+    safe = 2**53 - 1
     schema = {
         "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": ["integer", "null"], "maximum": 5}},
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": ["integer", "null"], "maximum": 5},
+            "c": {"type": "number"},
+            "d": {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 0},
+        },
     }
-    bounded = bound_integers(schema)
-    assert bounded["properties"]["a"] == {"type": "integer", "maximum": 2**53 - 1, "minimum": -(2**53 - 1)}
-    assert bounded["properties"]["b"]["maximum"] == 5 and bounded["properties"]["b"]["minimum"] == -(
-        2**53 - 1
-    )
+    bounded = bound_numbers(schema)["properties"]
+    assert bounded["a"] == {"type": "integer", "maximum": safe, "minimum": -safe}
+    assert bounded["b"]["maximum"] == 5 and bounded["b"]["minimum"] == -safe
+    assert bounded["c"] == {"type": "number", "maximum": safe, "minimum": -safe, "multipleOf": 1e-6}
+    assert bounded["d"] == {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 0, "maximum": safe}
     assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not modified
+
+
+def test_a_number_cannot_run_past_its_decimals(llguidance_engine: LLMEngine) -> None:
+    """The grammar refuses a seventh decimal, so sampling cannot run a number to max_tokens."""
+    tokenizer = llguidance_engine.tokenizer
+    backend = LLGuidanceBackend(tokenizer, 49152, (2,))
+    compiled = backend.compile(GrammarSpec.json_schema({"type": "number"}))
+
+    def accepts(text: str) -> bool:
+        grammar = compiled.new_grammar()
+        return all(grammar.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts("0.123456") and accepts("-12.5")
+    assert not accepts("0.1234567")
 
 
 def test_a_cancelled_compile_is_compiled_again() -> None:
