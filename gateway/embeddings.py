@@ -37,7 +37,7 @@ from engine.types import EngineError, EngineOverloadedError, GenerationFailedErr
 from gateway import admission, responses, telemetry
 from gateway.body import read_json
 from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
-from gateway.protocol import _StrictModel, _validation_error
+from gateway.protocol import _StrictModel, _validation_error, prompt_schema
 
 logger = logging.getLogger("batchgate.embeddings")
 T = TypeVar("T")
@@ -80,23 +80,7 @@ def _input(value: Any) -> Any:
 
 def input_schema(vocab_size: int | None = None) -> dict[str, Any]:
     """JSON schema of `input`; with `vocab_size`, token ids are bounded by it."""
-    token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if vocab_size is not None:
-        token_id["maximum"] = vocab_size - 1
-    token_ids = {"type": "array", "items": token_id, "minItems": 1}
-    return {
-        "anyOf": [
-            {"type": "string", "minLength": 1},
-            {
-                "type": "array",
-                "items": {"type": "string", "minLength": 1},
-                "minItems": 1,
-                "maxItems": MAX_INPUTS,
-            },
-            token_ids,
-            {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_INPUTS},
-        ]
-    }
+    return prompt_schema(vocab_size, max_items=MAX_INPUTS)
 
 
 Input = Annotated[tuple[str | tuple[int, ...], ...], BeforeValidator(_input), WithJsonSchema(input_schema())]

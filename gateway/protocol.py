@@ -184,18 +184,21 @@ _LOGIT_BIAS = {
 }
 
 
-def prompt_schema(vocab_size: int | None = None) -> dict[str, Any]:
-    """JSON schema of a completions `prompt`; with `vocab_size`, token ids are bounded by it."""
+def prompt_schema(vocab_size: int | None = None, max_items: int | None = None) -> dict[str, Any]:
+    """JSON schema of a completions `prompt` (and an embeddings `input`): a string, strings, token
+    ids or lists of them; with `vocab_size`, token ids are bounded by it; with `max_items`, so are
+    the lists of prompts."""
     token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
     if vocab_size is not None:
         token_id["maximum"] = vocab_size - 1
     token_ids = {"type": "array", "items": token_id, "minItems": 1}
+    bound = {} if max_items is None else {"maxItems": max_items}
     return {
         "anyOf": [
             {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, **bound},
             token_ids,
-            {"type": "array", "items": token_ids, "minItems": 1},
+            {"type": "array", "items": token_ids, "minItems": 1, **bound},
         ]
     }
 
