@@ -366,13 +366,12 @@ class LLMEngine:
         p = seq.sampling
         detok = self._detok[seq.seq_id]
         status = None
-        error = None
         stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
         if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # The mask allowed only what the grammar accepts; reaching here is a bug, not input.
-            status = SequenceStatus.FINISHED_ERROR
-            error = GenerationFailedError(f"the grammar rejected sampled token {token}")
-        elif token in stop_ids and seq.num_output_tokens > p.min_tokens:
+            # The mask allowed only what the grammar accepts; reaching here is a bug, not input: it
+            # ends this sequence through the one failure path (_guarded: logged, counted, generic).
+            raise RuntimeError(f"the grammar rejected sampled token {token}")
+        if token in stop_ids and seq.num_output_tokens > p.min_tokens:
             status = SequenceStatus.FINISHED_STOPPED
         elif detok.add(token):
             status = SequenceStatus.FINISHED_STOPPED
@@ -382,7 +381,7 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_LENGTH
         if status is None:
             return self._output(seq, (token,), detok.take(final=False), logprob)
-        return self._finish(seq, status, (token,), logprob, error)
+        return self._finish(seq, status, (token,), logprob)
 
     def _guarded(
         self, stage: StepStage, seq: Sequence, make: Callable[[], RequestOutput]
