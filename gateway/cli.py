@@ -117,8 +117,9 @@ def serve(settings: Settings, tenancy: Any | None) -> int:
     import uvicorn
 
     from gateway import telemetry
-    from gateway.app import _default_engine_factory, create_app
+    from gateway.app import create_app
     from gateway.drain import DrainingServer
+    from gateway.local import default_engine_factory
 
     engine_failed = threading.Event()
     server: uvicorn.Server | None = None
@@ -129,7 +130,7 @@ def serve(settings: Settings, tenancy: Any | None) -> int:
             server.should_exit = True
 
     def engine_factory(settings: Settings) -> Any:
-        engine = _default_engine_factory(settings)
+        engine = default_engine_factory(settings)
         if settings.tensor_parallel_size > 1:
             _stop_when_engine_fails(engine, stop_failed)
         return engine
@@ -167,7 +168,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                 Path(settings.embedding_model).expanduser().exists()
             ):
                 raise ValueError(f"--embedding-model: {settings.embedding_model} does not exist")
-            if settings.model == "none" and settings.embedding_model == "none" and not settings.upstreams:
+            nothing = settings.model == "none" and settings.embedding_model == "none"
+            if nothing and not settings.upstreams and not settings.served_models():
                 raise ValueError("--model none and --embedding-model none: nothing to serve")
             tenancy = build_tenancy(settings)
         except ValueError as exc:

@@ -13,34 +13,36 @@ tokens, a text's closing [SEP] kept; -1: the model's window). Token ids are used
 (a text's [CLS] ... [SEP] come from the tokenizer; ids are the caller's to frame).
 
 The tokens embedded count against the tenant's token limit like prompt tokens. This module is the
-endpoint's own part (request model, checks, response shape, the served model and its batcher);
-the app (gateway/app.py) and the proxy (gateway/pool.py) each route to it with a few lines.
+endpoint's own part (request model, checks, response shape) and the in-process backend (the
+served model and its batcher); the pipeline (gateway/pipeline.py) does the rest, as for every
+endpoint, and a replica set (gateway/relay.py) serves proxied embedding models.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import struct
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 import anyio
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from engine.embeddings.batcher import BatchLimits, BatchRecord, EmbeddingBatcher, EmbeddingRequest
-from engine.types import EngineError, EngineOverloadedError, GenerationFailedError
-from gateway import admission, responses, telemetry
-from gateway.body import read_json
+from engine.types import EngineError, GenerationFailedError
+from gateway import admission, telemetry
+from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Task, Work
 from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
-from gateway.protocol import _StrictModel, _validation_error, prompt_schema
+from gateway.protocol import StrictModel, prompt_schema, validation_error
+
+if TYPE_CHECKING:
+    from gateway.metrics import Metrics
+    from gateway.settings import Settings
 
 logger = logging.getLogger("batchgate.embeddings")
-T = TypeVar("T")
 
 # OpenAI's limits for /v1/embeddings.
 MAX_INPUTS = 2048
@@ -86,7 +88,7 @@ def input_schema(vocab_size: int | None = None) -> dict[str, Any]:
 Input = Annotated[tuple[str | tuple[int, ...], ...], BeforeValidator(_input), WithJsonSchema(input_schema())]
 
 
-class EmbeddingsRequest(_StrictModel):
+class EmbeddingsRequest(StrictModel):
     """OpenAI's create-embeddings body, plus vLLM's `truncate_prompt_tokens`."""
 
     model: str
@@ -104,7 +106,7 @@ def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
     try:
         req = EmbeddingsRequest.model_validate(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     if len(req.input) > MAX_INPUTS:
         raise invalid_request(
             f"'input' holds {len(req.input)} inputs; at most {MAX_INPUTS} are allowed per request.",
@@ -164,11 +166,14 @@ class EmbeddingService:
         self._on_batch = on_batch
 
     @classmethod
-    def load(cls, path: str | None, limits: BatchLimits, device: str = "cpu") -> EmbeddingService:
-        """Load a BERT-family folder (None: the bundled all-MiniLM-L6-v2); blocking."""
+    def load(
+        cls, path: str | None, limits: BatchLimits, device: str = "cpu", name: str | None = None
+    ) -> EmbeddingService:
+        """Load a BERT-family folder (None: the bundled all-MiniLM-L6-v2), served as `name` (None:
+        its own name); blocking."""
         from engine.embeddings.model import EmbeddingModel
 
-        return cls(EmbeddingModel.load(path, device=device), limits)
+        return cls(EmbeddingModel.load(path, device=device), limits, name=name)
 
     @property
     def ready(self) -> bool:
@@ -294,41 +299,33 @@ def span(model: str, caller: admission.Caller, req: EmbeddingsRequest) -> teleme
     return s
 
 
-# -- the in-process endpoint -----------------------------------------------------------------
+# -- the in-process backend ------------------------------------------------------------------
 
 
-Authenticate = Callable[[Request, str | None], Awaitable[admission.Caller]]
-
-
-class Embeddings:
-    """The app's embedding model (loaded at start-up unless given) and its endpoint."""
+class EmbeddingBackend:
+    """The in-process embedding model (loaded at `start()` unless given) behind the pipeline."""
 
     def __init__(
         self,
-        settings: Any,
-        metrics: Any,
-        authenticate: Authenticate,
-        tenancy: Any,
+        settings: Settings,
+        metrics: Metrics,
         service: EmbeddingService | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         self.settings = settings
+        self.served_name = name  # None: the model's own name
         self.metrics = metrics
-        self.authenticate = authenticate
-        self.tenancy = tenancy
         self.owns_service = service is None
         self.service = service
         self.load_error: str | None = None
+        self.created = int(time.time())
         if service is not None:
             service.observe_with(metrics.observe_embedding_batch)
 
-    @property
-    def wanted(self) -> bool:
-        """Whether this server serves an embedding model at all."""
-        return self.service is not None or self.settings.embedding_model != "none"
-
-    async def load(self) -> None:
+    async def start(self) -> None:
         """Load the configured model in a worker thread (errors are kept for /health and /ready)."""
-        if self.service is not None or not self.wanted:
+        if self.service is not None:
             return
         path = None if self.settings.embedding_model == "bundled" else self.settings.embedding_model
         device = self.settings.device
@@ -338,7 +335,7 @@ class Embeddings:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             service = await anyio.to_thread.run_sync(
-                EmbeddingService.load, path, self.settings.embedding_batch_limits(), device
+                EmbeddingService.load, path, self.settings.embedding_batch_limits(), device, self.served_name
             )
         except Exception as exc:  # noqa: BLE001 - reported by /health and /ready, and logged
             logger.exception("loading the embedding model failed")
@@ -348,104 +345,70 @@ class Embeddings:
         self.service = service
         logger.info("serving embeddings with %s (%d dimensions)", service.name, service.dimensions)
 
-    async def shutdown(self) -> None:
+    async def aclose(self) -> None:
         if self.owns_service and self.service is not None:
             await anyio.to_thread.run_sync(self.service.shutdown)
-
-    def not_ready(self) -> str | None:
-        """Why /ready should say no (None: ready, or no embedding model wanted)."""
-        if not self.wanted:
-            return None
-        if self.load_error is not None:
-            return f"the embedding model failed to load: {self.load_error}"
-        if self.service is None:
-            return "loading"
-        if not self.service.ready:
-            return "the embedding batcher stopped"
-        return None
 
     @property
     def name(self) -> str | None:
         return self.service.name if self.service is not None else None
 
-    async def handle(self, request: Request, chat_model: str | None) -> Response:
-        req = parse_embeddings_request(await read_json(request, self.settings.max_body_bytes))
-        caller = await self.authenticate(request, req.user)
-        service = self._require(req.model, chat_model)
+    def models(self) -> list[ModelCard]:
+        if self.service is None:
+            return []
+        return [ModelCard(self.service.name, self.created, Task.EMBED)]
+
+    async def find(self, model: str) -> bool:
+        return False
+
+    def problem(self) -> str | None:
+        if self.load_error is not None:
+            return f"the embedding model failed to load: {self.load_error}"
+        return None
+
+    async def not_ready(self) -> NotReady | None:
+        if self.load_error is not None:
+            detail = f"the embedding model failed to load: {self.load_error}"
+            return NotReady("unavailable", detail, f"The embedding model failed to load: {self.load_error}")
+        if self.service is None:
+            return NotReady("loading", "loading", "The embedding model is still loading; retry shortly.")
+        if not self.service.ready:
+            return NotReady(
+                "unavailable", "the embedding batcher stopped", "The embedding batcher is not running."
+            )
+        return None
+
+    async def plan(self, work: Work) -> Plan:
+        service = self.service
+        if service is None or not service.ready:
+            raise APIError(ErrorKind.UNAVAILABLE, "The embedding batcher is not running.", retry_after_s=5.0)
+        req = work.request
+        assert isinstance(req, EmbeddingsRequest)
         size = sum(len(i) for i in req.input if isinstance(i, str))
         if size <= TOKENIZE_INLINE_MAX_CHARS:
             prepared = prepare(req, service)
         else:
             prepared = await anyio.to_thread.run_sync(prepare, req, service)
-        request_id = responses.new_id("emb")
-        s = span(req.model, caller, req)
-        try:
-            held = await admission.admit(
-                None if caller.internal else self.tenancy,
-                caller,
-                num_prompt_tokens=prepared.num_tokens,
-                max_num_tokens=0,
-                request_id=request_id,
-            )
-        except APIError as exc:
-            self.metrics.refused("rate_limit" if exc.kind is ErrorKind.RATE_LIMITED else "unavailable")
-            s.event("gen_ai.admission", **{"batchgate.admitted": False})
-            s.error(exc)
-            s.end(response_id=request_id, input_tokens=prepared.num_tokens, output_tokens=0)
-            raise
-        s.event("gen_ai.admission", **{"batchgate.admitted": True})
-        num_tokens = 0
-        try:
-            job = EmbeddingRequest(request_id, prepared.inputs, caller.priority, caller.queue_deadline_s)
-            vectors = await unless_disconnected(request, service.batcher.embed(job))
-            if vectors is None:
-                logger.info("%s: client disconnected; its inputs were dropped", request_id)
-                return Response(status_code=499)
-            num_tokens = prepared.num_tokens
-            held.record(num_prompt_tokens=num_tokens, num_completion_tokens=0)
-            body = response_body(req.model, vectors, req.encoding_format, num_tokens)
-            return JSONResponse(body, headers={"X-Request-Id": request_id, **held.headers})
-        except EngineError as exc:
-            error = _engine_error(exc, request_id)
-            error.headers.update({"X-Request-Id": request_id, **held.headers})
-            if isinstance(exc, EngineOverloadedError):
-                self.metrics.refused("deadline")
-            s.error(error)
-            raise error from None
-        finally:
-            self.metrics.count_tokens(caller.plan, num_tokens, 0)
-            s.end(response_id=request_id, input_tokens=num_tokens, output_tokens=0)
-            await held.close()
 
-    def _require(self, model: str, chat_model: str | None) -> EmbeddingService:
-        if self.service is not None and model == self.service.name:
-            if not self.service.ready:
-                raise APIError(
-                    ErrorKind.UNAVAILABLE, "The embedding batcher is not running.", retry_after_s=5.0
-                )
-            return self.service
-        if model == chat_model:
-            raise invalid_request(
-                f"`{model}` is a chat model; it does not make embeddings. "
-                + (f"This server's embedding model is `{self.name}`." if self.name else ""),
-                param="model",
-            )
-        if self.service is None and self.wanted and self.load_error is None:
-            raise APIError(
-                ErrorKind.UNAVAILABLE,
-                "The embedding model is still loading; retry shortly.",
-                retry_after_s=5.0,
-            )
-        served = (
-            f" This server's embedding model is `{self.name}`."
-            if self.name
-            else (" This server serves no embedding model.")
+        async def execute(call: Call) -> Reply:
+            return await self._execute(call, service, req, prepared)
+
+        return Plan(prepared.num_tokens, 0, execute)
+
+    async def _execute(
+        self, call: Call, service: EmbeddingService, req: EmbeddingsRequest, prepared: Prepared
+    ) -> Reply:
+        work = call.work
+        job = EmbeddingRequest(
+            work.request_id, prepared.inputs, work.caller.priority, work.caller.queue_deadline_s
         )
-        raise APIError(
-            ErrorKind.MODEL_NOT_FOUND,
-            f"The model `{model}` does not exist or you do not have access to it.{served}",
-            param="model",
-        )
+        try:
+            # Cancelled when the client leaves: the batcher drops the request's waiting inputs.
+            vectors = await service.batcher.embed(job)
+        except EngineError as exc:
+            raise _engine_error(exc, work.request_id) from None
+        call.usage.served = True
+        return Body(response_body(work.model, vectors, req.encoding_format, prepared.num_tokens))
 
 
 def _engine_error(exc: EngineError, request_id: str) -> APIError:
@@ -457,28 +420,6 @@ def _engine_error(exc: EngineError, request_id: str) -> APIError:
             "retry the request.",
         )
     return from_engine_error(exc, param="input")
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if the client disconnected first (`work` is then cancelled: the
-    batcher drops the request's waiting inputs; a relayed call is closed)."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    running = asyncio.ensure_future(work)
-    watching = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({running, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not running.done():
-            running.cancel()
-        await asyncio.gather(running, watching, return_exceptions=True)
-    if running.cancelled():
-        return None
-    return running.result()
 
 
 # -- proxy mode --------------------------------------------------------------------------------

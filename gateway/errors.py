@@ -44,11 +44,22 @@ class ErrorKind(enum.Enum):
     INTERNAL = "internal"
 
 
+class Refusal(enum.Enum):
+    """Why a request was refused before it ran; the value is the `reason` label of
+    `batchgate_refusals` (gateway/metrics.py)."""
+
+    RATE_LIMIT = "rate_limit"  # the tenant's limits (429)
+    DEADLINE = "deadline"  # it could not start before its queue deadline (503)
+    OVERLOAD = "overload"  # a replica answered 502/503/504 (relayed)
+    UNAVAILABLE = "unavailable"  # no engine, replica or rate limiter to take it (503)
+
+
 @dataclass(frozen=True)
 class ErrorSpec:
     status: int
     type: str
     code: str | None
+    refusal: Refusal | None = None  # counted as a refusal with this reason
 
 
 ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
@@ -60,9 +71,9 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
     ErrorKind.REQUEST_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "request_too_large"),
     ErrorKind.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
-    ErrorKind.RATE_LIMITED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded"),
-    ErrorKind.OVERLOADED: ErrorSpec(503, "server_error", "server_overloaded"),
-    ErrorKind.UNAVAILABLE: ErrorSpec(503, "server_error", "engine_unavailable"),
+    ErrorKind.RATE_LIMITED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded", Refusal.RATE_LIMIT),
+    ErrorKind.OVERLOADED: ErrorSpec(503, "server_error", "server_overloaded", Refusal.DEADLINE),
+    ErrorKind.UNAVAILABLE: ErrorSpec(503, "server_error", "engine_unavailable", Refusal.UNAVAILABLE),
     ErrorKind.GENERATION_FAILED: ErrorSpec(500, "server_error", "generation_failed"),
     ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),
 }
@@ -113,6 +124,9 @@ class APIError(Exception):
         self.headers = dict(headers or {})
         self._code = code
         self._type = type_
+        # Counted once by the pipeline; None where another count already has it (the engine
+        # counts its own deadline refusals).
+        self.refusal: Refusal | None = ERROR_TABLE[kind].refusal
 
     @property
     def spec(self) -> ErrorSpec:

@@ -50,13 +50,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.types import StepStage
+from gateway.errors import Refusal
 
 PRIORITIES = ("paid", "free")
 PLANS = ("paid", "free", "open")
-REFUSAL_REASONS = ("rate_limit", "deadline", "overload", "unavailable")
+REFUSAL_REASONS = tuple(r.value for r in Refusal)
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 # The endpoints that run a model: counted by status, waited for and refused by a drain.
-MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/generate", "/v1/embeddings")
 STEP_STAGES = tuple(stage.value for stage in StepStage)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -255,9 +256,8 @@ class Metrics:
         self.state = GatewayState()
         r.register(_GatewayCollector(self))
 
-    def refused(self, reason: str) -> None:
-        if reason in self.refusals:
-            self.refusals[reason] += 1
+    def refused(self, reason: Refusal) -> None:
+        self.refusals[reason.value] += 1
 
     def count_tokens(self, plan: str, num_in: int, num_out: int) -> None:
         plan = plan if plan in PLANS else "open"

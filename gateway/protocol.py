@@ -64,7 +64,7 @@ UNSUPPORTED_MESSAGE_FIELDS: dict[str, tuple[Any, ...]] = {
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class _StrictModel(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
@@ -218,18 +218,18 @@ MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 
 
-class FunctionCall(_StrictModel):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_StrictModel):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(_StrictModel):
+class ChatMessage(StrictModel):
     """One message. `content` may be null only on an assistant message that carries `tool_calls`;
     a `tool` message answers one call (`tool_call_id`)."""
 
@@ -244,26 +244,26 @@ class ChatMessage(_StrictModel):
         return self.content or ""
 
 
-class StreamOptions(_StrictModel):
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class JsonSchemaFormat(_StrictModel):
+class JsonSchemaFormat(StrictModel):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     description: str | None = None
     schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
     strict: bool | None = None
 
 
-class TextFormat(_StrictModel):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_StrictModel):
+class JsonObjectFormat(StrictModel):
     type: Literal["json_object"]
 
 
-class JsonSchemaResponseFormat(_StrictModel):
+class JsonSchemaResponseFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
@@ -273,23 +273,23 @@ ResponseFormat = Annotated[
 ]
 
 
-class FunctionDefinition(_StrictModel):
+class FunctionDefinition(StrictModel):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_StrictModel):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(_StrictModel):
+class ToolChoiceFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_StrictModel):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: ToolChoiceFunction
 
@@ -314,7 +314,7 @@ def _tool_choice(value: Any) -> Any:
 ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_tool_choice)]
 
 
-class _SamplingFields(_StrictModel):
+class _SamplingFields(StrictModel):
     """Fields shared by chat and completions, with OpenAI's ranges (and vLLM's extensions)."""
 
     model: str
@@ -422,7 +422,7 @@ def _drop_sdk_call_fields(call: Any) -> Any:
     return call
 
 
-def _validation_error(exc: ValidationError) -> APIError:
+def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     loc = tuple(err["loc"])
     param = _param(loc)
@@ -460,7 +460,7 @@ def _parse(model: type[_SamplingFields], body: Any, unsupported: dict[str, tuple
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
@@ -553,6 +553,27 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         )
     _check_common(req)
     return req
+
+
+class GenerateRequest(StrictModel):
+    """`POST /v1/generate`: the seed-style subset of a completions request."""
+
+    model: str
+    prompt: Prompt
+    max_tokens: MaxTokens = None
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
+    stream: bool | None = None
+
+
+def parse_generate_request(body: Any) -> CompletionRequest:
+    """Validate a `/v1/generate` body (its five fields only), answered as a completion."""
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    try:
+        GenerateRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    return parse_completion_request(body)
 
 
 def _check_common(req: _SamplingFields) -> None:

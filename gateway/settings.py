@@ -251,6 +251,12 @@ class Settings:
         "model idle never waits)",
         flag="--embedding-max-wait",
     )
+    models_file: str | None = _opt(
+        None,
+        _str,
+        "a TOML file declaring more models served in this process, each under its own name and "
+        "settings (see README: Several models)",
+    )
     drain_timeout_s: float = _opt(
         60.0,
         _float,
@@ -291,6 +297,8 @@ class Settings:
                 )
         self.engine_config()  # EngineConfig validates its own fields; fail here, before anything starts
         self.embedding_batch_limits()  # likewise BatchLimits
+        for spec in self.served_models():  # and each declared model's own settings
+            self.for_model(spec)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -315,6 +323,19 @@ class Settings:
             long_prefill_share=self.long_prefill_share,
             target_itl_ms=self.target_itl_ms,
             tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+    def served_models(self) -> list[ModelSpec]:
+        """The models `models_file` declares (none without one); ValueError naming what is wrong."""
+        return [] if self.models_file is None else load_models_file(self.models_file)
+
+    def for_model(self, spec: ModelSpec) -> Settings:
+        """These settings with one declared model's own: its source, its name, its overrides."""
+        if spec.task == "embed":
+            return dataclasses.replace(self, embedding_model=spec.source, models_file=None)
+        model = None if spec.source == "bundled" else spec.source
+        return dataclasses.replace(
+            self, model=model, served_model_name=spec.name, models_file=None, **spec.overrides
         )
 
     def embedding_batch_limits(self) -> BatchLimits:
@@ -345,6 +366,75 @@ class Settings:
                 except ValueError as exc:
                     raise ValueError(f"{spec.env}: {exc}") from None
         return cls(**values)
+
+
+# The settings one model of a models file may set for itself (the engine's); the rest are the server's.
+MODEL_SETTINGS = (
+    "dtype", "device", "block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+    "max_model_len", "kv_cache_memory_fraction", "queue_deadline_s", "num_threads", "quantization",
+    "int4_max_batch", "kernels", "prefix_caching", "batching", "length_buckets", "long_prefill_share",
+    "target_itl_ms",
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model declared in a models file: a chat model (`model = ...`) or an embedding model
+    (`embedding_model = ...`), "bundled" or a path, served as `name`, with its own settings."""
+
+    name: str
+    task: str  # "generate" or "embed"
+    source: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def load_models_file(path: str) -> list[ModelSpec]:
+    """Read a models file::
+
+        [[models]]
+        name = "smollm2-small"   # the id clients send
+        model = "bundled"        # a Hugging Face folder, a .gguf file, or bundled
+        max_num_seqs = 8         # any of MODEL_SETTINGS (names as in Settings)
+
+        [[models]]
+        name = "minilm"
+        embedding_model = "bundled"
+    """
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"models file {path}: {exc}") from None
+    extra = sorted(set(data) - {"models"})
+    if extra or not isinstance(data.get("models"), list):
+        raise ValueError(f"models file {path}: expected only [[models]] tables, got {extra or 'none'}")
+    by_name = {f.name: f for f in dataclasses.fields(Settings)}
+    specs: list[ModelSpec] = []
+    for i, entry in enumerate(data["models"]):
+        where = f"models file {path}, model {i + 1}"
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: needs a name")
+        if name in {s.name for s in specs}:
+            raise ValueError(f"{where}: the name {name!r} is declared twice")
+        sources = [k for k in ("model", "embedding_model") if k in entry]
+        if len(sources) != 1 or not isinstance(entry[sources[0]], str):
+            raise ValueError(
+                f"{where} ({name}): give exactly one of model or embedding_model, a path or bundled"
+            )
+        overrides: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key in ("name", *sources):
+                continue
+            if key not in MODEL_SETTINGS or sources[0] == "embedding_model":
+                raise ValueError(f"{where} ({name}): {key!r} is not a setting a model can have")
+            parse = by_name[key].metadata["parse"]
+            overrides[key] = parse(value) if isinstance(value, str) and parse is not _str else value
+        task = "generate" if sources[0] == "model" else "embed"
+        specs.append(ModelSpec(name, task, entry[sources[0]], overrides))
+    return specs
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ async def test_models_and_probes(client: httpx.AsyncClient) -> None:
     r = await client.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert (await client.get("/health")).json() == {"status": "ok"}
-    assert (await client.get("/ready")).json() == {"status": "ready", "model": MODEL}
+    assert (await client.get("/ready")).json() == {"status": "ready", "model": MODEL, "models": [MODEL]}
 
 
 async def test_probes_when_engine_stopped(make_app: AppFactory, fake_engine: FakeEngine) -> None:

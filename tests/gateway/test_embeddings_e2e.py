@@ -107,8 +107,9 @@ def test_limits_and_bad_inputs_are_400s(base_url: str) -> None:
     assert bad.value.param == "dimensions"
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="x")
-    with pytest.raises(openai.NotFoundError):  # this server (or pool) has no chat model
+    with pytest.raises(openai.BadRequestError) as bad:  # an embedding model, sent to chat
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.param == "model" and "is an embedding model" in bad.value.message
 
 
 def test_make_serve_loads_the_bundled_embedding_model_beside_the_chat_model() -> None:
@@ -124,5 +125,5 @@ def test_make_serve_loads_the_bundled_embedding_model_beside_the_chat_model() ->
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["fake-model", MODEL]
         r = client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
-        service: Any = app.state.gateway.embeddings.service
+        service: Any = app.state.gateway.embedders[0].service
     assert not service.ready

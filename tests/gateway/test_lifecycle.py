@@ -25,7 +25,7 @@ def test_loading_then_ready_then_shutdown() -> None:
     with TestClient(app) as client:
         assert client.get("/health").json() == {"status": "ok"}
         r = client.get("/ready")
-        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        assert r.status_code == 503 and r.json()["status"] == "loading"
         r = client.post("/v1/chat/completions", json=BODY)
         assert r.status_code == 503 and r.headers["retry-after"] == "5"
         assert "loading" in r.json()["error"]["message"]
@@ -38,7 +38,7 @@ def test_loading_then_ready_then_shutdown() -> None:
             if gateway.engine is not None:
                 break
             threading.Event().wait(0.01)
-        assert client.get("/ready").json() == {"status": "ready", "model": "fake-model"}
+        assert client.get("/ready").json() == {"status": "ready", "model": "fake-model", "models": ["fake-model"]}
         assert client.post("/v1/chat/completions", json=BODY).status_code == 200
     assert not engine.ready  # the app built it, so the app shut it down
 

@@ -1,0 +1,80 @@
+"""The public model endpoints: for each, only what differs (its request model, the task it asks
+of a model, its span). Everything else is the one pipeline (gateway/pipeline.py).
+
+`/v1/generate` is the seed-style alias of `/v1/completions`: `{model, prompt, max_tokens,
+temperature, stream}` and nothing else, answered exactly as a completion (a replica gets it at
+/v1/completions).
+"""
+
+from __future__ import annotations
+
+from gateway import embeddings, protocol
+from gateway.backend import Endpoint, Task, Work
+from gateway.embeddings import EmbeddingsRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.telemetry import ChatSpan
+
+
+def _generation_span(work: Work) -> ChatSpan:
+    req = work.request
+    assert isinstance(req, ChatCompletionRequest | CompletionRequest)
+    messages: list[object]
+    if isinstance(req, ChatCompletionRequest):
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    else:
+        messages = list(req.prompt)
+    return ChatSpan(
+        work.endpoint.operation,
+        work.model,
+        max_tokens=req.requested_max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tenant=work.caller.name,
+        priority=work.caller.priority.name.lower(),
+        messages=messages,
+    )
+
+
+def _embeddings_span(work: Work) -> ChatSpan:
+    assert isinstance(work.request, EmbeddingsRequest)
+    return embeddings.span(work.model, work.caller, work.request)
+
+
+CHAT = Endpoint(
+    path="/v1/chat/completions",
+    upstream_path="/v1/chat/completions",
+    task=Task.GENERATE,
+    operation="chat",
+    id_prefix="chatcmpl",
+    parse=protocol.parse_chat_request,
+    span=_generation_span,
+)
+COMPLETIONS = Endpoint(
+    path="/v1/completions",
+    upstream_path="/v1/completions",
+    task=Task.GENERATE,
+    operation="text_completion",
+    id_prefix="cmpl",
+    parse=protocol.parse_completion_request,
+    span=_generation_span,
+)
+GENERATE = Endpoint(
+    path="/v1/generate",
+    upstream_path="/v1/completions",
+    task=Task.GENERATE,
+    operation="text_completion",
+    id_prefix="cmpl",
+    parse=protocol.parse_generate_request,
+    span=_generation_span,
+)
+EMBEDDINGS = Endpoint(
+    path="/v1/embeddings",
+    upstream_path="/v1/embeddings",
+    task=Task.EMBED,
+    operation="embeddings",
+    id_prefix="emb",
+    parse=embeddings.parse_embeddings_request,
+    span=_embeddings_span,
+)
+
+ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS)

@@ -1,0 +1,302 @@
+"""The in-process generation backend: chat and completions on an `AsyncEngine` in this process.
+
+    plan:    tokenize (chat template, tools) -> sampling params and the context rule (400)
+             -> compile the grammar (400) -> tokens to reserve
+    execute: submit (one engine request per prompt) -> stream (first output awaited up to the
+             keep-alive) or gather -> the OpenAI body or SSE chunks (gateway/generation.py)
+
+The event loop never runs the model: the engine computes in its own thread and hands outputs
+back through its stream; large prompts are tokenized in a worker thread. The engine's streams
+are closed with the call (an unfinished sequence is aborted, its KV blocks freed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+
+from engine.types import EngineError, GenerationRequest, SamplingParams
+from gateway import generation, protocol, tools
+from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
+from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
+from gateway.metrics import Metrics, TimedStream
+from gateway.settings import Settings
+from gateway.tokens import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("batchgate.gateway")
+
+# Prompts longer than this (characters) are tokenized in a worker thread, not on the event loop.
+TOKENIZE_INLINE_MAX_CHARS = 4096
+
+EngineFactory = Callable[[Settings], "AsyncEngine"]
+T = TypeVar("T")
+A = TypeVar("A")
+
+
+def default_engine_factory(settings: Settings) -> AsyncEngine:
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_config(settings.engine_config())
+
+
+class EngineBackend:
+    """One chat model served by an in-process engine (given started, or built at `start()`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        engine: AsyncEngine | None = None,
+        engine_factory: EngineFactory = default_engine_factory,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.engine_factory = engine_factory
+        self.owns_engine = engine is None
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        if engine is not None:
+            self.tokenizer = Tokenizer(engine.tokenizer)
+            self.engine = engine
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model (in a worker thread; errors are kept for /health and /ready)."""
+        if self.engine is not None:
+            return
+        try:
+            engine = await anyio.to_thread.run_sync(self.engine_factory, self.settings)
+            tokenizer = await anyio.to_thread.run_sync(Tokenizer, engine.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - reported by /health and /ready, and logged
+            logger.exception("loading the model failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.tokenizer = tokenizer
+        self.engine = engine
+        freeze_startup_heap()
+        logger.info("serving %s (max_model_len %d)", self.name, engine.max_model_len)
+
+    async def aclose(self) -> None:
+        if self.owns_engine and self.engine is not None:
+            await anyio.to_thread.run_sync(self.engine.shutdown)
+
+    # -- what it serves, and whether it can -----------------------------------------------------
+
+    @property
+    def name(self) -> str | None:
+        if self.engine is None:
+            return self.settings.served_model_name
+        return self.settings.served_model_name or str(self.engine.model_name)
+
+    def models(self) -> list[ModelCard]:
+        name = self.name
+        if self.engine is None or name is None:
+            return []
+        return [ModelCard(name, self.created, Task.GENERATE)]
+
+    async def find(self, model: str) -> bool:
+        return False
+
+    def problem(self) -> str | None:
+        if self.load_error is not None:
+            return f"model failed to load: {self.load_error}"
+        if self.engine is not None:
+            return self.engine.health().problem(self.settings.engine_stall_timeout_s)
+        return None
+
+    async def not_ready(self) -> NotReady | None:
+        if self.load_error is not None:
+            return NotReady(
+                "error",
+                f"model failed to load: {self.load_error}",
+                f"The model failed to load: {self.load_error}",
+            )
+        if self.engine is None:
+            return NotReady("loading", "loading", "The model is still loading; retry shortly.")
+        # A stalled engine is unready at once, so gateways route around it while the
+        # orchestrator's liveness probe (/health) takes its time to restart the process.
+        problem = self.engine.health().problem(self.settings.engine_stall_timeout_s)
+        if problem is not None:
+            return NotReady("unavailable", problem, "The engine is not running.")
+        if not self.engine.ready:
+            return NotReady("unavailable", "the engine is not running", "The engine is not running.")
+        return None
+
+    def _running(self) -> tuple[AsyncEngine, Tokenizer]:
+        if self.engine is None or self.tokenizer is None or not self.engine.ready:
+            raise APIError(ErrorKind.UNAVAILABLE, "The engine is not running.", retry_after_s=5.0)
+        return self.engine, self.tokenizer
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def plan(self, work: Work) -> Plan:
+        engine, tokenizer = self._running()
+        req = work.request
+        if isinstance(req, protocol.ChatCompletionRequest):
+            output = tools.plan_output(req)  # response_format and tools (gateway/tools.py)
+            size = sum(len(m.text) for m in req.messages)
+            prompt = await _inline_or_thread(
+                lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
+            )
+            params = protocol.sampling_params(
+                req,
+                num_prompt_tokens=len(prompt),
+                max_model_len=engine.max_model_len,
+                vocab_size=tokenizer.vocab_size,
+            )
+            if output.grammar is not None:
+                await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
+                params = dataclasses.replace(params, grammar=output.grammar)
+            job = self._job(work, params, params.n, len(prompt), tokenizer)
+            job.parse_tool_calls = output.parse_tool_calls
+            return self._plan(work, job, [prompt], params, param="messages")
+        assert isinstance(req, protocol.CompletionRequest)
+        size = sum(len(p) for p in req.prompt)
+        prompts = await _inline_or_thread(
+            lambda ps: [tokenizer.encode_prompt(p) for p in ps], req.prompt, size
+        )
+        params = protocol.sampling_params(
+            req,
+            num_prompt_tokens=len(max(prompts, key=len)),
+            max_model_len=engine.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+        )
+        job = self._job(work, params, params.n * len(prompts), sum(len(p) for p in prompts), tokenizer)
+        if req.echo:
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt]
+            job.echo_prefixes = [text for text in texts for _ in range(params.n)]
+        return self._plan(work, job, prompts, params, param="prompt")
+
+    def _job(
+        self,
+        work: Work,
+        params: SamplingParams,
+        num_choices: int,
+        num_prompt_tokens: int,
+        tokenizer: Tokenizer,
+    ) -> generation.Job:
+        return generation.Job(
+            request_id=work.request_id,
+            created=int(time.time()),
+            model=work.model,
+            num_choices=num_choices,
+            num_prompt_tokens=num_prompt_tokens,
+            tokenizer=tokenizer,
+            logprobs=params.logprobs,
+            include_usage=bool(getattr(work.request, "include_usage", False)),
+        )
+
+    def _plan(
+        self,
+        work: Work,
+        job: generation.Job,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        param: str,
+    ) -> Plan:
+        async def execute(call: Call) -> Reply:
+            return await self._execute(call, job, prompts, params, param)
+
+        return Plan(job.num_prompt_tokens, params.max_tokens * job.num_choices, execute)
+
+    async def _execute(
+        self,
+        call: Call,
+        job: generation.Job,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        param: str,
+    ) -> Reply:
+        usage = call.usage
+
+        def on_usage(num_completion_tokens: int) -> None:
+            usage.served = True
+            usage.num_completion_tokens = num_completion_tokens
+
+        job.on_usage = on_usage
+        outputs = self._submit(call, prompts, params, param)
+        call.on_close(outputs.aclose)
+        chat = isinstance(call.work.request, protocol.ChatCompletionRequest)
+        if call.work.stream:
+            ready = await outputs.wait_ready(call.keep_alive_s)
+            error = outputs.first_error()
+            if error is not None:
+                if error.kind is ErrorKind.OVERLOADED:
+                    error.refusal = None  # the engine counts its own deadline refusals
+                raise error
+            events = (
+                generation.chat_events(outputs, job) if chat else generation.completion_events(outputs, job)
+            )
+            return Stream(events, ready)
+        try:
+            choices = await generation.gather(outputs, job)
+        except APIError as error:
+            if error.kind is ErrorKind.OVERLOADED:
+                error.refusal = None  # the engine counts its own deadline refusals
+            raise
+        usage.served = True
+        body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
+        return Body(body)
+
+    def _submit(
+        self, call: Call, prompts: Sequence[list[int]], params: SamplingParams, param: str
+    ) -> generation.Outputs:
+        engine, _ = self._running()
+        work = call.work
+        caller = work.caller
+        streams: list[tuple[int, TimedStream]] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request = GenerationRequest(
+                    request_id=work.request_id if len(prompts) == 1 else f"{work.request_id}-{i}",
+                    prompt_token_ids=prompt,
+                    sampling=params,
+                    priority=caller.priority,
+                    queue_deadline_s=caller.queue_deadline_s,
+                    fairness_key=caller.name,
+                    cache_salt=caller.cache_salt if self.settings.prefix_caching == "tenant" else "",
+                )
+                streams.append((i * params.n, TimedStream(engine.submit(request), self.metrics, call.span)))
+        except (EngineError, ValueError) as exc:
+            # Submitted streams are closed with the call (below); the rest never opened.
+            outputs = generation.Outputs(streams)
+            call.on_close(outputs.aclose)
+            if isinstance(exc, ValueError):  # the engine's own validation (a token id outside the vocabulary)
+                raise invalid_request(str(exc), param=param) from None
+            error = from_engine_error(exc, param=param)
+            if error.kind is ErrorKind.OVERLOADED:
+                error.refusal = None  # the engine counts its own deadline refusals
+            raise error from None
+        return generation.Outputs(streams)
+
+    def stats(self) -> dict[str, object]:
+        engine, _ = self._running()
+        return dataclasses.asdict(engine.stats())
+
+
+async def _inline_or_thread(fn: Callable[[A], T], arg: A, size: int) -> T:
+    if size <= TOKENIZE_INLINE_MAX_CHARS:
+        return fn(arg)
+    return await anyio.to_thread.run_sync(fn, arg)
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up allocated (modules, tokenizer, model wrappers) out of the cyclic GC's
+    full collections, as vLLM's server does: those then scan only what came since. A full
+    collection over a big heap stops the event loop (and every stream) for 0.2-0.3 s: measured in
+    the test process, whose heap is large."""
+    gc.collect()
+    gc.freeze()

@@ -1,0 +1,187 @@
+"""The one request pipeline: every model endpoint, every backend, one path from start to end.
+
+    read body -> parse (400) -> authenticate (401) -> resolve the model (404) -> backend.plan:
+      model checks, tokens (400; 503 while loading) -> admit (429) -> plan.execute -> respond or
+      stream -> close: settle usage, release the hold, end the span, count the tokens
+
+Authentication comes before the model is looked up, so an anonymous caller learns nothing of
+what the server serves. What an endpoint adds is only its request model and span (gateway/
+endpoints.py); what a backend adds is how it runs the request (gateway/backend.py). The
+pipeline owns the request's lifetime: `_Lifetime.close()` runs once on every path (a whole
+response, an error, a client gone before or during the answer, a backend failing before the
+first byte or mid-stream), and releases everything: the backend's resources first, then the
+tenant's hold, settled with the tokens used (none when no answer was produced).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import admission, responses
+from gateway.backend import Body, Call, Endpoint, Plan, Usage, Work
+from gateway.body import read_json, unless_disconnected
+from gateway.drain import Drain, deadline_frame
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.registry import ModelRegistry
+from gateway.settings import Settings
+from gateway.sse import EventStreamResponse
+from gateway.telemetry import ChatSpan
+
+if TYPE_CHECKING:
+    from tenancy.service import Tenancy
+
+logger = logging.getLogger("batchgate.gateway")
+
+# What a client that left gets in the access log (nginx's "client closed request").
+CLIENT_CLOSED_REQUEST = 499
+
+
+class Pipeline:
+    """Runs one endpoint's requests against the registry's backends (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: ModelRegistry,
+        tenancy: Tenancy | None,
+        metrics: Metrics,
+        drain: Drain,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.tenancy = tenancy
+        self.metrics = metrics
+        self.drain = drain
+
+    async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
+        """A gateway in front of this replica already authenticated and admitted the request (its
+        internal token says so); else the tenant of the API key, or the open caller."""
+        internal = admission.internal_caller(self.settings.internal_token, headers, user)
+        if internal is not None:
+            return internal
+        return await admission.authenticate(self.tenancy, headers.get("authorization"), user)
+
+    async def handle(self, endpoint: Endpoint, http: Request) -> Response:
+        body = await read_json(http, self.settings.max_body_bytes)
+        req = endpoint.parse(body)
+        caller = await self.authenticate(http.headers, req.user)
+        served = await self.registry.resolve(req.model, endpoint)
+        work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        try:
+            plan = await served.backend.plan(work)
+        except APIError as exc:
+            self._refused(exc)
+            raise
+        span = endpoint.span(work)
+        lifetime = _Lifetime(self, work, plan, span, http)
+        await lifetime.admit()
+        handed_over = False
+        try:
+            reply = await unless_disconnected(http, plan.execute(lifetime.call))
+            if reply is None:
+                logger.info("%s: client disconnected before the answer; ended", work.request_id)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            # Header names are case-insensitive: merge them lower-cased (a replica's own request id,
+            # the id of the response it made, wins over ours).
+            headers = _merge({"x-request-id": work.request_id}, reply.headers, lifetime.headers)
+            if isinstance(reply, Body):
+                if isinstance(reply.payload, bytes):
+                    return Response(
+                        reply.payload, reply.status, headers=headers, media_type="application/json"
+                    )
+                return JSONResponse(reply.payload, reply.status, headers=headers)
+            response = EventStreamResponse(
+                reply.frames,
+                keep_alive_s=self.settings.keep_alive_s,
+                headers=headers,
+                on_close=lifetime.close,
+                keep_alive_first=not reply.ready,
+                stop=self.drain,
+                stop_frame=deadline_frame(),
+            )
+            handed_over = True  # the response closes the lifetime when the stream ends
+            return response
+        except APIError as exc:
+            self._refused(exc)
+            span.error(exc)
+            exc.headers = _merge({"x-request-id": work.request_id}, lifetime.headers, exc.headers)
+            raise
+        finally:
+            if not handed_over:
+                await lifetime.close()
+
+    def _refused(self, exc: APIError) -> None:
+        if exc.refusal is not None:
+            self.metrics.refused(exc.refusal)
+
+
+def _merge(*layers: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for layer in layers:
+        out.update((k.lower(), v) for k, v in layer.items())
+    return out
+
+
+class _Lifetime:
+    """One request from admission to its end: the tenant's hold, the backend's call, the span."""
+
+    def __init__(self, pipeline: Pipeline, work: Work, plan: Plan, span: ChatSpan, http: Request) -> None:
+        self._pipeline = pipeline
+        self._plan = plan
+        self._span = span
+        self._held: admission.Admission | None = None
+        self._closed = False
+        self.headers: dict[str, str] = {}
+        self.call = Call(work, Usage(plan.num_prompt_tokens), span, http, pipeline.settings.keep_alive_s)
+
+    async def admit(self) -> None:
+        work = self.call.work
+        caller = work.caller
+        try:
+            self._held = await admission.admit(
+                None if caller.internal else self._pipeline.tenancy,
+                caller,
+                num_prompt_tokens=self._plan.num_prompt_tokens,
+                max_num_tokens=self._plan.max_num_tokens,
+                request_id=work.request_id,
+            )
+        except APIError as exc:
+            self._pipeline._refused(exc)
+            self._span.event("gen_ai.admission", **{"batchgate.admitted": False})
+            self._span.error(exc)
+            self._span.end(
+                response_id=work.request_id, input_tokens=self._plan.num_prompt_tokens, output_tokens=0
+            )
+            raise
+        self._span.event("gen_ai.admission", **{"batchgate.admitted": True})
+        self.headers = dict(self._held.headers)
+
+    async def close(self) -> None:
+        """Release everything, once: the backend's resources, then the hold settled with the
+        tokens used (all refunded when nothing was served), the token metrics and the span."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.call.release()
+            usage = self.call.usage
+            caller = self.call.work.caller
+            num_prompt = usage.num_prompt_tokens if usage.served else 0
+            num_completion = usage.num_completion_tokens if usage.served else 0
+            if self._held is not None:
+                if usage.served:
+                    self._held.record(num_prompt_tokens=num_prompt, num_completion_tokens=num_completion)
+                await self._held.close()
+            self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)
+            self._span.end(
+                response_id=usage.response_id or self.call.work.request_id,
+                input_tokens=num_prompt,
+                output_tokens=num_completion,
+            )

@@ -1,0 +1,87 @@
+"""The model registry: each served model name -> the backend that serves it and its task.
+
+One process can serve several models: a chat model in process (`--model`), more in process under
+their own names and settings (the `models` file, gateway/settings.py), an embedding model, and
+whatever the replicas behind `--upstream` report (each replica's /v1/models; a gateway can
+front replica sets of different models). `/v1/models` lists them all. A name is looked up after
+the caller is authenticated: an unknown one is a 404 `model_not_found`, or a 503 while a backend
+that might serve it is loading or has no healthy replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.backend import Backend, Endpoint, ModelCard, Task
+from gateway.errors import APIError, ErrorKind, invalid_request
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    backend: Backend
+    task: Task | None  # None: a replica's model (the replica checks the task)
+
+
+class ModelRegistry:
+    """Backends in order of precedence: a name two of them serve goes to the first."""
+
+    def __init__(self, backends: Sequence[Backend]) -> None:
+        self.backends = tuple(backends)
+
+    def cards(self) -> list[ModelCard]:
+        seen: dict[str, ModelCard] = {}
+        for backend in self.backends:
+            for card in backend.models():
+                seen.setdefault(card.id, card)
+        return list(seen.values())
+
+    def _lookup(self, model: str) -> ServedModel | None:
+        for backend in self.backends:
+            for card in backend.models():
+                if card.id == model:
+                    return ServedModel(card.id, backend, card.task)
+        return None
+
+    async def resolve(self, model: str, endpoint: Endpoint) -> ServedModel:
+        """The model `endpoint` asks for; APIError 404 (unknown), 400 (it does not do what the
+        endpoint asks), or 503 (unknown while a backend loads or has no healthy replica)."""
+        served = self._lookup(model)
+        if served is None:
+            for backend in self.backends:
+                if await backend.find(model):  # replicas marked down are probed first
+                    served = self._lookup(model) or ServedModel(model, backend, None)
+                    break
+        if served is None:
+            for backend in self.backends:
+                not_ready = await backend.not_ready()
+                if not_ready is not None:
+                    raise not_ready.error()
+            raise APIError(
+                ErrorKind.MODEL_NOT_FOUND,
+                f"The model `{model}` does not exist or you do not have access to it."
+                + self._listing(endpoint.task),
+                param="model",
+            )
+        if served.task is not None and served.task is not endpoint.task:
+            raise invalid_request(
+                _wrong_task(model, served.task, self._listing(endpoint.task)), param="model"
+            )
+        return served
+
+    def _listing(self, task: Task) -> str:
+        names = [c.id for c in self.cards() if c.task in (task, None)]
+        if not names:
+            return (
+                " This server serves no chat model."
+                if task is Task.GENERATE
+                else (" This server serves no embedding model.")
+            )
+        return " This server serves " + ", ".join(f"`{n}`" for n in names) + "."
+
+
+def _wrong_task(model: str, task: Task, listing: str) -> str:
+    if task is Task.EMBED:
+        return f"`{model}` is an embedding model; send it to /v1/embeddings.{listing}"
+    return f"`{model}` is a chat model; it does not make embeddings.{listing}"

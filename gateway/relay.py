@@ -1,0 +1,425 @@
+"""The replica backend: requests relayed over HTTP to remote engine replicas.
+
+    batchgate serve --upstream http://engine-0:8000 --upstream http://engine-1:8000 \\
+        --internal-token $TOKEN --tenants tenants.toml --redis-url redis://...
+
+Tenancy (auth, limits, priority) is enforced by the pipeline in front of this backend, once; the
+replica is called with the internal token and takes priority, deadline and plan from
+`x-batchgate-*` headers (gateway/admission.py). Admission needs a token count before the replica
+has seen the prompt: it is estimated here (tiktoken, gateway-side) and settled with the exact
+count the replica reports.
+
+The request goes to the replica routing picks (gateway/routing.py) among the healthy ones that
+serve its model (gateway/replicas.py). A replica that fails before the client got its first byte
+is retried on another; one that dies mid-stream ends the client's stream with an SSE error event
+in OpenAI's shape, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import httpx
+
+from gateway import admission, embeddings, protocol
+from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Usage, Work
+from gateway.drain import DRAINING_HEADER
+from gateway.errors import APIError, ErrorKind, Refusal, sse_error_event
+from gateway.metrics import Metrics
+from gateway.replicas import ReplicaSet, Upstream
+from gateway.routing import affinity_key
+from gateway.settings import Settings
+from gateway.sse import DONE
+from gateway.telemetry import ChatSpan
+
+if TYPE_CHECKING:
+    from tenancy.tokens import TokenCounter
+
+logger = logging.getLogger("batchgate.pool")
+
+# Reserved against the tenant when a chat request names no max_tokens (no model here to say how
+# much context is left); settlement refunds what was not used.
+DEFAULT_CHAT_MAX_TOKENS = 1024
+# OpenAI's default max_tokens for the legacy completions endpoint.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+RETRY_STATUSES = (502, 503, 504)
+# Hop-by-hop and recomputed headers not copied from a replica's response.
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
+# Headers of a replica's event stream that our own EventStreamResponse sets.
+_STREAM_HEADERS = {"content-type", "cache-control", "x-accel-buffering"}
+
+
+@dataclass
+class _Sent:
+    """One proxied request's bookkeeping on its replica; `release()` is idempotent."""
+
+    upstream: Upstream
+    tokens: int
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        self.upstream.inflight += 1
+        self.upstream.inflight_tokens += self.tokens
+        self.upstream.num_sent += 1
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.upstream.inflight -= 1
+            self.upstream.inflight_tokens -= self.tokens
+
+
+class ReplicaBackend:
+    """Every model the `--upstream` replicas serve, relayed to them."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.replicas = ReplicaSet(
+            settings.upstreams,
+            settings.internal_token,
+            settings.health_interval_s,
+            settings.long_prompt_upstreams,
+            settings.long_prompt_threshold,
+        )
+        self._counter: TokenCounter | None = None
+
+    async def start(self) -> None:
+        await self.replicas.start()
+
+    async def aclose(self) -> None:
+        await self.replicas.aclose()
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(m, created) for m, created in sorted(self.replicas.models().items())]
+
+    async def find(self, model: str) -> bool:
+        """Whether a healthy replica serves `model`; if none does while some replica is marked
+        down, those are probed first (one may be back before its next poll)."""
+        if model in self.replicas.models():
+            return True
+        if len(self.replicas.healthy()) < len(self.replicas.upstreams):
+            await self.replicas.reprobe()
+        return model in self.replicas.models()
+
+    def problem(self) -> str | None:
+        return None  # replicas come and go; the gateway itself stays alive
+
+    async def not_ready(self) -> NotReady | None:
+        if not self.replicas.healthy():
+            return NotReady("unavailable", "no healthy upstream", "No healthy upstream replica.", 1.0)
+        return None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _count(self) -> TokenCounter:
+        if self._counter is None:
+            from tenancy.tokens import TokenCounter
+
+            self._counter = TokenCounter()
+        return self._counter
+
+    async def plan(self, work: Work) -> Plan:
+        req = work.request
+        if isinstance(req, protocol.ChatCompletionRequest):
+            messages = work.body["messages"]
+            num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
+            max_tokens = (req.requested_max_tokens or DEFAULT_CHAT_MAX_TOKENS) * req.num_choices
+        elif isinstance(req, protocol.CompletionRequest):
+            prompts = req.prompt
+
+            def count() -> int:
+                counter = self._count()
+                return sum(len(p) if isinstance(p, tuple) else counter.count(p) for p in prompts)
+
+            num_prompt = await anyio.to_thread.run_sync(count)
+            max_tokens = (req.requested_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS) * req.num_choices
+            max_tokens *= len(prompts)
+        else:
+            assert isinstance(req, embeddings.EmbeddingsRequest)
+            num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
+            max_tokens = 0
+
+        async def execute(call: Call) -> Reply:
+            return await self._execute(call, num_prompt + max_tokens)
+
+        return Plan(num_prompt, max_tokens, execute)
+
+    async def _execute(self, call: Call, tokens: int) -> Reply:
+        work = call.work
+        caller = work.caller
+        body = work.body
+        headers = {
+            "content-type": "application/json",
+            admission.PRIORITY_HEADER: "free" if caller.priority.name == "FREE" else "paid",
+            admission.PLAN_HEADER: caller.plan,
+            admission.FAIRNESS_HEADER: caller.name,
+            **self.replicas.internal_headers(),
+        }
+        if caller.queue_deadline_s is not None:
+            headers[admission.DEADLINE_HEADER] = repr(float(caller.queue_deadline_s))
+        # Settlement and metrics need the replica's exact token count, which a stream only
+        # carries when asked: ask for it always, and keep it from a client that did not.
+        hide_usage = work.stream and not (body.get("stream_options") or {}).get("include_usage")
+        if hide_usage:
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+        content = json.dumps(body, ensure_ascii=False).encode()
+        routed = work.endpoint.task is Task.GENERATE  # embeddings share no KV cache and are short
+        observer = _Observer(call.usage, call.span)
+        started = time.perf_counter()
+        with call.span.use():
+            _inject_trace_context(headers)
+            sent, response, first, frames = await self._send(
+                work.endpoint.upstream_path,
+                work.model,
+                content,
+                headers,
+                tokens,
+                work.stream,
+                affinity_key(caller, body) if routed and self.settings.route_affinity_tokens else b"",
+                call.usage.num_prompt_tokens if routed else 0,
+            )
+
+        async def close() -> None:
+            if isinstance(first, asyncio.Future):
+                first.cancel()  # the relay may never have started (client gone at once)
+            await response.aclose()
+            sent.release()
+
+        call.on_close(close)
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
+        if not isinstance(first, asyncio.Future):
+            if response.status_code == 200:
+                observer.observe_body(first)
+            else:
+                call.span.set("error.type", str(response.status_code))
+                if response.status_code in RETRY_STATUSES:
+                    self.metrics.refused(Refusal.OVERLOAD)
+            return Body(first, response.status_code, out_headers)
+        for name in _STREAM_HEADERS:
+            out_headers.pop(name, None)
+        return Stream(
+            self._relay(response, frames, first, observer, started, hide_usage),
+            ready=first.done(),  # else headers now, a keep-alive, and the first frame follows
+            headers=out_headers,
+        )
+
+    async def _send(
+        self,
+        path: str,
+        model: str,
+        content: bytes,
+        headers: dict[str, str],
+        tokens: int,
+        stream: bool,
+        affinity: bytes = b"",
+        num_prompt_tokens: int = 0,
+    ) -> tuple[_Sent, httpx.Response, bytes | asyncio.Future[bytes], AsyncIterator[bytes]]:
+        """Send to the least-loaded healthy replica, failing over until one answers.
+
+        Returns the call, the response, and: for a 200 stream, the future of its first SSE frame
+        (awaited up to keep_alive_s here, so a replica that dies before that is retried elsewhere;
+        a slower first frame is awaited by the relay behind a keep-alive); otherwise the whole body.
+        """
+        tried: set[str] = set()
+        last: tuple[_Sent, httpx.Response, bytes, AsyncIterator[bytes]] | None = None
+        reprobed = False
+        client = self.replicas.client
+        try:
+            while True:
+                up = self.replicas.pick(
+                    model, tried, affinity, self.settings.route_affinity_tokens, num_prompt_tokens
+                )
+                if up is None and not reprobed and last is None:
+                    reprobed = True
+                    await self.replicas.reprobe()
+                    continue
+                if up is None:
+                    if last is not None:
+                        result, last = last, None
+                        return result
+                    raise APIError(
+                        ErrorKind.UNAVAILABLE,
+                        "No healthy upstream replica could take the request.",
+                        retry_after_s=1.0,
+                    )
+                tried.add(up.url)
+                sent = _Sent(up, tokens)
+                response: httpx.Response | None = None
+                first: asyncio.Future[bytes] | None = None
+                try:
+                    req = client.build_request("POST", up.url + path, content=content, headers=headers)
+                    response = await client.send(req, stream=True)
+                    if response.status_code == 200 and stream:
+                        frames = _frames(response)
+                        first = asyncio.ensure_future(frames.__anext__())
+                        done, _ = await asyncio.wait({first}, timeout=self.settings.keep_alive_s)
+                        if done:
+                            first.result()  # a replica that failed already: try another
+                        return sent, response, first, frames
+                    payload = await response.aread()
+                    await response.aclose()
+                    if response.status_code in RETRY_STATUSES:
+                        if response.headers.get(DRAINING_HEADER):
+                            self.replicas.mark_down(up, "draining")
+                        if last is not None:
+                            last[0].release()
+                        last = (sent, response, payload, _no_frames())
+                        continue
+                    return sent, response, payload, _no_frames()
+                except (httpx.HTTPError, _UpstreamEnded, StopAsyncIteration) as exc:
+                    sent.release()
+                    if response is not None:
+                        await response.aclose()
+                    self.replicas.mark_down(up, f"{type(exc).__name__}: {exc}")
+                    logger.warning("upstream %s failed before the first byte; trying another", up.url)
+                except BaseException:
+                    sent.release()
+                    if first is not None:
+                        first.cancel()
+                    if response is not None:
+                        await response.aclose()
+                    raise
+        finally:
+            if last is not None:  # an answer kept for failover, not returned
+                last[0].release()
+
+    async def _relay(
+        self,
+        response: httpx.Response,
+        frames: AsyncIterator[bytes],
+        first: asyncio.Future[bytes],
+        observer: _Observer,
+        started: float,
+        hide_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """The replica's frames to the client, observed for usage and latency; `hide_usage` drops
+        the usage-only chunk that the gateway asked for on the client's behalf."""
+        last_token: float | None = None
+        try:
+            frame = await first
+            observer.usage.served = True  # the replica answers: what it used is charged from now on
+            while True:
+                if frame == DONE:
+                    yield DONE
+                    return
+                if observer.observe(frame):
+                    now = time.perf_counter()
+                    if last_token is None:
+                        self.metrics.ttft.observe(now - started)
+                        self.metrics.queue_time.observe(now - started)
+                        observer.span.first_token(now - started)
+                    else:
+                        self.metrics.itl.observe(now - last_token)
+                    last_token = now
+                if not (hide_usage and observer.usage_only):
+                    yield frame
+                frame = await frames.__anext__()
+        except (httpx.HTTPError, _UpstreamEnded, StopAsyncIteration) as exc:
+            logger.warning("upstream %s failed mid-stream: %r", response.request.url, exc)
+            observer.span.set("error.type", "upstream_failed_mid_stream")
+            yield sse_error_event(
+                APIError(
+                    ErrorKind.UNAVAILABLE,
+                    "The engine replica serving this request failed mid-stream; retry the request.",
+                )
+            )
+            yield DONE
+        finally:
+            first.cancel()
+            await frames.aclose()  # type: ignore[attr-defined]
+
+
+class _UpstreamEnded(Exception):
+    """The replica's stream ended without `[DONE]`."""
+
+
+async def _frames(response: httpx.Response) -> AsyncIterator[bytes]:
+    """Complete SSE frames (`data: ...\\n\\n`) from a replica's stream; comments are dropped."""
+    lines: list[str] = []
+    async for line in response.aiter_lines():
+        if line == "":
+            if lines:
+                yield ("\n".join(lines) + "\n\n").encode()
+                lines = []
+            continue
+        if line.startswith(":"):
+            continue  # keep-alive; ours are sent by our own EventStreamResponse
+        lines.append(line)
+    raise _UpstreamEnded("the stream ended without [DONE]")
+
+
+async def _no_frames() -> AsyncIterator[bytes]:
+    return
+    yield b""
+
+
+class _Observer:
+    """Reads tokens, response id and finish reasons from what the replica sends back into the
+    call's `Usage`."""
+
+    def __init__(self, usage: Usage, span: ChatSpan) -> None:
+        self.usage = usage
+        self.span = span
+        self._reported = False
+        self.usage_only = False  # the last frame observed carried usage and no choices
+
+    def observe_body(self, payload: bytes) -> None:
+        self.usage.served = True
+        try:
+            body = json.loads(payload)
+            self.usage.response_id = str(body.get("id")) if body.get("id") else None
+            for choice in body.get("choices") or ():
+                self.span.finish_reason(int(choice.get("index", 0)), choice.get("finish_reason"))
+            u = body["usage"]
+            self.usage.num_prompt_tokens = int(u["prompt_tokens"])
+            self.usage.num_completion_tokens = int(u.get("completion_tokens", 0))  # embeddings have none
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+
+    def observe(self, frame: bytes) -> bool:
+        """Account one data frame; True if it carried generated text."""
+        try:
+            event = json.loads(frame[len(b"data: ") :])
+        except ValueError:
+            return False
+        if not isinstance(event, dict):
+            return False
+        if self.usage.response_id is None and event.get("id"):
+            self.usage.response_id = str(event["id"])
+        u = event.get("usage")
+        self.usage_only = isinstance(u, dict) and not event.get("choices")
+        if isinstance(u, dict):
+            self.usage.num_prompt_tokens = int(u.get("prompt_tokens", self.usage.num_prompt_tokens))
+            self.usage.num_completion_tokens = int(
+                u.get("completion_tokens", self.usage.num_completion_tokens)
+            )
+            self._reported = True
+        carried = False
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.span.finish_reason(int(choice.get("index", 0)), str(choice["finish_reason"]))
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls") or choice.get("text"):  # tool calls count too
+                carried = True
+                if not self._reported:
+                    self.usage.num_completion_tokens += 1  # one per chunk: an estimate, corrected by usage
+        return carried
+
+
+def _inject_trace_context(headers: dict[str, str]) -> None:
+    """W3C traceparent for the replica, when OpenTelemetry is on (see gateway/telemetry.py)."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return
+    propagate.inject(headers)
