@@ -74,6 +74,9 @@ ALL_FEATURES = (
     "engineLong.resources.limits.memory=8Gi",
     "gateway.longPromptThreshold=2000",
     "engine.targetItlMs=80",
+    "models[0].name=second",
+    "models[0].servedModelName=second-model",
+    "models[0].model.path=/models/second.gguf",
 )
 
 SCENARIOS = {
@@ -733,6 +736,148 @@ def test_engine_long_is_a_second_pool_the_gateways_send_long_prompts_to(rendered
     assert gateway_env["BATCHGATE_LONG_PROMPT_UPSTREAMS"]["value"] == "http://big:8000"
 
 
+# Two more models behind the gateways (issue 12): values as a file, since --set cannot write a list
+# of maps readably. The default engine stays; each entry is engine's pod with its settings over it.
+TWO_MODELS = {
+    "models": [
+        {
+            "name": "llama",
+            "servedModelName": "llama-3.1-8b-instruct",
+            "model": {"path": "/models/Llama-3.1-8B-Instruct"},
+            "replicaCount": 3,
+            "maxNumSeqs": 48,
+            "embeddings": {"model": "none"},
+        },
+        {
+            "name": "qwen",
+            "model": {"path": "/models/Qwen2.5-0.5B-Instruct", "volume": {}},
+            "autoscaling": {"enabled": True, "maxReplicas": 5},
+            "podDisruptionBudget": {"enabled": False},
+        },
+    ]
+}
+
+
+def _two_models(tmp_path, extra: dict | None = None) -> Path:
+    text = yaml.safe_dump({**TWO_MODELS, **(extra or {})})
+    # Named by content: helm's results are cached by its arguments, so a path is never reused.
+    values = tmp_path / f"two-models-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    values.write_text(text)
+    return values
+
+
+def test_models_deploy_one_engine_set_per_model_behind_the_gateways(rendered, kv, tmp_path):
+    base = rendered()
+    assert {d["metadata"]["name"] for d in find(base, "Deployment")} == {
+        f"{FULLNAME}-gateway",
+        f"{FULLNAME}-engine",
+        f"{FULLNAME}-redis",
+    }
+    docs = rendered((VALUES_GPU, _two_models(tmp_path)))
+    engine = one(docs, "Deployment", f"{FULLNAME}-engine")
+
+    def without_checksum(deployment: dict) -> dict:
+        # The generated internal token differs between renders, and with it this checksum.
+        copy = yaml.safe_load(yaml.safe_dump(deployment))
+        del copy["spec"]["template"]["metadata"]["annotations"]["checksum/secret"]
+        return copy
+
+    # engine's own Deployment is as it is without models.
+    assert without_checksum(engine) == without_checksum(
+        one(rendered((VALUES_GPU,)), "Deployment", f"{FULLNAME}-engine")
+    )
+    engine_c = container(engine, "engine")
+    llama = one(docs, "Deployment", f"{FULLNAME}-engine-llama")
+    qwen = one(docs, "Deployment", f"{FULLNAME}-engine-qwen")
+    labels = {
+        name: d["spec"]["template"]["metadata"]["labels"]
+        for name, d in (("engine", engine), ("llama", llama), ("qwen", qwen))
+    }
+    assert labels["llama"]["app.kubernetes.io/component"] == "engine-llama"
+    assert labels["qwen"]["app.kubernetes.io/component"] == "engine-qwen"
+    llama_c, qwen_c = container(llama, "engine"), container(qwen, "engine")
+    # Each serves its own model under its own name, which the gateways route by.
+    assert llama_c["args"][llama_c["args"].index("--model") + 1] == "/models/Llama-3.1-8B-Instruct"
+    assert qwen_c["args"][qwen_c["args"].index("--model") + 1] == "/models/Qwen2.5-0.5B-Instruct"
+    llama_env, qwen_env, engine_env = env_of(llama_c), env_of(qwen_c), env_of(engine_c)
+    assert engine_env["BATCHGATE_SERVED_MODEL_NAME"]["value"] == "qwen2.5-7b-instruct"
+    assert llama_env["BATCHGATE_SERVED_MODEL_NAME"]["value"] == "llama-3.1-8b-instruct"
+    assert qwen_env["BATCHGATE_SERVED_MODEL_NAME"]["value"] == "qwen"  # default: the entry's name
+    # The entry's settings over engine's; the rest is engine's (GPU, image, probes, model volume).
+    assert llama["spec"]["replicas"] == 3
+    assert llama_env["BATCHGATE_MAX_NUM_SEQS"]["value"] == "48"
+    assert (
+        qwen_env["BATCHGATE_MAX_NUM_SEQS"]["value"] == engine_env["BATCHGATE_MAX_NUM_SEQS"]["value"] == "128"
+    )
+    assert llama_env["BATCHGATE_EMBEDDING_MODEL"]["value"] == "none"
+    assert qwen_env["BATCHGATE_EMBEDDING_MODEL"]["value"] == "bundled"
+    for c in (llama_c, qwen_c):
+        assert c["image"] == engine_c["image"]
+        assert c["resources"] == engine_c["resources"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["startupProbe"] == engine_c["startupProbe"]
+    volumes = {
+        name: {v["name"] for v in d["spec"]["template"]["spec"]["volumes"]}
+        for name, d in (("engine", engine), ("llama", llama), ("qwen", qwen))
+    }
+    assert "model" in volumes["engine"] and "model" in volumes["llama"]  # merged: engine's PVC kept
+    assert "model" not in volumes["qwen"]  # volume: {} clears it
+    # One Service per set, selecting that set's pods only; every one in the gateways' upstreams.
+    urls = []
+    for name in ("engine", "llama", "qwen"):
+        service_name = FULLNAME + ("-engine" if name == "engine" else f"-engine-{name}")
+        service = one(docs, "Service", service_name)
+        for other, other_labels in labels.items():
+            assert matches(service["spec"]["selector"], other_labels) == (other == name), (name, other)
+        urls.append(f"http://{service_name}.{NAMESPACE}.svc:8000")
+    for other, other_labels in labels.items():
+        assert matches(
+            one(docs, "Service", f"{FULLNAME}-engine-headless")["spec"]["selector"], other_labels
+        ) == (other == "engine")
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_UPSTREAMS"]["value"].split(",") == urls
+    # PDBs and HPAs follow each set's merged settings: llama keeps engine's PDB, qwen turns it off
+    # and autoscales with engine's minReplicas and its own maxReplicas (its replicas left to the HPA).
+    pdbs = {p["metadata"]["name"]: p for p in find(docs, "PodDisruptionBudget")}
+    assert set(pdbs) == {f"{FULLNAME}-gateway", f"{FULLNAME}-engine", f"{FULLNAME}-engine-llama"}
+    assert matches(pdbs[f"{FULLNAME}-engine-llama"]["spec"]["selector"], labels["llama"])
+    assert not matches(pdbs[f"{FULLNAME}-engine-llama"]["spec"]["selector"], labels["engine"])
+    hpa = one(docs, "HorizontalPodAutoscaler", f"{FULLNAME}-engine-qwen")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"{FULLNAME}-engine-qwen"
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 5)
+    assert "replicas" not in qwen["spec"]
+    assert find(docs, "HorizontalPodAutoscaler", f"{FULLNAME}-engine-llama") == []
+    # Every manifest is valid Kubernetes.
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) not in CRD_KINDS:
+            kv.validate(doc, K8S_VERSION, strict=True)
+
+    # Headless routing: each entry's one Service is headless, as engineLong's is.
+    docs = rendered((_two_models(tmp_path, {"gateway": {"upstreamService": "headless"}}),))
+    assert one(docs, "Service", f"{FULLNAME}-engine-llama")["spec"]["clusterIP"] == "None"
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_UPSTREAMS"]["value"].split(",")[1:] == urls[1:]
+    # Upstreams given by hand are used as they are.
+    docs = rendered((_two_models(tmp_path, {"gateway": {"upstreams": ["http://a:8000"]}}),))
+    gateway_env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert gateway_env["BATCHGATE_UPSTREAMS"]["value"] == "http://a:8000"
+
+
+def test_models_are_monitored_and_alerted_on(rendered, tmp_path):
+    monitoring = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}
+    docs = rendered((_two_models(tmp_path, monitoring),))
+    monitor = one(docs, "ServiceMonitor", FULLNAME)
+    scraped = {
+        s["metadata"]["name"]
+        for s in find(docs, "Service")
+        if matches(monitor["spec"]["selector"], s["metadata"]["labels"])
+    }
+    assert scraped == {f"{FULLNAME}-{c}" for c in ("gateway", "engine", "engine-llama", "engine-qwen")}
+    engines = f"{FULLNAME}-engine|{FULLNAME}-engine-llama|{FULLNAME}-engine-qwen"
+    down = rule_exprs(docs)["BatchgateEngineDown"]
+    assert f'batchgate_engine_up{{namespace="{NAMESPACE}", service=~"{engines}"}}' in down
+
+
 @pytest.mark.parametrize("scenario", ["default", "cpu", "gpu"])
 def test_pods_run_non_root_with_a_read_only_root(rendered, scenario):
     for deployment in find(rendered(*SCENARIOS[scenario]), "Deployment"):
@@ -1146,6 +1291,26 @@ BAD_VALUES = {
         "engine.embeddings.model: Does not match pattern",
     ),
     "chat as a word": ((), (), ("engine.chat=no",), "engine.chat: Invalid type"),
+    "model entry without a name": ((), ("models[0].model.path=/models/m",), (), "models.0: name is required"),
+    "model name not a dns label": (
+        (),
+        ("models[0].name=Llama_3",),
+        (),
+        "models.0.name: Does not match pattern",
+    ),
+    "model named like engineLong": ((), ("models[0].name=long",), (), "models.0.name: Must not validate"),
+    "typo in a model entry": (
+        (),
+        ("models[0].name=llama", "models[0].replicas=2"),
+        (),
+        "Additional property replicas is not allowed",
+    ),
+    "served name inside a model entry's model": (
+        (),
+        ("models[0].name=llama", "models[0].model.servedName=x"),
+        (),
+        "Additional property servedName is not allowed",
+    ),
     "typo in gpu values file": (
         (VALUES_GPU,),
         ("engine.nodeselector.a=b",),
@@ -1197,6 +1362,35 @@ CROSS_CHECKS = {
     "kv cache sized from the node": (
         ("engine.kvCacheMemory=null", "engine.resources.limits=null"),
         "engine.kvCacheMemory is null and engine.resources.limits.memory is not set",
+    ),
+    "two models entries with one name": (
+        ("models[0].name=llama", "models[1].name=llama"),
+        'models[1].name "llama" is also models[0]\'s',
+    ),
+    "two models entries serving one model": (
+        (
+            "models[0].name=a",
+            "models[0].servedModelName=m",
+            "models[1].name=b",
+            "models[1].servedModelName=m",
+        ),
+        'models[1] serves "m", as models[0] does already',
+    ),
+    "a models entry serving the engine's model": (
+        ("engine.model.servedName=m", "models[0].name=m"),
+        'models[0] serves "m", as engine.model.servedName does already',
+    ),
+    "a models entry's name too long for its objects": (
+        ("fullnameOverride=" + "x" * 46, "models[0].name=abcdefghijklmnop"),
+        'models[0].name "abcdefghijklmnop" makes the object name',
+    ),
+    "a models entry's memory below its kv cache": (
+        ("models[0].name=big", "models[0].kvCacheMemory=4GiB"),
+        "models[0].resources.limits.memory (3Gi) is below models[0].kvCacheMemory (4GiB)",
+    ),
+    "gateway drains shorter than a models entry": (
+        ("models[0].name=slow", "models[0].drainTimeoutSeconds=120"),
+        "gateway.drainTimeoutSeconds (60) is below models[0].drainTimeoutSeconds (120)",
     ),
 }
 
@@ -1251,3 +1445,8 @@ def test_notes_render_for_each_setup(notes):
     lb = notes((VALUES_CPU,), ("redis.enabled=false", "gateway.service.type=LoadBalancer"))
     assert "loadBalancer.ingress" in lb
     assert "no Redis" in lb
+    models = notes(sets=("models[0].name=llama", "models[0].servedModelName=llama-3.1-8b"))
+    assert f"model llama-3.1-8b: {FULLNAME}-engine-llama (1 replicas" in models
+    assert f"rollout status deployment/{FULLNAME}-engine-llama" in models
+    assert f"http://{FULLNAME}-engine-llama.{NAMESPACE}.svc:8000" in models
+    assert "model " not in default.split("gateway -> engine")[0].split("engine:")[1]

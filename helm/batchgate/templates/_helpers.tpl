@@ -127,7 +127,7 @@ generated values survive upgrades; "" under `helm template` or on first install.
 {{- if or (not .Values.internalToken.existingSecret) (and .Values.tenancy.enabled (not .Values.tenancy.existingSecret)) .Values.redis.enabled (and .Values.redis.externalUrl (not .Values.redis.existingSecret)) }}true{{ end }}
 {{- end }}
 
-{{/* Default upstream list for the gateways: the engine Service. */}}
+{{/* Default upstream list for the gateways: the engine Service, then each models entry's. */}}
 {{- define "batchgate.upstreams" -}}
 {{- if .Values.gateway.upstreams }}
 {{- join "," .Values.gateway.upstreams }}
@@ -136,8 +136,17 @@ generated values survive upgrades; "" under `helm template` or on first install.
 {{- if eq .Values.gateway.upstreamService "headless" }}
 {{- $svc = printf "%s-engine-headless" (include "batchgate.fullname" .) }}
 {{- end }}
-{{- printf "http://%s.%s.svc:%d" $svc .Release.Namespace (int .Values.engine.service.port) }}
+{{- $urls := list (printf "http://%s.%s.svc:%d" $svc .Release.Namespace (int .Values.engine.service.port)) }}
+{{- range .Values.models }}
+{{- $urls = append $urls (include "batchgate.modelUrl" (dict "ctx" $ "name" .name)) }}
 {{- end }}
+{{- join "," $urls }}
+{{- end }}
+{{- end }}
+
+{{/* URL of a models entry's Service (headless when the gateways route per pod): (dict "ctx" $ "name" "llama") */}}
+{{- define "batchgate.modelUrl" -}}
+{{- printf "http://%s-engine-%s.%s.svc:%d" (include "batchgate.fullname" .ctx) .name .ctx.Release.Namespace (int .ctx.Values.engine.service.port) }}
 {{- end }}
 
 {{/* Long-prompt upstreams for the gateways: gateway.longPromptUpstreams, else the engineLong
@@ -160,6 +169,7 @@ keys of "e" in place and renders nothing. Settings left null or empty keep engin
 {{- $_ := set $e "replicaCount" $l.replicaCount }}
 {{- $_ := set $e "autoscaling" (dict "enabled" false) }}
 {{- $_ := set $e "keda" (dict "enabled" false) }}
+{{- $_ := set $e "podDisruptionBudget" (dict "enabled" false) }}
 {{- range $k := list "maxNumSeqs" "maxNumBatchedTokens" "maxModelLen" "kvCacheMemory" "targetItlMs" }}
 {{- if not (kindIs "invalid" (index $l $k)) }}
 {{- $_ := set $e $k (index $l $k) }}
@@ -170,6 +180,94 @@ keys of "e" in place and renders nothing. Settings left null or empty keep engin
 {{- $_ := set $e $k (index $l $k) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+A models entry's settings over a copy of engine's: (dict "e" (deepCopy .Values.engine) "m" $entry);
+sets keys of "e" in place and renders nothing. A setting the entry gives (not null) replaces
+engine's, except model, embeddings, autoscaling, podDisruptionBudget and shm, whose keys are set
+one by one over engine's (so that e.g. {model: {path: ...}} keeps engine's model volume). The
+replicas serve chat under the entry's servedModelName (default: its name), and KEDA stays engine's.
+*/}}
+{{- define "batchgate.modelValues" -}}
+{{- $e := .e }}
+{{- $m := .m }}
+{{- $_ := set $e "chat" true }}
+{{- $_ := set $e "keda" (dict "enabled" false) }}
+{{- range $k, $v := omit $m "name" "servedModelName" }}
+{{- if not (kindIs "invalid" $v) }}
+{{- if has $k (list "model" "embeddings" "autoscaling" "podDisruptionBudget" "shm") }}
+{{- $into := index $e $k }}
+{{- range $sk, $sv := $v }}
+{{- if not (kindIs "invalid" $sv) }}
+{{- $_ := set $into $sk $sv }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- $_ := set $e $k $v }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $_ := set $e.model "servedName" (default $m.name $m.servedModelName) }}
+{{- end }}
+
+{{/*
+Every engine Deployment the chart renders, in order: engine, engineLong when enabled, then one per
+models entry. (dict "ctx" $ "out" (dict)) sets out.sets to a list of (dict "component" <label and
+name suffix> "e" <the set's values> "what" <its values path, for messages>); renders nothing.
+*/}}
+{{- define "batchgate.engineSets" -}}
+{{- $ctx := .ctx }}
+{{- $sets := list (dict "component" "engine" "e" $ctx.Values.engine "what" "engine") }}
+{{- if $ctx.Values.engineLong.enabled }}
+{{- $long := deepCopy $ctx.Values.engine }}
+{{- include "batchgate.engineLongValues" (dict "ctx" $ctx "e" $long) }}
+{{- $sets = append $sets (dict "component" "engine-long" "e" $long "what" "engineLong") }}
+{{- end }}
+{{- range $i, $m := $ctx.Values.models }}
+{{- $e := deepCopy $ctx.Values.engine }}
+{{- include "batchgate.modelValues" (dict "e" $e "m" $m) }}
+{{- $sets = append $sets (dict "component" (printf "engine-%s" $m.name) "e" $e "what" (printf "models[%d]" $i)) }}
+{{- end }}
+{{- $_ := set .out "sets" $sets }}
+{{- end }}
+
+{{/*
+The single Service of an engine set other than engine (engineLong's, a models entry's): ClusterIP,
+or headless when the gateways route per engine pod. (dict "ctx" $ "component" "engine-long")
+*/}}
+{{- define "batchgate.engineSetService" -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "batchgate.fullname" .ctx }}-{{ .component }}
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "batchgate.componentLabels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+spec:
+  {{- if eq .ctx.Values.gateway.upstreamService "headless" }}
+  clusterIP: None
+  publishNotReadyAddresses: false
+  {{- else }}
+  type: ClusterIP
+  {{- end }}
+  selector:
+    {{- include "batchgate.componentSelectorLabels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+  ports:
+    - name: http
+      port: {{ .ctx.Values.engine.service.port }}
+      targetPort: http
+      protocol: TCP
+      appProtocol: http
+{{- end }}
+
+{{/* The component labels the ServiceMonitor scrapes. */}}
+{{- define "batchgate.monitoredComponents" -}}
+{{- $components := list "gateway" "engine" "engine-long" }}
+{{- range .Values.models }}
+{{- $components = append $components (printf "engine-%s" .name) }}
+{{- end }}
+{{- join ", " $components }}
 {{- end }}
 
 {{/*
@@ -364,9 +462,10 @@ decimal ones (k, M, G, KB...) in 1000s. "0" for anything else (the schema has re
 {{- else -}}0{{- end -}}
 {{- end }}
 
-{{/* "true" when the engine runs on the CPU, so that its KV cache is host (pod) memory. */}}
+{{/* "true" when an engine set (its values: .Values.engine) runs on the CPU, so that its KV cache
+is host (pod) memory. */}}
 {{- define "batchgate.engineOnCpu" -}}
-{{- $e := .Values.engine -}}
+{{- $e := . -}}
 {{- $gpu := or (hasKey (default dict $e.resources.limits) "nvidia.com/gpu") (hasKey (default dict $e.resources.requests) "nvidia.com/gpu") -}}
 {{- if or (eq $e.device "cpu") (and (eq $e.device "auto") (not $gpu)) }}true{{ end -}}
 {{- end }}

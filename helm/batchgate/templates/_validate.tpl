@@ -25,11 +25,55 @@ that `helm lint`, `helm template` and `helm install` all stop with a readable me
 {{- if lt (int .Values.gateway.drainTimeoutSeconds) (int .Values.engine.drainTimeoutSeconds) }}
 {{- fail (printf "gateway.drainTimeoutSeconds (%d) is below engine.drainTimeoutSeconds (%d): a draining gateway would cut streams that its engines still finish" (int .Values.gateway.drainTimeoutSeconds) (int .Values.engine.drainTimeoutSeconds)) }}
 {{- end }}
-{{- include "batchgate.validateEngineMemory" . }}
+{{- include "batchgate.validateEngineMemory" (dict "e" .Values.engine "what" "engine") }}
 {{- range $c := list "gateway" "engine" }}
 {{- $a := (index $.Values $c).autoscaling }}
 {{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $c (int $a.minReplicas) (int $a.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- include "batchgate.validateModels" . }}
+{{- end }}
+
+{{/*
+The models entries: names that make distinct, valid object names and distinct served model names;
+each set (engine's settings with the entry's over them) checked as engine is.
+*/}}
+{{- define "batchgate.validateModels" -}}
+{{- $fullname := include "batchgate.fullname" . }}
+{{- $names := dict }}
+{{- $served := dict }}
+{{- with .Values.engine.model.servedName }}
+{{- $_ := set $served . "engine.model.servedName" }}
+{{- end }}
+{{- range $i, $m := .Values.models }}
+{{- $what := printf "models[%d]" $i }}
+{{- if hasKey $names $m.name }}
+{{- fail (printf "%s.name %q is also %s's: each models entry needs its own name (its Deployment and Service are %s-engine-<name>)" $what $m.name (index $names $m.name) $fullname) }}
+{{- end }}
+{{- $_ := set $names $m.name $what }}
+{{- $object := printf "%s-engine-%s" $fullname $m.name }}
+{{- if gt (len $object) 63 }}
+{{- fail (printf "%s.name %q makes the object name %q, over 63 characters: shorten the name (or fullnameOverride)" $what $m.name $object) }}
+{{- end }}
+{{- $s := default $m.name $m.servedModelName }}
+{{- if hasKey $served $s }}
+{{- fail (printf "%s serves %q, as %s does already: one replica set per model (replicaCount sets how many replicas)" $what $s (index $served $s)) }}
+{{- end }}
+{{- $_ := set $served $s $what }}
+{{- end }}
+{{- $out := dict }}
+{{- include "batchgate.engineSets" (dict "ctx" . "out" $out) }}
+{{- range $set := $out.sets }}
+{{- if hasPrefix "models[" $set.what }}
+{{- $e := $set.e }}
+{{- if lt (int $.Values.gateway.drainTimeoutSeconds) (int $e.drainTimeoutSeconds) }}
+{{- fail (printf "gateway.drainTimeoutSeconds (%d) is below %s.drainTimeoutSeconds (%d): a draining gateway would cut streams that its engines still finish" (int $.Values.gateway.drainTimeoutSeconds) $set.what (int $e.drainTimeoutSeconds)) }}
+{{- end }}
+{{- if and $e.autoscaling.enabled (gt (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $set.what (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- include "batchgate.validateEngineMemory" (dict "e" $e "what" $set.what) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -39,13 +83,14 @@ A CPU engine's KV cache is pod memory that the engine fills and keeps full: the 
 (what the scheduler reserves) and the limit must hold it plus what the process needs besides.
 */}}
 {{- define "batchgate.validateEngineMemory" -}}
-{{- $e := .Values.engine }}
-{{- if include "batchgate.engineOnCpu" . }}
+{{- $e := .e }}
+{{- $w := .what }}
+{{- if include "batchgate.engineOnCpu" $e }}
 {{- $requests := default dict $e.resources.requests }}
 {{- $limits := default dict $e.resources.limits }}
 {{- if kindIs "invalid" $e.kvCacheMemory }}
 {{- if not $limits.memory }}
-{{- fail "engine.kvCacheMemory is null and engine.resources.limits.memory is not set: the KV cache would take 30% of the node's free memory; set engine.kvCacheMemory (and memory requests and limits that hold it) or a memory limit" }}
+{{- fail (printf "%s.kvCacheMemory is null and %s.resources.limits.memory is not set: the KV cache would take 30%% of the node's free memory; set %s.kvCacheMemory (and memory requests and limits that hold it) or a memory limit" $w $w $w) }}
 {{- end }}
 {{- else }}
 {{- $kv := include "batchgate.bytes" $e.kvCacheMemory | float64 }}
@@ -56,7 +101,7 @@ A CPU engine's KV cache is pod memory that the engine fills and keeps full: the 
 {{- if or $set.memory (eq $what "requests") }}
 {{- $have := include "batchgate.bytes" (default "0" $set.memory) | float64 }}
 {{- if lt $have $need }}
-{{- fail (printf "engine.resources.%s.memory (%v) is below engine.kvCacheMemory (%v) + engine.memoryBesidesKvCache (%v) = %dMi: a CPU engine's KV cache is pod memory, filled and kept full (prefix caching)" $what (default "unset" $set.memory) $e.kvCacheMemory $e.memoryBesidesKvCache $needMi) }}
+{{- fail (printf "%s.resources.%s.memory (%v) is below %s.kvCacheMemory (%v) + %s.memoryBesidesKvCache (%v) = %dMi: a CPU engine's KV cache is pod memory, filled and kept full (prefix caching)" $w $what (default "unset" $set.memory) $w $e.kvCacheMemory $w $e.memoryBesidesKvCache $needMi) }}
 {{- end }}
 {{- end }}
 {{- end }}
