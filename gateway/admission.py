@@ -40,6 +40,7 @@ class Caller:
     tenant: Any = None  # the tenancy.Tenant, when tenancy is on
     plan: str = "open"  # metrics label: "paid", "free" or "open" (never a tenant-chosen string)
     internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
+    report_usage: bool = False  # that gateway wants a stream's final usage chunk
 
     @property
     def cache_salt(self) -> str:
@@ -56,6 +57,8 @@ PRIORITY_HEADER = "x-batchgate-priority"
 DEADLINE_HEADER = "x-batchgate-deadline"
 PLAN_HEADER = "x-batchgate-plan"
 FAIRNESS_HEADER = "x-batchgate-fairness"
+# A gateway asks for a stream's final usage chunk with this (to settle the exact token count).
+USAGE_HEADER = "x-batchgate-usage"
 
 
 def _token_matches(token: str | None, headers: Mapping[str, str]) -> bool:
@@ -89,6 +92,7 @@ def internal_caller(token: str | None, headers: Mapping[str, str], user: str | N
         queue_deadline_s=deadline,
         plan=plan if plan in ("paid", "free", "open") else "open",
         internal=True,
+        report_usage=headers.get(USAGE_HEADER) == "1",
     )
 
 

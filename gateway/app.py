@@ -192,11 +192,14 @@ class Gateway:
     # -- internal routes (gateway <-> replica) ---------------------------------------------------
 
     async def internal_stats(self, request: Request) -> Response:
-        """engine.stats() as JSON, for gateways routing by outstanding work."""
+        """engine.stats() as JSON, for gateways routing by outstanding work, with what each
+        served model does (`tasks`), so a gateway refuses a model sent to the wrong endpoint
+        before admission, as this server would."""
         admission.check_internal(self.settings.internal_token, request.headers)
+        tasks = {c.id: c.task.value for c in self.registry.cards() if c.task is not None}
         if not self.engines:  # an embedding-only replica: the pool routes by its own in-flight count
-            return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0})
-        return JSONResponse(self.engines[0].stats())
+            return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
+        return JSONResponse({**self.engines[0].stats(), "tasks": tasks})
 
     async def upstreams(self, request: Request) -> Response:
         admission.check_internal(self.settings.internal_token, request.headers)

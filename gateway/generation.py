@@ -140,6 +140,9 @@ class Job:
     tokenizer: Tokenizer
     logprobs: bool
     include_usage: bool = False
+    # A gateway in front asked for a final usage chunk (to settle exact tokens) that its client
+    # did not: that chunk alone, with the other chunks as the client asked (no `usage: null`).
+    report_usage: bool = False
     echo_prefixes: list[str] = field(default_factory=list)  # per choice; completions with echo
     on_usage: Callable[[int], None] = lambda num_completion_tokens: None
     # Prompt tokens found in the prefix cache, per engine request (its choices share the prompt).
@@ -235,7 +238,7 @@ def _chunk_encoder(job: Job, build: Callable[..., dict[str, Any]]) -> Callable[.
                 created=job.created,
                 model=job.model,
                 choices=choices,
-                include_usage=job.include_usage,
+                include_usage=job.include_usage or usage is not None,
                 usage_=usage,
             )
         )
@@ -281,7 +284,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                     reason = _with_calls(reason, parsers[index].num_calls)
                 yield chunk([responses.chat_delta(index, {}, finish_reason=reason)])
         else:
-            if job.include_usage:
+            if job.include_usage or job.report_usage:
                 yield chunk(
                     [], responses.usage(job.num_prompt_tokens, sum(num_output_tokens), job.num_cached_tokens)
                 )
@@ -324,7 +327,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                     ]
                 )
         else:
-            if job.include_usage:
+            if job.include_usage or job.report_usage:
                 yield chunk(
                     [], responses.usage(job.num_prompt_tokens, sum(num_output_tokens), job.num_cached_tokens)
                 )

@@ -196,6 +196,7 @@ class EngineBackend:
             tokenizer=tokenizer,
             logprobs=params.logprobs,
             include_usage=bool(getattr(work.request, "include_usage", False)),
+            report_usage=work.caller.report_usage,
         )
 
     def _plan(

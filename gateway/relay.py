@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,7 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 # OpenAI's default max_tokens for the legacy completions endpoint.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 RETRY_STATUSES = (502, 503, 504)
+TASKS = {t.value for t in Task}
 # Hop-by-hop and recomputed headers not copied from a replica's response.
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
 # Headers of a replica's event stream that our own EventStreamResponse sets.
@@ -98,7 +99,11 @@ class ReplicaBackend:
         await self.replicas.aclose()
 
     def models(self) -> list[ModelCard]:
-        return [ModelCard(m, created) for m, created in sorted(self.replicas.models().items())]
+        cards = []
+        for model, created in sorted(self.replicas.models().items()):
+            task = self.replicas.task_of(model)
+            cards.append(ModelCard(model, created, Task(task) if task in TASKS else None))
+        return cards
 
     async def find(self, model: str) -> bool:
         """Whether a healthy replica serves `model`; if none does while some replica is marked
@@ -169,7 +174,7 @@ class ReplicaBackend:
         # carries when asked: ask for it always, and keep it from a client that did not.
         hide_usage = work.stream and not (body.get("stream_options") or {}).get("include_usage")
         if hide_usage:
-            body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+            headers[admission.USAGE_HEADER] = "1"
         content = json.dumps(body, ensure_ascii=False).encode()
         routed = work.endpoint.task is Task.GENERATE  # embeddings share no KV cache and are short
         observer = _Observer(call.usage, call.span)
@@ -188,14 +193,14 @@ class ReplicaBackend:
             )
 
         async def close() -> None:
-            if isinstance(first, asyncio.Future):
-                first.cancel()  # the relay may never have started (client gone at once)
+            if isinstance(first, asyncio.Task):
+                await _stop(first)  # the relay may never have started (client gone at once)
             await response.aclose()
             sent.release()
 
         call.on_close(close)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
-        if not isinstance(first, asyncio.Future):
+        if not isinstance(first, asyncio.Task):
             if response.status_code == 200:
                 observer.observe_body(first)
             else:
@@ -221,7 +226,7 @@ class ReplicaBackend:
         stream: bool,
         affinity: bytes = b"",
         num_prompt_tokens: int = 0,
-    ) -> tuple[_Sent, httpx.Response, bytes | asyncio.Future[bytes], AsyncIterator[bytes]]:
+    ) -> tuple[_Sent, httpx.Response, bytes | asyncio.Task[bytes], AsyncGenerator[bytes, None]]:
         """Send to the least-loaded healthy replica, failing over until one answers.
 
         Returns the call, the response, and: for a 200 stream, the future of its first SSE frame
@@ -229,7 +234,7 @@ class ReplicaBackend:
         a slower first frame is awaited by the relay behind a keep-alive); otherwise the whole body.
         """
         tried: set[str] = set()
-        last: tuple[_Sent, httpx.Response, bytes, AsyncIterator[bytes]] | None = None
+        last: tuple[_Sent, httpx.Response, bytes, AsyncGenerator[bytes, None]] | None = None
         reprobed = False
         client = self.replicas.client
         try:
@@ -253,7 +258,7 @@ class ReplicaBackend:
                 tried.add(up.url)
                 sent = _Sent(up, tokens)
                 response: httpx.Response | None = None
-                first: asyncio.Future[bytes] | None = None
+                first: asyncio.Task[bytes] | None = None
                 try:
                     req = client.build_request("POST", up.url + path, content=content, headers=headers)
                     response = await client.send(req, stream=True)
@@ -283,7 +288,7 @@ class ReplicaBackend:
                 except BaseException:
                     sent.release()
                     if first is not None:
-                        first.cancel()
+                        await _stop(first)
                     if response is not None:
                         await response.aclose()
                     raise
@@ -294,8 +299,8 @@ class ReplicaBackend:
     async def _relay(
         self,
         response: httpx.Response,
-        frames: AsyncIterator[bytes],
-        first: asyncio.Future[bytes],
+        frames: AsyncGenerator[bytes, None],
+        first: asyncio.Task[bytes],
         observer: _Observer,
         started: float,
         hide_usage: bool,
@@ -304,7 +309,8 @@ class ReplicaBackend:
         the usage-only chunk that the gateway asked for on the client's behalf."""
         last_token: float | None = None
         try:
-            frame = await first
+            # Shielded: a client that leaves cancels this generator, not the read in flight (see _stop).
+            frame = await asyncio.shield(first)
             observer.usage.served = True  # the replica answers: what it used is charged from now on
             while True:
                 if frame == DONE:
@@ -333,15 +339,25 @@ class ReplicaBackend:
             )
             yield DONE
         finally:
-            first.cancel()
-            await frames.aclose()  # type: ignore[attr-defined]
+            await _stop(first)
+            await frames.aclose()
+
+
+async def _stop(task: asyncio.Task[bytes]) -> None:
+    """Cancel `task` (a read of the replica's stream) once and wait until it has ended. Its
+    cancellation makes httpcore close the connection, shielded; a second cancel would cut that
+    close short and leave the connection open, the replica generating for nobody."""
+    if not task.done():
+        if not task.cancelling():
+            task.cancel()
+        await asyncio.wait({task})
 
 
 class _UpstreamEnded(Exception):
     """The replica's stream ended without `[DONE]`."""
 
 
-async def _frames(response: httpx.Response) -> AsyncIterator[bytes]:
+async def _frames(response: httpx.Response) -> AsyncGenerator[bytes, None]:
     """Complete SSE frames (`data: ...\\n\\n`) from a replica's stream; comments are dropped."""
     lines: list[str] = []
     async for line in response.aiter_lines():
@@ -356,7 +372,7 @@ async def _frames(response: httpx.Response) -> AsyncIterator[bytes]:
     raise _UpstreamEnded("the stream ended without [DONE]")
 
 
-async def _no_frames() -> AsyncIterator[bytes]:
+async def _no_frames() -> AsyncGenerator[bytes, None]:
     return
     yield b""
 

@@ -44,6 +44,7 @@ class Upstream:
     num_sent: int = 0
     last_error: str | None = None
     created: dict[str, int] = field(default_factory=dict)
+    tasks: dict[str, str] = field(default_factory=dict)  # model -> "generate" | "embed", as reported
     long_prompts: bool = False  # one of the replicas reserved for prompts over the threshold
     marked_down: asyncio.Event = field(default_factory=asyncio.Event)  # wakes its poller
 
@@ -150,6 +151,7 @@ class ReplicaSet:
         cards = models.json()["data"]
         up.models = tuple(str(m["id"]) for m in cards)
         up.created = {str(m["id"]): int(m.get("created", 0)) for m in cards}
+        up.tasks = {str(k): str(v) for k, v in (s.get("tasks") or {}).items()}
         up.reported_tokens = int(s.get("num_waiting_tokens", 0)) + int(s.get("num_running_tokens", 0))
         if not up.healthy:
             logger.info("upstream %s is healthy (models: %s)", up.url, ", ".join(up.models))
@@ -185,6 +187,13 @@ class ReplicaSet:
 
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]
+
+    def task_of(self, model: str) -> str | None:
+        """What `model` does, as a healthy replica serving it reports (None: not reported)."""
+        for u in self.healthy():
+            if model in u.tasks:
+                return u.tasks[model]
+        return None
 
     def models(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -38,7 +38,11 @@ def test_loading_then_ready_then_shutdown() -> None:
             if gateway.engine is not None:
                 break
             threading.Event().wait(0.01)
-        assert client.get("/ready").json() == {"status": "ready", "model": "fake-model", "models": ["fake-model"]}
+        assert client.get("/ready").json() == {
+            "status": "ready",
+            "model": "fake-model",
+            "models": ["fake-model"],
+        }
         assert client.post("/v1/chat/completions", json=BODY).status_code == 200
     assert not engine.ready  # the app built it, so the app shut it down
 

@@ -1,0 +1,325 @@
+"""The one pipeline, in both modes: the same requests get the same answers in process and through a
+gateway in front of a replica, and every way a request can end releases it exactly once.
+
+Real HTTP (uvicorn), real tenancy (in memory for the parity cases, a real redis-server for the
+release cases); the engine under the replica is the fake one (tests/gateway/fakes.py), so the
+failures are injected where a real engine would fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from engine.types import GenerationFailedError
+from gateway.app import create_app
+from gateway.cli import build_tenancy
+from gateway.settings import Settings
+from tenancy import hash_key
+from tenancy.keyspace import leases_key, tokens_key, usage_key
+from tests.gateway.conftest import LiveServer
+from tests.gateway.fakes import FakeEngine
+
+TOKEN = "internal-t0ken"
+MODEL = "fake-model"
+TPM = 600  # the release tests' bucket: refills 10 tokens/s, so a leak of ~100 shows for ~10 s
+TENANTS = """
+[plans.paid]
+priority = "paid"
+tokens_per_minute = {tpm}
+requests_per_minute = 6000
+max_concurrent_requests = 8
+queue_deadline_seconds = 30
+
+[plans.once]
+priority = "free"
+tokens_per_minute = 100000
+requests_per_minute = 1
+max_concurrent_requests = 8
+queue_deadline_seconds = 30
+
+[tenants.acme]
+plan = "paid"
+keys = ["{acme}"]
+
+[tenants.once]
+plan = "once"
+keys = ["{once}"]
+"""
+ACME = {"authorization": "Bearer sk-acme"}
+MODES = ("in-process", "proxy")
+
+
+@dataclass
+class Deployment:
+    """One mode: the URL clients call, and the fake engine that answers in the end."""
+
+    url: str
+    engine: FakeEngine
+    servers: list[LiveServer]
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+
+def _tenants(tmp: Path, tpm: int) -> str:
+    path = tmp / "tenants.toml"
+    path.write_text(TENANTS.format(tpm=tpm, acme=hash_key("sk-acme"), once=hash_key("sk-once")))
+    return str(path)
+
+
+def deploy(mode: str, tmp: Path, redis_url: str | None = None, tpm: int = 100_000) -> Deployment:
+    engine = FakeEngine(max_model_len=512)
+    tenancy_settings = {"tenants": _tenants(tmp, tpm), "redis_url": redis_url}
+    common = {"keep_alive_s": 0.2, "embedding_model": "none", "internal_token": TOKEN}
+    if mode == "in-process":
+        settings = Settings(**common, **tenancy_settings)
+        app = create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True)
+        server = LiveServer(app)
+        return Deployment(server.base_url, engine, [server])
+    replica = LiveServer(create_app(Settings(**common), engine=engine))
+    settings = Settings(**common, **tenancy_settings, upstreams=(replica.base_url,), health_interval_s=0.2)
+    gateway = LiveServer(create_app(settings, tenancy=build_tenancy(settings), owns_tenancy=True))
+    _wait_for(lambda: httpx.get(gateway.base_url + "/ready").status_code == 200)
+    return Deployment(gateway.base_url, engine, [replica, gateway])
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll a condition another thread makes true (bounded; the condition is the test's clock)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+# -- the same requests, the same answers ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Deployment]]:
+    deployments = {mode: deploy(mode, tmp_path_factory.mktemp(mode)) for mode in MODES}
+    try:
+        yield deployments
+    finally:
+        for d in deployments.values():
+            d.stop()
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **fields}
+
+
+# (name, path, headers, body): each runs once per mode, in this order, and both answers must match.
+CASES: list[tuple[str, str, dict[str, str], Any]] = [
+    ("not json", "/v1/chat/completions", ACME, b"{nope"),
+    ("unknown field", "/v1/chat/completions", ACME, chat(colour="red")),
+    ("anonymous model probe", "/v1/chat/completions", {}, chat(model="secret-model")),
+    ("anonymous, served model", "/v1/chat/completions", {}, chat()),
+    ("bad key", "/v1/chat/completions", {"authorization": "Bearer sk-nope"}, chat()),
+    ("unknown model", "/v1/chat/completions", ACME, chat(model="gpt-4o")),
+    ("unknown model, completions", "/v1/completions", ACME, {"model": "gpt-4o", "prompt": "x"}),
+    ("chat", "/v1/chat/completions", ACME, chat()),
+    ("chat, stream", "/v1/chat/completions", ACME, chat(stream=True)),
+    (
+        "chat, stream with usage",
+        "/v1/chat/completions",
+        ACME,
+        chat(stream=True, stream_options={"include_usage": True}),
+    ),
+    ("completion", "/v1/completions", ACME, {"model": MODEL, "prompt": "abc", "max_tokens": 4}),
+    ("generate", "/v1/generate", ACME, {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}),
+    (
+        "generate, stream",
+        "/v1/generate",
+        ACME,
+        {"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": True},
+    ),
+    (
+        "generate, a completions-only field",
+        "/v1/generate",
+        ACME,
+        {"model": MODEL, "prompt": "x", "top_p": 0.5},
+    ),
+    ("context too long", "/v1/chat/completions", ACME, chat(max_tokens=600)),
+    ("rate limited: first", "/v1/chat/completions", {"authorization": "Bearer sk-once"}, chat()),
+    ("rate limited: second", "/v1/chat/completions", {"authorization": "Bearer sk-once"}, chat()),
+    ("embeddings of a chat model", "/v1/embeddings", ACME, {"model": MODEL, "input": "x"}),
+]
+TOKENIZER_CHECKS = {"context too long"}
+# Headers whose presence (not value: ids, times and remaining counts differ) must match.
+COMPARED_HEADERS = (
+    "content-type",
+    "x-request-id",
+    "retry-after",
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-remaining-tokens",
+    "cache-control",
+    "x-accel-buffering",
+)
+_VARYING = {"id", "created"}
+
+
+def _normalized(value: Any) -> Any:
+    """A body with the fields that differ per response (ids, timestamps, waits) blanked."""
+    if isinstance(value, str):
+        return re.sub(r"[0-9]+\.[0-9]+s\b", "N.Ns", value)  # "try again in 59.958s"
+    if isinstance(value, dict):
+        return {k: ("*" if k in _VARYING else _normalized(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_normalized(v) for v in value]
+    return value
+
+
+def _answer(r: httpx.Response) -> dict[str, Any]:
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        frames = [line.removeprefix("data: ") for line in r.text.split("\n") if line.startswith("data: ")]
+        body: Any = [f if f == "[DONE]" else _normalized(json.loads(f)) for f in frames]
+    else:
+        body = _normalized(r.json())
+    headers = {h: h in r.headers for h in COMPARED_HEADERS}
+    if "x-request-id" in r.headers and r.status_code == 200 and isinstance(body, dict):
+        headers["x-request-id is the response id"] = r.headers["x-request-id"] == r.json()["id"]
+    return {"status": r.status_code, "body": body, "headers": headers}
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_both_modes_answer_alike(both: dict[str, Deployment], case: int) -> None:
+    name, path, headers, body = CASES[case]
+    answers = {}
+    for mode, d in both.items():
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(d.url + path, content=content, headers={"content-type": "application/json", **headers})
+        answers[mode] = _answer(r)
+    if name in TOKENIZER_CHECKS:
+        # Checks that need the model's tokenizer run on the replica, after the gateway admitted
+        # the request (it cannot count exactly): the same status and body, plus its headers.
+        answers["in-process"].pop("headers"), answers["proxy"].pop("headers")
+    assert answers["in-process"] == answers["proxy"]
+    status = answers["proxy"]["status"]
+    expected = {
+        "not json": 400,
+        "unknown field": 400,
+        "anonymous model probe": 401,
+        "anonymous, served model": 401,
+        "bad key": 401,
+        "unknown model": 404,
+        "unknown model, completions": 404,
+        "generate, a completions-only field": 400,
+        "context too long": 400,
+        "rate limited: second": 429,
+        "embeddings of a chat model": 400,
+    }.get(name, 200)
+    assert status == expected, answers["proxy"]
+    if status == 404:
+        assert answers["proxy"]["body"]["error"]["code"] == "model_not_found"
+
+
+# -- every way to end releases the request once -----------------------------------------------
+
+
+def _usage(client: redis.Redis, tenant: str) -> dict[str, int]:
+    raw = client.hgetall(usage_key(tenant))
+    return {k.decode(): int(float(v)) for k, v in raw.items()}
+
+
+def _live_leases(client: redis.Redis, tenant: str) -> int:
+    seconds, micros = client.time()
+    return int(client.zcount(leases_key(tenant), f"({seconds + micros / 1e6}", "+inf"))
+
+
+def _bucket(client: redis.Redis, tenant: str) -> float:
+    """The tenant's token bucket now, refilled by Redis's clock (a missing bucket is full)."""
+    level, ts = client.hmget(tokens_key(tenant), "level", "ts")
+    if level is None:
+        return float(TPM)
+    seconds, micros = client.time()
+    now = seconds + micros / 1e6
+    return min(float(TPM), float(level) + (now - float(ts)) * TPM / 60)
+
+
+@pytest.fixture(params=MODES)
+def deployment(request: pytest.FixtureRequest, tmp_path: Path, redis_url: str) -> Iterator[Deployment]:
+    d = deploy(request.param, tmp_path, redis_url, tpm=TPM)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _settled(store: redis.Redis, num_requests: int) -> Callable[[], bool]:
+    return lambda: (
+        _live_leases(store, "acme") == 0 and _usage(store, "acme").get("requests", 0) == num_requests
+    )
+
+
+def test_a_client_that_leaves_before_the_first_token_is_refunded_once(
+    deployment: Deployment, store: redis.Redis
+) -> None:
+    deployment.engine.gate = asyncio.Event()  # never set: the request waits for its first token
+    with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=100)) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()  # kept: a dropped iterator closes the response
+            assert next(chunks).startswith(b":")  # a keep-alive: the request is admitted and queued
+            assert _live_leases(store, "acme") == 1
+            assert _bucket(store, "acme") < TPM - 90  # prompt + 100 tokens reserved
+            assert not deployment.engine.aborted
+    _wait_for(lambda: bool(deployment.engine.aborted))
+    _wait_for(_settled(store, 1))
+    usage = _usage(store, "acme")
+    assert usage.get("prompt_tokens", 0) == 0 and usage.get("completion_tokens", 0) == 0
+    assert _bucket(store, "acme") == TPM  # everything refunded
+
+
+def test_a_backend_failure_before_the_first_byte_is_refunded_once(
+    deployment: Deployment, store: redis.Redis
+) -> None:
+    deployment.engine.error_before_first = GenerationFailedError("generation failed: boom")
+    with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json=chat(stream=stream, max_tokens=100))
+            assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
+    _wait_for(_settled(store, 2))
+    usage = _usage(store, "acme")
+    assert usage.get("prompt_tokens", 0) == 0 and usage.get("completion_tokens", 0) == 0
+    assert _bucket(store, "acme") == TPM
+
+
+def test_a_backend_failure_mid_stream_settles_what_was_used_once(
+    deployment: Deployment, store: redis.Redis
+) -> None:
+    deployment.engine.fail_after = 2
+    with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+        r = client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=100))
+    assert r.status_code == 200
+    events = [line for line in r.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "generation_failed" in events[-2]
+    _wait_for(_settled(store, 1))
+    usage = _usage(store, "acme")
+    assert usage["completion_tokens"] == 2  # the two tokens streamed before the failure
+    assert usage["prompt_tokens"] > 0
+    # Charged exactly what was used, once: the bucket is down by that much (less what refilled).
+    assert TPM - _bucket(store, "acme") <= usage["prompt_tokens"] + usage["completion_tokens"]
