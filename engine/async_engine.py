@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
 from engine.types import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineError,
     EngineHealth,
@@ -216,7 +217,7 @@ class AsyncEngine:
         stream = RequestStream(self, request)
         with self._lock:
             if request.request_id in self._streams:
-                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+                raise DuplicateRequestError(f"request_id {request.request_id!r} is already in the engine")
             self.engine.check_arrival(request, self._load, self._pending)
             self._pending.add(request)
             self._streams[request.request_id] = stream
