@@ -327,7 +327,8 @@ class AsyncEngine:
         """Hand `outputs` to their streams' event loops; the event is set once every loop has run
         the callbacks that the hand-off woke (the streams' consumers), or at once if none."""
         done = threading.Event()
-        by_loop: dict[Any, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]]
+        by_loop = defaultdict(list)
         with self._lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
