@@ -1,5 +1,6 @@
-# batchgate: `make serve` runs the server, `make test` runs the whole suite. Both set everything up
-# on a fresh machine (a virtualenv in .venv, torch, the bundled model, redis-server, helm).
+# batchgate: `make serve` runs the server, `make test` runs the whole suite, `make lint` runs the
+# linters. Each sets up what it needs on a fresh machine (a virtualenv in .venv, torch, the bundled
+# model, redis-server, helm).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -31,8 +32,12 @@ serve: install
 test: install $(HELM)
 	$(BIN)/python -m pytest -q --durations=15
 
+# ruff; mypy over engine/, gateway/, tenancy/ ([tool.mypy]); the import contracts
+# ([tool.importlinter]: engine and tenancy import no gateway, no import cycles).
 lint: install
 	$(BIN)/ruff check engine gateway tenancy tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache

@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
 from engine.types import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineError,
     EngineHealth,
@@ -216,7 +217,7 @@ class AsyncEngine:
         stream = RequestStream(self, request)
         with self._lock:
             if request.request_id in self._streams:
-                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+                raise DuplicateRequestError(f"request_id {request.request_id!r} is already in the engine")
             self.engine.check_arrival(request, self._load, self._pending)
             self._pending.add(request)
             self._streams[request.request_id] = stream
@@ -326,7 +327,8 @@ class AsyncEngine:
         """Hand `outputs` to their streams' event loops; the event is set once every loop has run
         the callbacks that the hand-off woke (the streams' consumers), or at once if none."""
         done = threading.Event()
-        by_loop: dict[Any, list[tuple[RequestStream, RequestOutput]]] = defaultdict(list)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]]
+        by_loop = defaultdict(list)
         with self._lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)

@@ -14,14 +14,22 @@ from pathlib import Path
 # token-capped scheduler's and total throughput +5% (all four of issue 17's targets); 100 ms cost
 # the documents 1.6x and 5% of throughput; 150 ms let inter-token p99 rise 3.3x. Prompts within the
 # first length bucket never meet the budget, so issue 7's chat workload does not depend on it. On a
-# GPU, where whole steps take tens of milliseconds, it rarely binds. One place for this default:
-# the scheduler, the engine and the gateway's settings read it here.
+# GPU, where whole steps take tens of milliseconds, it rarely binds.
 DEFAULT_TARGET_ITL_MS = 120.0
+
+# The allowed values of the string settings; the gateway's flags offer the same choices.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("auto", "none", "int4")
+KERNELS = ("auto", "native", "torch")
+BATCHING_MODES = ("continuous", "static")
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. Defaults run on one CPU with the bundled model.
+
+    The one place for each engine default: the gateway's `Settings` and the scheduler's
+    `SchedulerConfig` default to these fields (`EngineConfig.max_num_seqs`, ...), never to a copy.
 
     `model`: a GGUF file, a Hugging Face folder (config.json + safetensors), or None for the bundled
     SmolLM2-135M-Instruct. `dtype`: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
@@ -88,19 +96,19 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
-        if self.quantization not in ("auto", "none", "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
-        if self.kernels not in ("auto", "native", "torch"):
+        if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if self.int4_max_batch < 0:
             raise ValueError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
-        if self.batching not in ("continuous", "static"):
+        if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -57,13 +57,13 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.pad_slot = pad_slot
         n = self.buckets[-1]
-        long = dict(dtype=torch.long)
+        long = torch.long
         self._host = {
-            "ids": torch.zeros(n, **long).pin_memory(),
-            "positions": torch.zeros(n, **long).pin_memory(),
-            "slots": torch.full((n,), pad_slot, **long).pin_memory(),
-            "lens": torch.ones(n, **long).pin_memory(),
-            "tables": torch.zeros(n, max_blocks_per_seq, **long).pin_memory(),
+            "ids": torch.zeros(n, dtype=long).pin_memory(),
+            "positions": torch.zeros(n, dtype=long).pin_memory(),
+            "slots": torch.full((n,), pad_slot, dtype=long).pin_memory(),
+            "lens": torch.ones(n, dtype=long).pin_memory(),
+            "tables": torch.zeros(n, max_blocks_per_seq, dtype=long).pin_memory(),
         }
         self._np = {k: v.numpy() for k, v in self._host.items()}
         self._dev = {k: v.to(device) for k, v in self._host.items()}

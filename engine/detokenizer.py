@@ -8,15 +8,20 @@ not returned.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 # Prompt tokens kept as left context, so a tokenizer that drops a leading space when decoding
 # from a word boundary still sees what came before the first output token.
 _PREFIX_CONTEXT = 5
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: tuple[str, ...]
+    ) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT:])
         self._prefix_offset = 0
@@ -27,7 +32,8 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        # decode() of one id list is one string (transformers types it `str | list[str]`)
+        return cast(str, self._tokenizer.decode(ids, skip_special_tokens=True))
 
     def add(self, token_id: int) -> bool:
         """Append a generated token. Returns True when a stop string was matched."""

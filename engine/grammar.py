@@ -35,14 +35,17 @@ import collections
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from engine.types import GrammarError, GrammarSpec
 
 if TYPE_CHECKING:
+    # Imported lazily at run time (llguidance's tokenizer tables take ~0.5 s to build).
+    from llguidance import LLMatcher, LLTokenizer
     from llguidance._lib import JsonCompileOptions
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = [  # the records live in engine.types (they travel in SamplingParams and outputs)
     "CompiledGrammar",
@@ -138,7 +141,7 @@ def bound_numbers(schema: Any) -> Any:
 
 
 class _LLGuidanceGrammar:
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: LLMatcher) -> None:
         import llguidance.torch
 
         self._matcher = matcher
@@ -161,7 +164,7 @@ class _LLGuidanceCompiled:
     """A matcher at the start of the grammar, copied for each sequence: a copy costs microseconds,
     building one from the grammar text again up to milliseconds."""
 
-    def __init__(self, prototype: Any) -> None:
+    def __init__(self, prototype: LLMatcher) -> None:
         self._prototype = prototype
         self._lock = threading.Lock()  # shared by every request with this spec
 
@@ -177,20 +180,26 @@ class LLGuidanceBackend:
     llguidance tokenizer takes ~0.5 s, so it happens on first use (on the compile thread).
     """
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, hf_tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self._hf = hf_tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        self._tokenizer: Any = None
+        self._tokenizer: LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def _lltokenizer(self) -> Any:
+    def _lltokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 import llguidance.hf
 
+                # AutoTokenizer loads the fast (Rust) tokenizer of every model we serve, the one
+                # llguidance reads its vocabulary from.
                 self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self._vocab_size, eos_token=self._eos or None
+                    cast("PreTrainedTokenizerFast", self._hf),
+                    n_vocab=self._vocab_size,
+                    eos_token=self._eos or None,
                 )
             return self._tokenizer
 

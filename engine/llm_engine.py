@@ -54,6 +54,7 @@ from engine.runner import (
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.types import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
@@ -62,6 +63,7 @@ from engine.types import (
     GenerationRequest,
     GrammarError,
     GrammarSpec,
+    InvalidRequestError,
     Priority,
     PromptTooLongError,
     RequestOutput,
@@ -167,12 +169,12 @@ class LLMEngine:
         """Raise the error a request would get at admission; safe to call from any thread."""
         prompt = request.prompt_token_ids
         if not prompt:
-            raise ValueError("the prompt must contain at least one token")
+            raise InvalidRequestError("the prompt must contain at least one token")
         vocab = self.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in request.sampling.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         total = len(prompt) + request.sampling.max_tokens
         if total > self.max_model_len:
             raise PromptTooLongError(
@@ -219,7 +221,7 @@ class LLMEngine:
         """Queue every choice of `request`, or none of them (raises before anything is queued)."""
         self.validate(request)
         if request.request_id in self._seqs:
-            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in the engine")
         now = self.clock()
         deadline_s = self.queue_deadline_s(request)
         p = request.sampling

@@ -15,12 +15,16 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    # transformers is imported lazily (and under TRANSFORMERS_LOCK) at run time
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +165,11 @@ class LoadedModel:
     name: str
     spec: ModelSpec
     config: dict[str, Any]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     weights: dict[str, torch.Tensor]
 
 
-def load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

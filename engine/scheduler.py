@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_TARGET_ITL_MS
+from engine.config import BATCHING_MODES, EngineConfig
 from engine.policy import WaitingQueue, validate_boundaries
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_cost import StepCostModel
@@ -61,24 +61,24 @@ from engine.types import Priority
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "WaitingQueue"]
 
-BATCHING_MODES = ("continuous", "static")
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    """The engine's scheduling settings; the defaults are EngineConfig's (engine/config.py)."""
+
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     # Free blocks kept back when admitting new sequences, so running ones can still grow.
     watermark_blocks: int = 1
     # Prompt-length bucket boundaries (bucket i: prompts <= length_buckets[i]); () = one FIFO.
-    length_buckets: tuple[int, ...] = (256, 1024, 4096)
+    length_buckets: tuple[int, ...] = EngineConfig.length_buckets
     # Share of the step budget that longer prompts' prefill chunks may take while shorter ones wait.
-    long_prefill_share: float = 0.5
+    long_prefill_share: float = EngineConfig.long_prefill_share
     # Preemptions after which a sequence is no longer preempted for priority (0: never for priority).
-    max_preemptions_per_seq: int = 3
-    batching: str = "continuous"
+    max_preemptions_per_seq: int = EngineConfig.max_preemptions_per_seq
+    batching: str = EngineConfig.batching
     # Step-time budget while long prompts prefill next to interactive work (module docstring); 0: off.
-    target_itl_ms: float = DEFAULT_TARGET_ITL_MS
+    target_itl_ms: float = EngineConfig.target_itl_ms
     # Floor of a long prompt's chunk when it must progress although nothing fits the budget: below
     # a few dozen tokens a chunk's fixed cost (one pass over the weights) buys too little prefill.
     min_long_prefill_chunk: int = 32

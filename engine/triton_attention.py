@@ -33,8 +33,10 @@ if available():
     import triton
     import triton.language as tl
 
+    # Triton reads a kernel's annotations itself (tl.constexpr, pointer dtypes), so the tensor
+    # arguments stay unannotated for mypy.
     @triton.jit
-    def _paged_decode_kernel(
+    def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         q_ptr,  # [D, H, head_dim]
         k_ptr,  # [KV, num_blocks, block_size, head_dim], contiguous
         v_ptr,

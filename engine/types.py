@@ -58,7 +58,7 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings. Validated on construction (ValueError names the field)."""
+    """Per-request sampling settings. Validated on construction (InvalidRequestError names the field)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -79,21 +79,25 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
-        checks: list[tuple[bool, str]] = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (0.0 <= self.temperature <= 2.0 + 1e-9, "temperature must be in [0, 2]"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= -1, "top_k must be -1, 0 or positive"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
-            (1 <= self.n <= 128, "n must be in [1, 128]"),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
+        checks: list[tuple[bool, str, str]] = [
+            (self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
+            (0.0 <= self.temperature <= 2.0 + 1e-9, "temperature", "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "top_k must be -1, 0 or positive"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs", "top_logprobs must be in [0, 20]"),
+            (1 <= self.n <= 128, "n", "n must be in [1, 128]"),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidRequestError(message, param=param)
 
     @property
     def greedy(self) -> bool:
@@ -156,6 +160,26 @@ class EngineError(Exception):
     """Base of the engine's error family. `code` is stable and mapped to HTTP by the gateway."""
 
     code = "engine_error"
+
+
+class InvalidRequestError(EngineError):
+    """The request itself is malformed (an empty prompt, a token id outside the vocabulary, a
+    sampling setting out of range); the message says what. `param`, when set, names the offending
+    SamplingParams field (the OpenAI field of the same name)."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class DuplicateRequestError(EngineError):
+    """A request id already in the engine (or the embedding queue). The caller chooses the ids
+    (the gateway generates them), so this is the caller's bug; the gateway leaves the code unmapped
+    and answers a generic 500."""
+
+    code = "duplicate_request_id"
 
 
 class PromptTooLongError(EngineError):

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.types import EngineError, EngineOverloadedError
+from engine.types import EngineError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ ENGINE_ERROR_KINDS: dict[str, ErrorKind] = {
     "engine_unavailable": ErrorKind.UNAVAILABLE,
     "generation_failed": ErrorKind.GENERATION_FAILED,
     "invalid_grammar": ErrorKind.INVALID_REQUEST,
+    "invalid_request": ErrorKind.INVALID_REQUEST,
 }
 
 # Starlette raises HTTPException for routing and protocol problems; these are the ones it raises.
@@ -171,7 +172,11 @@ def from_engine_error(exc: EngineError, *, param: str | None = None) -> APIError
     retry_after = exc.retry_after_s if isinstance(exc, EngineOverloadedError) else None
     if kind is ErrorKind.UNAVAILABLE and retry_after is None:
         retry_after = 5.0
-    if kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED:
+    if isinstance(exc, InvalidRequestError):
+        # The engine's own check of the request (e.g. a token id outside the vocabulary): the
+        # field it names, else the caller's (the prompt's field).
+        param = exc.param or param
+    elif kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED:
         param = None
     return APIError(kind, str(exc) or kind.value, param=param, retry_after_s=retry_after)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import DEFAULT_TARGET_ITL_MS, EngineConfig
+from engine.config import BATCHING_MODES, DTYPES, KERNELS, QUANTIZATIONS, EngineConfig
 from engine.embeddings.batcher import BatchLimits
 
 ENV_PREFIX = "BATCHGATE_"
@@ -96,32 +96,39 @@ class Settings:
 
     host: str = _opt("127.0.0.1", _str, "address to bind")
     port: int = _opt(8000, _int, "port to bind")
+    # The engine's settings default to EngineConfig's fields (engine/config.py), their one place.
     model: str | None = _opt(
-        None,
+        EngineConfig.model,
         _str,
         "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M), or none (no chat "
         "model: an embedding-only replica)",
     )
-    served_model_name: str | None = _opt(None, _str, "the model id clients send and /v1/models lists")
-    dtype: str = _opt(
-        "auto", _str, "weights and KV dtype", choices=("auto", "bfloat16", "float16", "float32")
+    served_model_name: str | None = _opt(
+        EngineConfig.served_model_name, _str, "the model id clients send and /v1/models lists"
     )
-    device: str = _opt("auto", _str, "auto, cpu or cuda[:N]")
-    block_size: int = _opt(16, _int, "tokens per KV-cache block (a power of two)")
+    dtype: str = _opt(EngineConfig.dtype, _str, "weights and KV dtype", choices=DTYPES)
+    device: str = _opt(EngineConfig.device, _str, "auto, cpu or cuda[:N]")
+    block_size: int = _opt(EngineConfig.block_size, _int, "tokens per KV-cache block (a power of two)")
     kv_cache_memory_bytes: int | None = _opt(
-        None,
+        EngineConfig.kv_cache_memory_bytes,
         parse_bytes,
         "KV-cache size, e.g. 2GiB (default: a fraction of free memory)",
         flag="--kv-cache-memory",
     )
-    max_num_seqs: int = _opt(64, _int, "most sequences in one batch")
-    max_num_batched_tokens: int = _opt(512, _int, "token budget of one engine step")
-    max_model_len: int | None = _opt(None, _int, "context length (default: the model's, capped by KV memory)")
+    max_num_seqs: int = _opt(EngineConfig.max_num_seqs, _int, "most sequences in one batch")
+    max_num_batched_tokens: int = _opt(
+        EngineConfig.max_num_batched_tokens, _int, "token budget of one engine step"
+    )
+    max_model_len: int | None = _opt(
+        EngineConfig.max_model_len, _int, "context length (default: the model's, capped by KV memory)"
+    )
     kv_cache_memory_fraction: float = _opt(
-        0.3, _float, "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given"
+        EngineConfig.kv_cache_memory_fraction,
+        _float,
+        "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given",
     )
     queue_deadline_s: float | None = _opt(
-        None,
+        EngineConfig.default_queue_deadline_s,
         _float,
         "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
         flag="--queue-deadline",
@@ -133,19 +140,23 @@ class Settings:
         "the orchestrator restarts the process",
         flag="--engine-stall-timeout",
     )
-    num_threads: int | None = _opt(None, _int, "torch CPU threads (default: torch's choice)")
+    num_threads: int | None = _opt(
+        EngineConfig.num_threads, _int, "torch CPU threads (default: torch's choice)"
+    )
     quantization: str = _opt(
-        "auto",
+        EngineConfig.quantization,
         _str,
         "int4 weights for small decode steps (CPU, bf16): int4, none, or auto (for a Q4_1 GGUF)",
-        choices=("auto", "none", "int4"),
+        choices=QUANTIZATIONS,
     )
-    int4_max_batch: int = _opt(8, _int, "largest step (tokens) that runs on the int4 weights")
+    int4_max_batch: int = _opt(
+        EngineConfig.int4_max_batch, _int, "largest step (tokens) that runs on the int4 weights"
+    )
     kernels: str = _opt(
-        "auto",
+        EngineConfig.kernels,
         _str,
         "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
-        choices=("auto", "native", "torch"),
+        choices=KERNELS,
     )
     tensor_parallel_size: int = _opt(
         EngineConfig.tensor_parallel_size,
@@ -161,18 +172,20 @@ class Settings:
         choices=("tenant", "global", "off"),
     )
     batching: str = _opt(
-        "continuous", _str, "continuous batching, or static (the baseline)", choices=("continuous", "static")
+        EngineConfig.batching, _str, "continuous batching, or static (the baseline)", choices=BATCHING_MODES
     )
     length_buckets: tuple[int, ...] = _opt(
-        (256, 1024, 4096),
+        EngineConfig.length_buckets,
         _int_list,
         "prompt-length bucket boundaries taking turns at prefill, e.g. 256,1024,4096 ('' or 0: off)",
     )
     long_prefill_share: float = _opt(
-        0.5, _float, "most of a step's token budget one long prompt may take while shorter ones wait"
+        EngineConfig.long_prefill_share,
+        _float,
+        "most of a step's token budget one long prompt may take while shorter ones wait",
     )
     target_itl_ms: float = _opt(
-        DEFAULT_TARGET_ITL_MS,
+        EngineConfig.target_itl_ms,
         _float,
         "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
         "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "

@@ -9,14 +9,17 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
 from gateway import tools as tool_prompt
 from gateway.errors import invalid_request
 from gateway.protocol import ChatMessage, Tool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @functools.cache
@@ -36,7 +39,7 @@ def _byte_decoder() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
+def _is_byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
     try:
         decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
     except (AttributeError, ValueError, TypeError):
@@ -57,7 +60,7 @@ class Tokenizer:
     `bytes:\\xe2\\x80`, as OpenAI does).
     """
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
         self.hf = hf_tokenizer
         self.vocab_size = len(hf_tokenizer)
         self._byte_level = _is_byte_level(hf_tokenizer)
@@ -67,10 +70,14 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
         """`messages` (and the `tools` shown to the model, gateway/tools.py) rendered and encoded."""
         conversation, template_tools = tool_prompt.conversation(messages, tools, self.renders_tools)
+        # the template takes JSON schemas or functions; ours are schemas (a list is invariant)
+        schemas: list[dict[Any, Any] | Callable[..., Any]] | None = (
+            None if template_tools is None else list(template_tools)
+        )
         try:
             ids = self.hf.apply_chat_template(
                 conversation,
-                tools=template_tools,
+                tools=schemas,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,

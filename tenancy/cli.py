@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 from tenancy.config import load_config
 from tenancy.errors import TenancyError, UnknownTenantError
@@ -122,7 +122,7 @@ def usage(redis_url: str, *, as_json: bool = False, out: TextIO | None = None) -
     return totals
 
 
-def add_subcommands(subparsers: Any) -> None:
+def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``keys`` and ``usage`` to the ``add_subparsers()`` object of the gateway's parser."""
     redis_default = os.environ.get(REDIS_URL_ENV)
     redis_help = f"Redis URL (default: ${REDIS_URL_ENV})"

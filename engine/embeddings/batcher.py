@@ -38,10 +38,12 @@ from typing import Protocol
 
 from engine.admission import DEADLINE_MARGIN
 from engine.types import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
     GenerationFailedError,
+    InvalidRequestError,
     Priority,
 )
 
@@ -168,11 +170,12 @@ class BatchPolicy:
 
     def add(self, request: EmbeddingRequest, now: float) -> None:
         """Queue the request's inputs, or raise EngineOverloadedError when it could not start
-        before its queue deadline (ValueError for a request id already queued, or no inputs)."""
+        before its queue deadline (DuplicateRequestError for a request id already queued,
+        InvalidRequestError for no inputs or an empty one)."""
         if request.request_id in self._requests:
-            raise ValueError(f"request_id {request.request_id!r} is already queued")
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already queued")
         if not request.inputs or any(not ids for ids in request.inputs):
-            raise ValueError("every input must hold at least one token")
+            raise InvalidRequestError("every input must hold at least one token")
         deadline = request.queue_deadline_s
         if deadline is not None:
             wait = self.estimate_wait_s(request.priority, now)

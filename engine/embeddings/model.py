@@ -20,7 +20,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.loader import TRANSFORMERS_LOCK
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +271,7 @@ class EmbeddingModel:
         self,
         name: str,
         encoder: BertEncoder,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         pooling: Pooling,
         max_input_tokens: int,
         device: torch.device,

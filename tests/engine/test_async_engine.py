@@ -14,11 +14,13 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.types import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineHealth,
     EngineOverloadedError,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     Priority,
     PromptTooLongError,
     SamplingParams,
@@ -106,6 +108,20 @@ async def test_concurrent_requests_and_a_responsive_loop(engine: AsyncEngine) ->
 async def test_submit_raises_at_once_for_a_too_long_prompt(engine: AsyncEngine) -> None:
     with pytest.raises(PromptTooLongError):
         engine.submit(GenerationRequest("long", [1] * 10, SamplingParams(max_tokens=engine.max_model_len)))
+
+
+async def test_submit_raises_typed_errors_for_a_bad_request(engine: AsyncEngine) -> None:
+    vocab = engine.engine.spec.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"prompt token ids must be in \[0, {vocab}\)") as bad:
+        engine.submit(GenerationRequest("vocab", [vocab], SamplingParams(max_tokens=2)))
+    assert bad.value.code == "invalid_request"
+    with pytest.raises(InvalidRequestError, match="at least one token"):
+        engine.submit(GenerationRequest("empty", [], SamplingParams(max_tokens=2)))
+    stream = engine.submit(GenerationRequest("dup", [3] * 4, SamplingParams(max_tokens=2, ignore_eos=True)))
+    with pytest.raises(DuplicateRequestError, match="'dup' is already in the engine"):
+        engine.submit(GenerationRequest("dup", [3] * 4, SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert [o.finish_reason for o in [o async for o in stream]][-1] == FinishReason.LENGTH
+    await wait_idle(engine)
 
 
 async def test_shutdown_fails_pending_requests(tiny_model_dir: Path) -> None:

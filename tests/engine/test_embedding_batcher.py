@@ -15,7 +15,13 @@ from engine.embeddings.batcher import (
     EmbeddingBatcher,
     EmbeddingRequest,
 )
-from engine.types import EngineOverloadedError, GenerationFailedError, Priority
+from engine.types import (
+    DuplicateRequestError,
+    EngineOverloadedError,
+    GenerationFailedError,
+    InvalidRequestError,
+    Priority,
+)
 
 
 def req(
@@ -46,6 +52,19 @@ def test_a_lone_request_at_an_idle_model_runs_at_once() -> None:
     policy.add(req("a", 5), now=0.0)
     batch = policy.next_batch(now=0.0)  # no waiting for company
     assert batch is not None and batch.request_ids() == ["a"]
+
+
+def test_a_malformed_or_repeated_request_is_a_typed_error() -> None:
+    policy = BatchPolicy(BatchLimits())
+    with pytest.raises(InvalidRequestError, match="every input must hold at least one token") as bad:
+        policy.add(EmbeddingRequest("empty", ((5, 7), ()), Priority.PAID, None), now=0.0)
+    assert bad.value.code == "invalid_request"
+    with pytest.raises(InvalidRequestError):
+        policy.add(EmbeddingRequest("none", (), Priority.PAID, None), now=0.0)
+    policy.add(req("a", 3), now=0.0)
+    with pytest.raises(DuplicateRequestError, match="'a' is already queued"):
+        policy.add(req("a", 3), now=0.0)
+    assert policy.num_queued_inputs == 1
 
 
 def test_inputs_arriving_while_busy_wait_for_the_limit_then_close() -> None:

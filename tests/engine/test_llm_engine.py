@@ -11,9 +11,11 @@ from engine.admission import ServiceMeter
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.types import (
+    DuplicateRequestError,
     EngineOverloadedError,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     Priority,
     PromptTooLongError,
     SamplingParams,
@@ -147,12 +149,23 @@ def test_validation_errors(engine: LLMEngine) -> None:
     with pytest.raises(PromptTooLongError) as info:
         engine.add_request(GenerationRequest("long", [5] * 10, greedy(engine.max_model_len)))
     assert str(engine.max_model_len) in str(info.value) and str(engine.max_model_len + 10) in str(info.value)
-    with pytest.raises(ValueError, match="at least one token"):
+    # A malformed request is a typed EngineError with a stable code, never a bare ValueError.
+    with pytest.raises(InvalidRequestError, match="at least one token") as bad:
         engine.add_request(GenerationRequest("empty", [], greedy(4)))
-    with pytest.raises(ValueError, match="token ids"):
+    assert bad.value.code == "invalid_request" and not isinstance(bad.value, ValueError)
+    with pytest.raises(InvalidRequestError, match=r"prompt token ids must be in \[0, "):
         engine.add_request(GenerationRequest("vocab", [10**9], greedy(4)))
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(InvalidRequestError, match="logit_bias token ids") as bad:
+        engine.add_request(GenerationRequest("bias", [5], greedy(4, logit_bias={10**9: 1.0})))
+    assert bad.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError, match="max_tokens must be >= 1") as bad:
         SamplingParams(max_tokens=0)
+    assert bad.value.param == "max_tokens"
+    engine.add_request(GenerationRequest("twice", [5] * 4, greedy(4)))
+    with pytest.raises(DuplicateRequestError, match="'twice' is already in the engine") as dup:
+        engine.add_request(GenerationRequest("twice", [5] * 4, greedy(4)))
+    assert dup.value.code == "duplicate_request_id"
+    engine.abort_request("twice")
     assert_idle(engine)
 
 

@@ -10,6 +10,7 @@ import pytest
 from engine.types import (
     EngineDeadError,
     EngineOverloadedError,
+    InvalidRequestError,
     Priority,
     PromptTooLongError,
 )
@@ -264,6 +265,7 @@ async def test_refusal_before_first_byte_is_a_status(
         (EngineOverloadedError("busy", retry_after_s=1), 503, "server_overloaded"),
         (EngineDeadError("the engine stopped"), 503, "engine_unavailable"),
         (ValueError("prompt token ids must be in [0, 100)"), 400, None),
+        (InvalidRequestError("prompt token ids must be in [0, 100)"), 400, None),
     ],
 )
 async def test_submit_errors_map_through_the_table(

@@ -6,10 +6,12 @@ import httpx
 import pytest
 
 from engine.types import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
     GenerationFailedError,
+    InvalidRequestError,
     PromptTooLongError,
 )
 from gateway.errors import ENGINE_ERROR_KINDS, ERROR_TABLE, APIError, ErrorKind, from_engine_error
@@ -52,14 +54,36 @@ def test_table_statuses() -> None:
         (EngineOverloadedError("busy", retry_after_s=7.5), 503, "server_overloaded", "8"),
         (EngineDeadError("dead"), 503, "engine_unavailable", "5"),
         (GenerationFailedError("boom"), 500, "generation_failed", None),
+        # OpenAI's invalid_request_error carries no code
+        (InvalidRequestError("prompt token ids must be in [0, 100)"), 400, None, None),
     ],
 )
-def test_engine_errors_by_code(error: EngineError, status: int, code: str, retry_after: str | None) -> None:
+def test_engine_errors_by_code(
+    error: EngineError, status: int, code: str | None, retry_after: str | None
+) -> None:
     api = from_engine_error(error, param="messages")
     assert (api.status, api.body()["error"]["code"]) == (status, code)
     assert api.response_headers().get("Retry-After") == retry_after
     assert api.body()["error"]["param"] == ("messages" if status == 400 else None)
     assert error.code in ENGINE_ERROR_KINDS
+
+
+def test_an_invalid_request_keeps_its_message_and_names_its_field() -> None:
+    error = InvalidRequestError("logit_bias token ids must be in [0, 100)", param="logit_bias")
+    api = from_engine_error(error, param="prompt")
+    assert api.body()["error"] == {
+        "message": "logit_bias token ids must be in [0, 100)",
+        "type": "invalid_request_error",
+        "param": "logit_bias",
+        "code": None,
+    }
+    unnamed = from_engine_error(InvalidRequestError("empty"), param="prompt")
+    assert unnamed.body()["error"]["param"] == "prompt"
+
+
+def test_a_duplicate_request_id_is_our_bug() -> None:
+    api = from_engine_error(DuplicateRequestError("request_id 'x' is already in the engine"))
+    assert api.kind is ErrorKind.INTERNAL and "already" not in api.body()["error"]["message"]
 
 
 def test_unmapped_engine_code_is_internal() -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from engine.config import EngineConfig
+from engine.scheduler import SchedulerConfig
 from gateway import cli
 from gateway.settings import DEFAULT_MAX_BODY_BYTES, Settings, option_specs, parse_bytes
 
@@ -45,6 +49,15 @@ def test_defaults() -> None:
     assert s.engine_stall_timeout_s == 60.0
     assert s.drain_timeout_s == 60.0
     assert Settings.load({}, {"BATCHGATE_DRAIN_TIMEOUT": "2.5"}).drain_timeout_s == 2.5
+
+
+def test_engine_defaults_have_one_source() -> None:
+    # Unset flags give exactly EngineConfig's defaults, and the scheduler starts from the same ones.
+    assert Settings.load({}, {}).engine_config() == EngineConfig()
+    engine = EngineConfig()
+    for f in dataclasses.fields(SchedulerConfig):
+        if hasattr(engine, f.name):
+            assert getattr(SchedulerConfig(), f.name) == getattr(engine, f.name), f.name
 
 
 def test_flag_over_env_over_default() -> None:
