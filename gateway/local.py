@@ -24,7 +24,7 @@ import anyio
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from gateway import generation, protocol, tools
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
-from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
+from gateway.errors import APIError, ErrorKind, from_engine_error
 from gateway.metrics import Metrics, TimedStream
 from gateway.settings import Settings
 from gateway.tokens import Tokenizer
@@ -271,12 +271,10 @@ class EngineBackend:
                     cache_salt=caller.cache_salt if self.settings.prefix_caching == "tenant" else "",
                 )
                 streams.append((i * params.n, TimedStream(engine.submit(request), self.metrics, call.span)))
-        except (EngineError, ValueError) as exc:
+        except EngineError as exc:
             # Submitted streams are closed with the call (below); the rest never opened.
             outputs = generation.Outputs(streams)
             call.on_close(outputs.aclose)
-            if isinstance(exc, ValueError):  # the engine's own validation (a token id outside the vocabulary)
-                raise invalid_request(str(exc), param=param) from None
             error = from_engine_error(exc, param=param)
             if error.kind is ErrorKind.OVERLOADED:
                 error.refusal = None  # the engine counts its own deadline refusals
