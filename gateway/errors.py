@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.types import EngineError, EngineOverloadedError, InvalidRequestError
+from gateway.schemas import Error
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class APIError(Exception):
     def status(self) -> int:
         return self.spec.status
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> Error:
         """The OpenAI error object, also used as the payload of an SSE error event."""
         spec = self.spec
         return {
@@ -189,7 +190,7 @@ def from_http_exception(exc: HTTPException) -> APIError:
     return APIError(kind, str(exc.detail), headers=headers)
 
 
-def json_error(kind: ErrorKind, message: str) -> dict[str, Any]:
+def json_error(kind: ErrorKind, message: str) -> Error:
     return APIError(kind, message).body()
 
 

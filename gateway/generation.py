@@ -16,12 +16,12 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import anyio
 
 from engine.types import EngineError, FinishReason, RequestOutput
-from gateway import responses, tools
+from gateway import responses, schemas, tools
 from gateway.errors import APIError, ErrorKind, from_engine_error, sse_error_event
 from gateway.sse import DONE, encode_event
 from gateway.tokens import Tokenizer
@@ -29,6 +29,8 @@ from gateway.tokens import Tokenizer
 logger = logging.getLogger(__name__)
 
 Item = tuple[int, RequestOutput]
+
+_Reason = TypeVar("_Reason", bound=schemas.ChatFinishReason | None)
 
 
 class Outputs:
@@ -174,7 +176,7 @@ async def gather(outputs: Outputs, job: Job) -> list[responses.Choice]:
     return choices
 
 
-def chat_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
+def chat_body(job: Job, choices: Sequence[responses.Choice]) -> schemas.ChatCompletion:
     """The `chat.completion` object for gathered choices."""
     body = responses.chat_completion(
         request_id=job.request_id,
@@ -188,19 +190,20 @@ def chat_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
     )
     if job.parse_tool_calls:
         for choice in body["choices"]:
-            content, calls = tools.parse_message(choice["message"]["content"])
+            content, calls = tools.parse_message(choice["message"]["content"] or "")
             if calls:
-                choice["message"].update(content=content, tool_calls=calls)
+                choice["message"]["content"] = content
+                choice["message"]["tool_calls"] = calls
                 choice["finish_reason"] = _with_calls(choice["finish_reason"], len(calls))
     return body
 
 
-def _with_calls(finish_reason: str | None, num_calls: int) -> str | None:
+def _with_calls(finish_reason: _Reason, num_calls: int) -> _Reason | Literal["tool_calls"]:
     """A choice that stopped after calling tools finished with "tool_calls", as OpenAI's do."""
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
-def completion_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, Any]:
+def completion_body(job: Job, choices: Sequence[responses.Choice]) -> schemas.Completion:
     """The `text_completion` object for gathered choices."""
     return responses.text_completion(
         request_id=job.request_id,
@@ -224,16 +227,16 @@ def completion_body(job: Job, choices: Sequence[responses.Choice]) -> dict[str, 
     )
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
-    return out.finish_reason.value if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
+    then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
+    started = [False] * job.num_choices
+    num_output_tokens = [0] * job.num_choices
+    parsers = [tools.ToolCallParser() for _ in range(job.num_choices)] if job.parse_tool_calls else None
 
-
-def _chunk_encoder(job: Job, build: Callable[..., dict[str, Any]]) -> Callable[..., bytes]:
-    """An SSE encoder of one stream's chunks: `build` is the chunk shape (chat or completion)."""
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+    def chunk(choices: list[schemas.ChatCompletionChunkChoice], usage: schemas.Usage | None = None) -> bytes:
         return encode_event(
-            build(
+            responses.chat_chunk(
                 request_id=job.request_id,
                 created=job.created,
                 model=job.model,
@@ -242,18 +245,6 @@ def _chunk_encoder(job: Job, build: Callable[..., dict[str, Any]]) -> Callable[.
                 usage_=usage,
             )
         )
-
-    return chunk
-
-
-async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
-    """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
-    then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
-    started = [False] * job.num_choices
-    num_output_tokens = [0] * job.num_choices
-    parsers = [tools.ToolCallParser() for _ in range(job.num_choices)] if job.parse_tool_calls else None
-
-    chunk = _chunk_encoder(job, responses.chat_chunk)
 
     try:
         async for index, out in outputs:
@@ -270,6 +261,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
             job.observe(out)
             job.on_usage(sum(num_output_tokens))
             logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
+            deltas: list[schemas.ChatCompletionDelta]
             if parsers is None:
                 deltas = [{"content": out.new_text}] if out.new_text else []
             else:  # text and tool-call deltas, as OpenAI streams them
@@ -279,7 +271,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
             for k, delta in enumerate(deltas):
                 yield chunk([responses.chat_delta(index, delta, logprobs=logprobs if k == 0 else None)])
             if out.finished:
-                reason = _finish_reason(out)
+                reason: schemas.ChatFinishReason | None = responses.finish_reason_of(out)
                 if parsers is not None:
                     reason = _with_calls(reason, parsers[index].num_calls)
                 yield chunk([responses.chat_delta(index, {}, finish_reason=reason)])
@@ -299,7 +291,17 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     text_offsets = [len(p) for p in job.echo_prefixes] if job.echo_prefixes else [0] * job.num_choices
     num_output_tokens = [0] * job.num_choices
 
-    chunk = _chunk_encoder(job, responses.text_completion)
+    def chunk(choices: list[schemas.CompletionChoice], usage: schemas.Usage | None = None) -> bytes:
+        return encode_event(
+            responses.text_completion(
+                request_id=job.request_id,
+                created=job.created,
+                model=job.model,
+                choices=choices,
+                include_usage=job.include_usage,
+                usage_=usage,
+            )
+        )
 
     try:
         async for index, out in outputs:
@@ -322,7 +324,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                 yield chunk(
                     [
                         responses.completion_choice(
-                            index, text, finish_reason=_finish_reason(out), logprobs=logprobs
+                            index, text, finish_reason=responses.finish_reason_of(out), logprobs=logprobs
                         )
                     ]
                 )

@@ -35,6 +35,7 @@ from engine.grammar import bound_numbers
 from engine.types import GrammarError, GrammarSpec
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from gateway.schemas import ChatCompletionDelta, MessageToolCall, ToolCallDelta
 
 # Calls in one turn, at most: a small model, once it has called, may go on repeating the call until
 # max_tokens (SmolLM2-135M does, greedy); the grammar ends the turn after this many instead.
@@ -209,16 +210,16 @@ class ToolCallParser:
     _args_sent: int = 0
     _ids: list[str] = field(default_factory=list)
 
-    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+    def feed(self, text: str, final: bool = False) -> list[ChatCompletionDelta]:
         self._buffer += text
-        deltas: list[dict[str, Any]] = []
+        deltas: list[ChatCompletionDelta] = []
         while True:
             step = self._call_step(final) if self._in_call else self._text_step(final)
             if step is None:
                 return deltas
             deltas.extend(step)
 
-    def _text_step(self, final: bool) -> list[dict[str, Any]] | None:
+    def _text_step(self, final: bool) -> list[ChatCompletionDelta] | None:
         start = self._buffer.find(TOOL_CALL_OPEN)
         if start >= 0:
             before, self._buffer = self._buffer[:start], self._buffer[start + len(TOOL_CALL_OPEN) :]
@@ -232,13 +233,13 @@ class ToolCallParser:
         deltas = self._content(emit)
         return None if not deltas else deltas + (self._text_step(final) or [])
 
-    def _content(self, text: str) -> list[dict[str, Any]]:
+    def _content(self, text: str) -> list[ChatCompletionDelta]:
         if not text or (self.num_calls and not text.strip()):
             return []
         return [{"content": text}]
 
-    def _call_step(self, final: bool) -> list[dict[str, Any]] | None:
-        deltas: list[dict[str, Any]] = []
+    def _call_step(self, final: bool) -> list[ChatCompletionDelta] | None:
+        deltas: list[ChatCompletionDelta] = []
         if self._args_start < 0:
             head = _CALL_HEAD.match(self._buffer)
             if head is None:
@@ -250,11 +251,13 @@ class ToolCallParser:
             call_id = new_call_id()
             self._ids.append(call_id)
             name = json.loads(f'"{head.group(1)}"')
-            deltas.append(
-                _call_delta(
-                    self.num_calls, id=call_id, type="function", function={"name": name, "arguments": ""}
-                )
-            )
+            head_delta: ToolCallDelta = {
+                "index": self.num_calls,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+            deltas.append({"tool_calls": [head_delta]})
             self._args_start = self._args_sent = head.end()
         end = self._buffer.find(TOOL_CALL_CLOSE, self._args_start)
         if end >= 0 or final:
@@ -273,12 +276,8 @@ class ToolCallParser:
             self._args_sent = last_brace
         return deltas or None
 
-    def _args_delta(self, fragment: str) -> dict[str, Any]:
-        return _call_delta(self.num_calls, function={"arguments": fragment})
-
-
-def _call_delta(index: int, **fields: Any) -> dict[str, Any]:
-    return {"tool_calls": [{"index": index, **fields}]}
+    def _args_delta(self, fragment: str) -> ChatCompletionDelta:
+        return {"tool_calls": [{"index": self.num_calls, "function": {"arguments": fragment}}]}
 
 
 def _partial_suffix(text: str, token: str) -> int:
@@ -289,21 +288,28 @@ def _partial_suffix(text: str, token: str) -> int:
     return 0
 
 
-def parse_message(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_message(text: str) -> tuple[str | None, list[MessageToolCall]]:
     """A whole output -> (content or None, OpenAI `tool_calls`); the same parser as the stream, so
     a streamed response assembles to exactly the non-streamed one."""
     parser = ToolCallParser()
     content: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[MessageToolCall] = []
     for delta in parser.feed(text, final=True):
         if "content" in delta:
-            content.append(delta["content"])
+            content.append(delta["content"] or "")
             continue
         for part in delta["tool_calls"]:
+            function = part["function"]
             if part["index"] == len(calls):
-                calls.append({"id": part["id"], "type": "function", "function": dict(part["function"])})
+                calls.append(
+                    {
+                        "id": part["id"],
+                        "type": "function",
+                        "function": {"name": function["name"], "arguments": function["arguments"]},
+                    }
+                )
             else:
-                calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+                calls[part["index"]]["function"]["arguments"] += function["arguments"]
     text_out = "".join(content)
     return (text_out if text_out.strip() or not calls else None), calls
 

@@ -7,10 +7,13 @@ from typing import Any
 import jsonschema
 import pytest
 import schemathesis
+from typing_extensions import is_typeddict
 
-from gateway.errors import APIError
-from gateway.openapi import build_openapi
+from gateway import responses, schemas
+from gateway.errors import APIError, ErrorKind
+from gateway.openapi import REQUEST_TYPES, build_openapi
 from gateway.protocol import parse_chat_request, parse_completion_request
+from gateway.tools import ToolCallParser, parse_message
 
 MODEL = "m"
 MSG = [{"role": "user", "content": "hi"}]
@@ -47,6 +50,145 @@ def test_schemathesis_loads_every_operation() -> None:
         "GET /health",
         "GET /ready",
     }
+
+
+def test_generate_is_an_alias_of_completions() -> None:
+    doc = build_openapi(MODEL, generate=True)
+    assert (
+        doc["paths"]["/v1/generate"]["post"]["requestBody"]
+        == doc["paths"]["/v1/completions"]["post"]["requestBody"]
+    )
+    assert (
+        doc["paths"]["/v1/generate"]["post"]["responses"]
+        == doc["paths"]["/v1/completions"]["post"]["responses"]
+    )
+    labels = {result.ok().label for result in schemathesis.openapi.from_dict(doc).get_all_operations()}
+    assert "POST /v1/generate" in labels
+    assert "/v1/generate" not in build_openapi(MODEL)["paths"]
+
+
+def _typed_dicts() -> set[str]:
+    return {
+        name
+        for name, value in vars(schemas).items()
+        if is_typeddict(value) and value.__module__ == schemas.__name__
+    }
+
+
+def test_every_schema_is_generated_from_a_class() -> None:
+    """No hand-written shape: each component is a request model or a typed dict of gateway/schemas.py
+    (the ones the builders return), named after its class, and every response the document names
+    is one of them."""
+    components = build_openapi(MODEL)["components"]["schemas"]
+    assert all(c["title"] == name for name, c in components.items())
+    assert len(_typed_dicts()) >= 20
+    assert _typed_dicts() <= set(components)
+    request_side = set(components) - _typed_dicts()
+    assert {t.__name__ for t in REQUEST_TYPES} <= request_side
+    refs = {
+        media["schema"].get("$ref", "").rsplit("/", 1)[-1]
+        for path in build_openapi(MODEL, generate=True)["paths"].values()
+        for op in path.values()
+        for response in op["responses"].values()
+        for media in response["content"].values()
+    }
+    assert refs - {""} <= _typed_dicts()
+
+
+def _response_validator(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{name}", "components": build_openapi(MODEL)["components"]}
+    )
+
+
+def _tool_deltas() -> list[schemas.ChatCompletionDelta]:
+    return ToolCallParser().feed('hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', final=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "body"),
+    [
+        ("Model", responses.model_card("m", 1)),
+        ("ModelList", responses.model_list([responses.model_card("m", 1), responses.model_card("e", 2)])),
+        ("CreateEmbeddingResponse", responses.embedding_list("e", [[0.5, -1.0], [2.0, 0.0]], "float", 3)),
+        ("CreateEmbeddingResponse", responses.embedding_list("e", [[0.5, -1.0]], "base64", 1)),
+        ("Error", APIError(ErrorKind.INVALID_REQUEST, "bad n", param="n").body()),
+        ("Error", APIError(ErrorKind.RATE_LIMITED, "slow down").body()),
+        (
+            "ChatCompletionChunk",
+            responses.chat_chunk(
+                request_id="c",
+                created=1,
+                model="m",
+                choices=[responses.chat_delta(0, d) for d in _tool_deltas()],
+                include_usage=True,
+            ),
+        ),
+        (
+            "ChatCompletionChunk",
+            responses.chat_chunk(
+                request_id="c",
+                created=1,
+                model="m",
+                choices=[],
+                include_usage=True,
+                usage_=responses.usage(3, 4, 2),
+            ),
+        ),
+        (
+            "Completion",
+            responses.text_completion(
+                request_id="c",
+                created=1,
+                model="m",
+                choices=[responses.completion_choice(0, "x", finish_reason="length", logprobs=None)],
+                include_usage=False,
+            ),
+        ),
+    ],
+)
+def test_builders_match_the_document(name: str, body: Any) -> None:
+    _response_validator(name).validate(body)
+
+
+def test_a_message_with_tool_calls_matches_the_document() -> None:
+    content, calls = parse_message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls"}
+    body = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice]}
+    _response_validator("ChatCompletion").validate({**body, "usage": responses.usage(1, 2)})
+
+
+_CHOICE = {"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}
+_CHUNK = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [_CHOICE]}
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "valid"),
+    [
+        ("Usage", {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, True),
+        ("Usage", {"prompt_tokens": -1, "completion_tokens": 0, "total_tokens": 0}, False),
+        ("TopLogprob", {"token": "a", "logprob": -1.0, "bytes": [0, 255]}, True),
+        ("TopLogprob", {"token": "a", "logprob": -1.0, "bytes": [256]}, False),
+        ("TopLogprob", {"token": "a", "logprob": -1.0, "bytes": None}, True),
+        ("ChatCompletionChunk", _CHUNK, True),
+        ("ChatCompletionChunk", {**_CHUNK, "object": "chat.completion"}, False),
+        ("ChatCompletionChunk", {**_CHUNK, "choices": [{**_CHOICE, "finish_reason": "abort"}]}, False),
+        ("ChatCompletionChunk", {**_CHUNK, "choices": [{**_CHOICE, "delta": {"text": "x"}}]}, False),
+        ("ToolCallDelta", {"index": 0, "function": {"arguments": "{"}}, True),
+        ("ToolCallDelta", {"index": 0, "name": "f"}, False),
+        (
+            "CompletionChoice",
+            {"index": 0, "text": "", "logprobs": None, "finish_reason": "tool_calls"},
+            False,
+        ),
+        ("Embedding", {"object": "embedding", "index": 0, "embedding": "AAAA"}, True),
+        ("Embedding", {"object": "embedding", "index": 0, "embedding": [1]}, True),
+        ("Embedding", {"object": "embedding", "index": 0, "embedding": None}, False),
+    ],
+)
+def test_response_constraints(name: str, body: Any, valid: bool) -> None:
+    assert _response_validator(name).is_valid(body) == valid
 
 
 def _request_validator(name: str) -> jsonschema.Draft202012Validator:

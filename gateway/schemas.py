@@ -1,0 +1,253 @@
+"""The response shapes, written once: typed dicts the builders return and the OpenAPI document's source.
+
+Each class is a `TypedDict`, so a body is still a plain dict at runtime (a stream builds one per
+token; a model instance would cost a construction and a dump each), while mypy checks every
+builder's dict literal against its shape. gateway/openapi.py turns these classes into the
+document's response components with pydantic (class name = component name, docstring =
+description; `Annotated[..., Field(...)]` metadata becomes JSON Schema keywords such as `minimum`),
+and tests validate real responses and stream chunks against that document.
+
+Optional keys are `NotRequired`; a key that is always sent but may be null is `X | None`.
+`typing_extensions.TypedDict`: pydantic needs it on Python < 3.12.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, NotRequired
+
+from pydantic import ConfigDict, Field, with_config
+from typing_extensions import TypedDict
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Byte = Annotated[int, Field(ge=0, le=255)]
+
+CompletionFinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+# -- usage ------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(TypedDict):
+    """`cached_tokens`: prompt tokens whose K/V came from the prefix cache."""
+
+    cached_tokens: NonNegativeInt
+
+
+class Usage(TypedDict):
+    prompt_tokens: NonNegativeInt
+    completion_tokens: NonNegativeInt
+    total_tokens: NonNegativeInt
+    prompt_tokens_details: NotRequired[PromptTokensDetails]
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[Byte] | None
+
+
+class TokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[Byte] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[TokenLogprob] | None
+    refusal: NotRequired[list[TokenLogprob] | None]
+
+
+class CompletionLogprobs(TypedDict):
+    """The legacy API's parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[NonNegativeInt]
+
+
+# -- tool calls -------------------------------------------------------------------------------
+
+
+class CalledFunction(TypedDict):
+    name: str
+    arguments: Annotated[str, Field(description="the arguments as JSON text")]
+
+
+class MessageToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class FunctionDelta(TypedDict):
+    name: NotRequired[str]
+    arguments: NotRequired[str]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ToolCallDelta(TypedDict):
+    """a streamed call: index, id, type and name first, then argument fragments"""
+
+    index: NonNegativeInt
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: NotRequired[FunctionDelta]
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+
+class ChatCompletionMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: NotRequired[str | None]
+    tool_calls: NotRequired[list[MessageToolCall]]
+
+
+class ChatCompletionChoice(TypedDict):
+    index: NonNegativeInt
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: ChatFinishReason
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: NotRequired[str | None]
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ChatCompletionDelta(TypedDict):
+    """What one chunk adds to a choice's message: the role first, then content or tool-call parts."""
+
+    role: NotRequired[Literal["assistant"]]
+    content: NotRequired[str | None]
+    refusal: NotRequired[str | None]
+    tool_calls: NotRequired[list[ToolCallDelta]]
+
+
+class ChatCompletionChunkChoice(TypedDict):
+    index: NonNegativeInt
+    delta: ChatCompletionDelta
+    logprobs: NotRequired[ChatLogprobs | None]
+    finish_reason: ChatFinishReason | None
+
+
+class ChatCompletionChunk(TypedDict):
+    """With stream_options.include_usage every chunk carries `usage`: null but on the last."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: NotRequired[str | None]
+    choices: list[ChatCompletionChunkChoice]
+    usage: NotRequired[Usage | None]
+
+
+# -- legacy completions -----------------------------------------------------------------------
+
+
+class CompletionChoice(TypedDict):
+    index: NonNegativeInt
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: CompletionFinishReason | None
+
+
+class Completion(TypedDict):
+    """A whole text completion, or one stream chunk of it (`usage` as for chat chunks)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: NotRequired[str | None]
+    choices: list[CompletionChoice]
+    usage: NotRequired[Usage | None]
+
+
+# -- embeddings -------------------------------------------------------------------------------
+
+
+class Embedding(TypedDict):
+    object: Literal["embedding"]
+    index: NonNegativeInt
+    embedding: Annotated[
+        list[float] | str,
+        Field(description="float: the numbers; base64: their little-endian float32 bytes"),
+    ]
+
+
+class EmbeddingUsage(TypedDict):
+    prompt_tokens: NonNegativeInt
+    total_tokens: NonNegativeInt
+
+
+class CreateEmbeddingResponse(TypedDict):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -- models, errors, health -------------------------------------------------------------------
+
+
+class Model(TypedDict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(TypedDict):
+    """OpenAI's error object; also the payload of an SSE error event after a failure mid-stream."""
+
+    error: ErrorDetail
+
+
+class Status(TypedDict):
+    """/health and /ready. `model`: the served model (in process); `upstreams` and `models`: the
+    healthy replicas and the models they serve (proxy); `detail`: why not ready."""
+
+    status: str
+    model: NotRequired[str]
+    detail: NotRequired[str]
+    upstreams: NotRequired[NonNegativeInt]
+    models: NotRequired[list[str]]
+
+
+# The bodies the document names as responses; their nested classes come along as components.
+RESPONSE_TYPES: tuple[type, ...] = (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CreateEmbeddingResponse,
+    ModelList,
+    Model,
+    Error,
+    Status,
+)
