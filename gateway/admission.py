@@ -17,10 +17,14 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.types import Priority
 from gateway.errors import APIError, ErrorKind
+
+if TYPE_CHECKING:
+    from tenancy.config import Tenant
+    from tenancy.service import LeaseHolder, Tenancy
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -37,7 +41,7 @@ class Caller:
     name: str
     priority: Priority = Priority.PAID
     queue_deadline_s: float | None = None
-    tenant: Any = None  # the tenancy.Tenant, when tenancy is on
+    tenant: Tenant | None = None  # when tenancy is on
     plan: str = "open"  # metrics label: "paid", "free" or "open" (never a tenant-chosen string)
     internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
     report_usage: bool = False  # that gateway wants a stream's final usage chunk
@@ -63,7 +67,9 @@ USAGE_HEADER = "x-batchgate-usage"
 
 def _token_matches(token: str | None, headers: Mapping[str, str]) -> bool:
     given = headers.get(INTERNAL_HEADER)
-    return bool(token) and given is not None and hmac.compare_digest(given.encode(), token.encode())
+    if not token or given is None:
+        return False
+    return hmac.compare_digest(given.encode(), token.encode())
 
 
 def check_internal(token: str | None, headers: Mapping[str, str]) -> None:
@@ -99,7 +105,7 @@ def internal_caller(token: str | None, headers: Mapping[str, str], user: str | N
 class Admission:
     """One admitted request's hold on its tenant's limits; `close()` settles it (idempotent)."""
 
-    def __init__(self, holder: Any = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, holder: LeaseHolder | None = None, headers: dict[str, str] | None = None) -> None:
         self._holder = holder
         self.headers = dict(headers or {})  # x-ratelimit-* for the response
 
@@ -121,7 +127,7 @@ def _tenancy_errors() -> tuple[type[BaseException], type[BaseException]]:
     return AuthError, LimiterUnavailableError
 
 
-async def authenticate(tenancy: Any, authorization: str | None, user: str | None) -> Caller:
+async def authenticate(tenancy: Tenancy | None, authorization: str | None, user: str | None) -> Caller:
     """The caller of a request; APIError 401 for a bad key, 503 when the key store is unreachable."""
     if tenancy is None:
         # Open mode: the OpenAI `user` field is the only identity there is; use it for fairness.
@@ -146,11 +152,13 @@ async def authenticate(tenancy: Any, authorization: str | None, user: str | None
 
 
 async def admit(
-    tenancy: Any, caller: Caller, *, num_prompt_tokens: int, max_num_tokens: int, request_id: str
+    tenancy: Tenancy | None, caller: Caller, *, num_prompt_tokens: int, max_num_tokens: int, request_id: str
 ) -> Admission:
     """Reserve the request's tokens; APIError 429 (or 503 when the limiter is unavailable) if refused."""
     if tenancy is None:
         return Admission()
+    if caller.tenant is None:
+        raise RuntimeError("admit() needs an authenticated caller when tenancy is on")
     decision = await tenancy.admit(caller.tenant, num_prompt_tokens, max_num_tokens, request_id)
     if not decision.admitted:
         unavailable = str(getattr(decision.reason, "value", decision.reason)) == "unavailable"
@@ -160,6 +168,7 @@ async def admit(
             headers=decision.headers(),
             retry_after_s=(decision.retry_after_s or 1.0) if unavailable else None,
         )
+    assert decision.lease is not None  # an admitted decision carries its lease
     holder = tenancy.hold(decision.lease)
     await holder.__aenter__()
     # Nothing is recorded yet: a request the engine refuses is refunded whole.
@@ -167,7 +176,7 @@ async def admit(
 
 
 @contextlib.asynccontextmanager
-async def watching(tenancy: Any, interval_s: float = LIMITER_PROBE_INTERVAL_S) -> AsyncIterator[None]:
+async def watching(tenancy: Tenancy | None, interval_s: float = LIMITER_PROBE_INTERVAL_S) -> AsyncIterator[None]:
     """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S);
     nothing without tenancy or without Redis."""
     if tenancy is None or not _uses_redis(tenancy):
@@ -190,7 +199,7 @@ async def watching(tenancy: Any, interval_s: float = LIMITER_PROBE_INTERVAL_S) -
         await asyncio.gather(task, return_exceptions=True)
 
 
-def _uses_redis(tenancy: Any) -> bool:
+def _uses_redis(tenancy: Tenancy) -> bool:
     from tenancy.redis_limiter import RedisLimiter
 
     return isinstance(getattr(tenancy, "limiter", None), RedisLimiter)

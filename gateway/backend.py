@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import anyio
+from starlette.requests import Request
 
 from gateway.admission import Caller
 from gateway.errors import APIError, ErrorKind
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+from gateway.telemetry import ChatSpan
 
-if TYPE_CHECKING:
-    from starlette.requests import Request
-
-    from gateway.embeddings import EmbeddingsRequest
-    from gateway.protocol import ChatCompletionRequest, CompletionRequest
-    from gateway.telemetry import ChatSpan
-
-    APIRequest = ChatCompletionRequest | CompletionRequest | EmbeddingsRequest
+# A parsed request body, as an endpoint's parser returns it.
+APIRequest: TypeAlias = ChatCompletionRequest | CompletionRequest | EmbeddingsRequest
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -117,7 +114,7 @@ class Call:
 class Body:
     """A whole response: `payload` (a JSON object, or bytes relayed as they came), its status."""
 
-    payload: dict[str, Any] | bytes
+    payload: Mapping[str, object] | bytes
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
 

@@ -26,17 +26,20 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
-from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
 
 from engine.embeddings.batcher import BatchLimits, BatchRecord, EmbeddingBatcher, EmbeddingRequest
 from engine.types import EngineError, GenerationFailedError
 from gateway import admission, telemetry
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Task, Work
 from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
-from gateway.protocol import StrictModel, prompt_schema, validation_error
+from gateway.protocol import (
+    MAX_TOKENS_PER_INPUT,
+    MAX_TOKENS_PER_REQUEST,
+    EmbeddingsRequest,
+)
 
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
@@ -44,80 +47,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("batchgate.embeddings")
 
-# OpenAI's limits for /v1/embeddings.
-MAX_INPUTS = 2048
-MAX_TOKENS_PER_INPUT = 8192
-MAX_TOKENS_PER_REQUEST = 300_000
 # Texts longer than this (characters, in all) are tokenized in a worker thread.
 TOKENIZE_INLINE_MAX_CHARS = 4096
 LANGCHAIN_HINT = (
     "Clients that send OpenAI's own token ids instead of text (LangChain's OpenAIEmbeddings does by "
     "default) should send text: in LangChain, pass check_embedding_ctx_length=False."
 )
-
-
-def _input(value: Any) -> Any:
-    """str | list[str] | list[int] | list[list[int]] -> a tuple of inputs (str or token-id tuple)."""
-
-    def is_id(t: Any) -> bool:
-        return (isinstance(t, int) and not isinstance(t, bool)) or (isinstance(t, float) and t.is_integer())
-
-    shape = "must be a string, an array of strings, an array of token ids or an array of token-id arrays"
-    if isinstance(value, str):
-        if not value:
-            raise ValueError("must not be an empty string")
-        return (value,)
-    if not isinstance(value, list) or not value:
-        raise ValueError(shape + " (not empty)")
-    if all(isinstance(v, str) for v in value):
-        if any(not v for v in value):
-            raise ValueError("must not hold an empty string")
-        return tuple(value)
-    if all(is_id(t) for t in value):
-        return (tuple(int(t) for t in value),)
-    if all(isinstance(v, list) and v and all(is_id(t) for t in v) for v in value):
-        return tuple(tuple(int(t) for t in v) for v in value)
-    raise ValueError(shape)
-
-
-def input_schema(vocab_size: int | None = None) -> dict[str, Any]:
-    """JSON schema of `input`; with `vocab_size`, token ids are bounded by it."""
-    return prompt_schema(vocab_size, max_items=MAX_INPUTS)
-
-
-Input = Annotated[tuple[str | tuple[int, ...], ...], BeforeValidator(_input), WithJsonSchema(input_schema())]
-
-
-class EmbeddingsRequest(StrictModel):
-    """OpenAI's create-embeddings body, plus vLLM's `truncate_prompt_tokens`."""
-
-    model: str
-    input: Input
-    encoding_format: Literal["float", "base64"] | None = None
-    dimensions: Annotated[int, Field(ge=1)] | None = None
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-
-
-def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
-    """Validate a decoded JSON body; APIError(400) names the bad field and the limit it breaks."""
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
-    try:
-        req = EmbeddingsRequest.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    if len(req.input) > MAX_INPUTS:
-        raise invalid_request(
-            f"'input' holds {len(req.input)} inputs; at most {MAX_INPUTS} are allowed per request.",
-            param="input",
-        )
-    if req.truncate_prompt_tokens == 0:
-        raise invalid_request(
-            "'truncate_prompt_tokens' must be -1 (the model's window) or a positive token count.",
-            param="truncate_prompt_tokens",
-        )
-    return req
 
 
 # -- the served model ------------------------------------------------------------------------

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from gateway import embeddings, protocol
 from gateway.backend import Endpoint, Task, Work
-from gateway.embeddings import EmbeddingsRequest
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from gateway.telemetry import ChatSpan
 
 
@@ -73,7 +72,7 @@ EMBEDDINGS = Endpoint(
     task=Task.EMBED,
     operation="embeddings",
     id_prefix="emb",
-    parse=embeddings.parse_embeddings_request,
+    parse=protocol.parse_embeddings_request,
     span=_embeddings_span,
 )
 

@@ -17,8 +17,13 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from gateway import schemas as response_schemas
-from gateway.embeddings import EmbeddingsRequest, input_schema
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, prompt_schema
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    input_schema,
+    prompt_schema,
+)
 
 REF = "#/components/schemas/{model}"
 

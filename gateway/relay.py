@@ -148,7 +148,7 @@ class ReplicaBackend:
             max_tokens = (req.requested_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS) * req.num_choices
             max_tokens *= len(prompts)
         else:
-            assert isinstance(req, embeddings.EmbeddingsRequest)
+            assert isinstance(req, protocol.EmbeddingsRequest)
             num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
             max_tokens = 0
 

@@ -79,7 +79,7 @@ def affinity_key(caller: Caller, body: dict[str, Any]) -> bytes:
     if isinstance(messages, list) and messages:
         lead: Any = messages[0]
     else:
-        prompt = body.get("prompt")
+        prompt: Any = body.get("prompt")
         # A batch of prompts (strings or token lists): its first; else the prompt (text or ids).
         batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         lead = prompt[0] if batch else prompt
