@@ -176,7 +176,9 @@ async def admit(
 
 
 @contextlib.asynccontextmanager
-async def watching(tenancy: Tenancy | None, interval_s: float = LIMITER_PROBE_INTERVAL_S) -> AsyncIterator[None]:
+async def watching(
+    tenancy: Tenancy | None, interval_s: float = LIMITER_PROBE_INTERVAL_S
+) -> AsyncIterator[None]:
     """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S);
     nothing without tenancy or without Redis."""
     if tenancy is None or not _uses_redis(tenancy):

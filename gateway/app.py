@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admission, endpoints, telemetry
+from gateway import admission, endpoints, responses, telemetry
 from gateway.backend import Backend, Endpoint
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
@@ -156,7 +156,7 @@ class Gateway:
         cards = self.registry.cards()
         if not cards:
             await self._raise_unless_ready()
-        return JSONResponse({"object": "list", "data": [card.body() for card in cards]})
+        return JSONResponse(responses.model_list([card.body() for card in cards]))
 
     async def _raise_unless_ready(self) -> None:
         for backend in self.backends:
@@ -187,7 +187,7 @@ class Gateway:
         else:
             replica_models = self.replicas.models() if self.replicas is not None else []
             name, vocab_size = (replica_models[0].id if replica_models else None), None
-        return JSONResponse(build_openapi(name, vocab_size, embedding=embedding))
+        return JSONResponse(build_openapi(name, vocab_size, embedding=embedding, generate=True))
 
     # -- internal routes (gateway <-> replica) ---------------------------------------------------
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeAlias
 import anyio
 from starlette.requests import Request
 
+from gateway import responses, schemas
 from gateway.admission import Caller
 from gateway.errors import APIError, ErrorKind
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
@@ -149,8 +150,8 @@ class ModelCard:
     created: int
     task: Task | None = None  # None: a replica's model (the replica knows)
 
-    def body(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "batchgate"}
+    def body(self) -> schemas.Model:
+        return responses.model_card(self.id, self.created)
 
 
 @dataclass(frozen=True)

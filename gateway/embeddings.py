@@ -20,9 +20,7 @@ endpoint, and a replica set (gateway/relay.py) serves proxied embedding models.
 
 from __future__ import annotations
 
-import base64
 import logging
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ import anyio
 
 from engine.embeddings.batcher import BatchLimits, BatchRecord, EmbeddingBatcher, EmbeddingRequest
 from engine.types import EngineError, GenerationFailedError
-from gateway import admission, telemetry
+from gateway import admission, responses, telemetry
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Task, Work
 from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
 from gateway.protocol import (
@@ -117,10 +115,6 @@ class EmbeddingService:
     def shutdown(self) -> None:
         self.batcher.shutdown()
 
-    def card(self, created: int) -> dict[str, Any]:
-        return {"id": self.name, "object": "model", "created": created, "owned_by": "batchgate"}
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A request's inputs as the model takes them, and the tokens that costs."""
@@ -194,27 +188,6 @@ def prepare(req: EmbeddingsRequest, service: EmbeddingService) -> Prepared:
 
 def _where(req: EmbeddingsRequest, i: int) -> str:
     return "'input'" if len(req.input) == 1 else f"'input[{i}]'"
-
-
-def encode_vector(vector: list[float], encoding_format: str | None) -> list[float] | str:
-    """`float`: the numbers; `base64`: their little-endian float32 bytes, as OpenAI sends."""
-    if encoding_format == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-    return vector
-
-
-def response_body(
-    model: str, vectors: tuple[list[float], ...], encoding_format: str | None, num_tokens: int
-) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {"object": "embedding", "index": i, "embedding": encode_vector(v, encoding_format)}
-            for i, v in enumerate(vectors)
-        ],
-        "model": model,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
 
 
 def span(model: str, caller: admission.Caller, req: EmbeddingsRequest) -> telemetry.ChatSpan:
@@ -343,7 +316,7 @@ class EmbeddingBackend:
         except EngineError as exc:
             raise _engine_error(exc, work.request_id) from None
         call.usage.served = True
-        return Body(response_body(work.model, vectors, req.encoding_format, prepared.num_tokens))
+        return Body(responses.embedding_list(work.model, vectors, req.encoding_format, prepared.num_tokens))
 
 
 def _engine_error(exc: EngineError, request_id: str) -> APIError:
