@@ -15,9 +15,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.settings import Settings, option_specs
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from tenancy.service import Tenancy
 
 
 def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -75,7 +79,7 @@ def _tenancy_cli() -> Any:
     return tenancy_cli
 
 
-def build_tenancy(settings: Settings) -> Any | None:
+def build_tenancy(settings: Settings) -> Tenancy | None:
     """A `tenancy.Tenancy` when tenants or Redis are configured; None (open mode) otherwise."""
     if settings.tenants is None and settings.redis_url is None:
         return None
@@ -111,7 +115,7 @@ def _stop_when_engine_fails(engine: Any, stop: Callable[[], None], poll_s: float
     threading.Thread(target=watch, name="batchgate-engine-watch", daemon=True).start()
 
 
-def serve(settings: Settings, tenancy: Any | None) -> int:
+def serve(settings: Settings, tenancy: Tenancy | None) -> int:
     """Serve until SIGTERM/SIGINT, then drain (see gateway/drain.py); the exit status: 0, or 1
     after a tensor-parallel engine failed."""
     import uvicorn
@@ -129,7 +133,7 @@ def serve(settings: Settings, tenancy: Any | None) -> int:
         if server is not None:
             server.should_exit = True
 
-    def engine_factory(settings: Settings) -> Any:
+    def engine_factory(settings: Settings) -> AsyncEngine:
         engine = default_engine_factory(settings)
         if settings.tensor_parallel_size > 1:
             _stop_when_engine_fails(engine, stop_failed)

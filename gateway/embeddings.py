@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -42,6 +42,7 @@ from gateway.protocol import (
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
     from gateway.settings import Settings
+    from tenancy.tokens import TokenCounter
 
 logger = logging.getLogger("batchgate.embeddings")
 
@@ -333,7 +334,7 @@ def _engine_error(exc: EngineError, request_id: str) -> APIError:
 # -- proxy mode --------------------------------------------------------------------------------
 
 
-def count_proxied_tokens(req: EmbeddingsRequest, counter: Any) -> int:
+def count_proxied_tokens(req: EmbeddingsRequest, counter: TokenCounter) -> int:
     """Tokens to admit for a proxied request (the replica reports the exact count, settled after):
     token ids as given, texts with the gateway's counter, plus 2 each for [CLS] and [SEP]."""
     return sum(len(i) if isinstance(i, tuple) else counter.count(i) + 2 for i in req.input)

@@ -49,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.embeddings.batcher import BatchRecord
 from engine.types import StepStage
 from gateway.errors import Refusal
 
@@ -266,7 +267,7 @@ class Metrics:
         if num_out:
             self.tokens.labels("out", plan).inc(num_out)
 
-    def observe_embedding_batch(self, record: Any) -> None:
+    def observe_embedding_batch(self, record: BatchRecord) -> None:
         """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""
         self.embedding_batch_inputs.observe(record.num_inputs)
         self.embedding_batch_tokens.observe(record.num_padded_tokens)

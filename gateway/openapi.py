@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
@@ -24,6 +24,9 @@ from gateway.protocol import (
     input_schema,
     prompt_schema,
 )
+
+if TYPE_CHECKING:
+    from gateway.embeddings import EmbeddingService
 
 REF = "#/components/schemas/{model}"
 
@@ -124,7 +127,7 @@ def build_openapi(
     vocab_size: int | None = None,
     version: str = "0.1.0",
     *,
-    embedding: Any = None,
+    embedding: EmbeddingService | None = None,
     generate: bool = False,
 ) -> dict[str, Any]:
     """The document for a server serving `model_name` (None while the model is loading), whose

@@ -29,13 +29,16 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.grammar import bound_numbers
 from engine.types import GrammarError, GrammarSpec
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from gateway.schemas import ChatCompletionDelta, MessageToolCall, ToolCallDelta
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 # Calls in one turn, at most: a small model, once it has called, may go on repeating the call until
 # max_tokens (SmolLM2-135M does, greedy); the grammar ends the turn after this many instead.
@@ -314,7 +317,7 @@ def parse_message(text: str) -> tuple[str | None, list[MessageToolCall]]:
     return (text_out if text_out.strip() or not calls else None), calls
 
 
-async def compile_checks(engine: Any, plan: OutputPlan) -> None:
+async def compile_checks(engine: AsyncEngine, plan: OutputPlan) -> None:
     """Compile the plan's grammars through the engine's cache (off the event loop and the engine
     thread); APIError 400 naming the field whose schema the grammar engine refuses, and why."""
     if not plan.checks:
