@@ -136,13 +136,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Find the Gateway the app builds, to read its engine's maps.
     holder: dict[str, Any] = {}
-    original = app_module.build_starlette
+    original = app_module.create_app
 
-    def build_and_keep(gateway: Any, internal: Any) -> Any:
-        holder["gateway"] = gateway
-        return original(gateway, internal)
+    def create_and_keep(*args: Any, **kwargs: Any) -> Any:
+        app = original(*args, **kwargs)
+        holder["gateway"] = app.state.gateway
+        return app
 
-    app_module.build_starlette = build_and_keep  # type: ignore[assignment]
+    app_module.create_app = create_and_keep  # type: ignore[assignment]
     baseline = None
     if a.tracemalloc:
         tracemalloc.start(8)

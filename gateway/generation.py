@@ -298,7 +298,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
                 created=job.created,
                 model=job.model,
                 choices=choices,
-                include_usage=job.include_usage,
+                include_usage=job.include_usage or usage is not None,
                 usage_=usage,
             )
         )
