@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -227,6 +227,26 @@ def completion_body(job: Job, choices: Sequence[responses.Choice]) -> schemas.Co
     )
 
 
+def _chunk_encoder(job: Job, build: Callable[..., Mapping[str, object]]) -> Callable[..., bytes]:
+    """An SSE encoder of one stream's chunks; `build` is the chunk's shape (chat or completion).
+    A chunk carries `usage` when the client asked for it (null but on the last), and the last
+    one does when a gateway in front asked for it (`Job.report_usage`)."""
+
+    def chunk(choices: Sequence[Mapping[str, object]], usage: schemas.Usage | None = None) -> bytes:
+        return encode_event(
+            build(
+                request_id=job.request_id,
+                created=job.created,
+                model=job.model,
+                choices=list(choices),
+                include_usage=job.include_usage or usage is not None,
+                usage_=usage,
+            )
+        )
+
+    return chunk
+
+
 async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
     then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
@@ -234,17 +254,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     num_output_tokens = [0] * job.num_choices
     parsers = [tools.ToolCallParser() for _ in range(job.num_choices)] if job.parse_tool_calls else None
 
-    def chunk(choices: list[schemas.ChatCompletionChunkChoice], usage: schemas.Usage | None = None) -> bytes:
-        return encode_event(
-            responses.chat_chunk(
-                request_id=job.request_id,
-                created=job.created,
-                model=job.model,
-                choices=choices,
-                include_usage=job.include_usage or usage is not None,
-                usage_=usage,
-            )
-        )
+    chunk = _chunk_encoder(job, responses.chat_chunk)
 
     try:
         async for index, out in outputs:
@@ -291,17 +301,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     text_offsets = [len(p) for p in job.echo_prefixes] if job.echo_prefixes else [0] * job.num_choices
     num_output_tokens = [0] * job.num_choices
 
-    def chunk(choices: list[schemas.CompletionChoice], usage: schemas.Usage | None = None) -> bytes:
-        return encode_event(
-            responses.text_completion(
-                request_id=job.request_id,
-                created=job.created,
-                model=job.model,
-                choices=choices,
-                include_usage=job.include_usage or usage is not None,
-                usage_=usage,
-            )
-        )
+    chunk = _chunk_encoder(job, responses.text_completion)
 
     try:
         async for index, out in outputs:
