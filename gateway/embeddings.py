@@ -22,15 +22,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import math
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import anyio
+import orjson
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from engine.embeddings.batcher import BatchLimits, BatchRecord, EmbeddingBatcher, EmbeddingRequest
 from engine.types import EngineError, EngineOverloadedError, GenerationFailedError
@@ -277,6 +279,23 @@ def response_body(
     }
 
 
+def json_response(body: dict[str, Any], headers: dict[str, str]) -> Response:
+    """A 200 with `body` encoded by orjson: the stdlib's json spends ~0.15-0.2 ms on the 384 float
+    reprs of one vector, orjson ~0.01 ms (issue 13's 1-client latency). A non-finite number (a
+    faulty model) is refused as Starlette's JSONResponse refuses it, not sent as null."""
+    content = orjson.dumps(body)
+    if b"null" in content and _non_finite(body):  # orjson writes NaN and inf as null
+        raise ValueError("Out of range float values are not JSON compliant")
+    return Response(content, media_type="application/json", headers=headers)
+
+
+def _non_finite(body: dict[str, Any]) -> bool:
+    return any(
+        isinstance(d["embedding"], list) and not all(math.isfinite(x) for x in d["embedding"])
+        for d in body["data"]
+    )
+
+
 def span(model: str, caller: admission.Caller, req: EmbeddingsRequest) -> telemetry.ChatSpan:
     """The `embeddings {model}` span with the GenAI attributes (no sampling parameters)."""
     s = telemetry.ChatSpan(
@@ -404,7 +423,7 @@ class Embeddings:
             num_tokens = prepared.num_tokens
             held.record(num_prompt_tokens=num_tokens, num_completion_tokens=0)
             body = response_body(req.model, vectors, req.encoding_format, num_tokens)
-            return JSONResponse(body, headers={"X-Request-Id": request_id, **held.headers})
+            return json_response(body, headers={"X-Request-Id": request_id, **held.headers})
         except EngineError as exc:
             error = _engine_error(exc, request_id)
             error.headers.update({"X-Request-Id": request_id, **held.headers})
