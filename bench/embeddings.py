@@ -3,6 +3,16 @@
     python -m bench.embeddings                      # batchgate + the offline bound, full sweep
     python -m bench.embeddings --infinity           # + the infinity-emb server (its peer script)
     python -m bench.embeddings --seconds 3 --concurrency 1,16 --inputs 1   # a quick sanity run
+    python -m bench.embeddings latency --url http://127.0.0.1:8000 --lengths 14,102,202   # 1 client
+
+`latency` (issue 13's 1-client target: served latency within 1.2x of one unbatched model call):
+one client, one input per request, per input length (exact token counts, [CLS]/[SEP] included)
+and taking turns in blocks (`--rounds`, so drift on a shared machine hits all alike): each `--url`
+(repeatable, `label=URL` names it; none: a server is started) through httpx and through a bare
+http.client connection (the client's floor), and in this process, with the same torch thread
+count as a default server, the references on the same token ids: our encoder's `embed([ids])`
+(and `tokenize` + `embed`) and sentence-transformers' `encode([text])`. Prints p50/p99 of
+`--requests` calls each and the ratios of each p50 to the two references' p50.
 
 For each server and each (concurrency, inputs per request) in the sweep, a closed loop:
 `concurrency` clients each send a request of `inputs` texts, wait for the answer, send the next,
@@ -29,8 +39,10 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -216,7 +228,166 @@ def plot(points: list[Point], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def exact_text(num_tokens: int) -> str:
+    """A text that tokenizes to exactly `num_tokens` tokens ([CLS] and [SEP] included)."""
+    return next(t for t, _ in make_texts(1, seed=num_tokens, min_tokens=num_tokens, max_tokens=num_tokens))
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    return {"p50_ms": statistics.median(seconds) * 1e3, "p99_ms": percentile(seconds, 0.99) * 1e3}
+
+
+class Served:
+    """One server, reached two ways: httpx (what bench clients use) and one keep-alive
+    http.client connection with the body encoded once (the client's floor: almost nothing
+    beyond the socket round trip)."""
+
+    def __init__(self, base_url: str) -> None:
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(base_url)
+        self.http = httpx.Client(base_url=base_url, timeout=60)
+        self.conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=60)
+        self.base_url = base_url
+        self.num_tokens = 0
+
+    def via_httpx(self, text: str) -> None:
+        r = self.http.post("/v1/embeddings", json={"model": MODEL, "input": text})
+        r.raise_for_status()
+        self.num_tokens = int(r.json()["usage"]["prompt_tokens"])
+
+    def via_raw(self, body: bytes) -> None:
+        import http.client
+
+        try:
+            self.conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+            resp = self.conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # The server closed the idle keep-alive connection while other probes had their turn
+            # (uvicorn: after 5 s); a turn's untimed first calls absorb the reconnect.
+            self.conn.close()
+            self.conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+            resp = self.conn.getresponse()
+        resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{self.base_url}: HTTP {resp.status}")
+
+    def close(self) -> None:
+        self.http.close()
+        self.conn.close()
+
+
+class InProcess:
+    """The references, in this process: our encoder's `embed([ids])` (and `tokenize` + `embed`),
+    and sentence-transformers' `encode([text])` (a batch of one), each timed `requests` times
+    after a warm-up."""
+
+    def __init__(self) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        from engine.embeddings.model import EmbeddingModel, bundled_embedding_path
+
+        self.ours = EmbeddingModel.load(None)
+        self.st = SentenceTransformer(str(bundled_embedding_path()), device="cpu")
+
+    def probes(self, text: str, num_tokens: int) -> dict[str, Callable[[], Any]]:
+        ours, st = self.ours, self.st
+        ids = ours.tokenize([text])[0]
+        assert len(ids) == num_tokens, (num_tokens, len(ids))
+        return {
+            "in-process embed": lambda: ours.embed([ids]),
+            "in-process tokenize+embed": lambda: ours.embed(ours.tokenize([text])),
+            "in-process st_encode": lambda: st.encode([text], batch_size=1),
+        }
+
+
+def in_turns(probes: dict[str, Callable[[], Any]], requests: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Each probe `requests` times in all: `rounds` rounds in which each probe in turn makes
+    `requests / rounds` timed calls after 3 untimed ones. Turns, so that drift on a shared machine
+    hits every probe alike; blocks, not one call each, since a process's OpenMP workers spin for
+    milliseconds after a forward (libgomp's default) and would slow the next process's call."""
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    per_turn = max(1, requests // rounds)
+    for _ in range(rounds):
+        for name, probe in probes.items():
+            for i in range(3 + per_turn):
+                t0 = time.perf_counter()
+                probe()
+                if i >= 3:
+                    times[name].append(time.perf_counter() - t0)
+    return {name: summary(values) for name, values in times.items()}
+
+
+def latency_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.embeddings latency", description=__doc__)
+    ap.add_argument("--url", action="append", default=[], help="a server's base URL (label=URL names it)")
+    ap.add_argument("--lengths", default="14,102,202", help="input lengths in tokens, comma-separated")
+    ap.add_argument("--requests", type=int, default=100, help="timed requests (and calls) per length")
+    ap.add_argument("--rounds", type=int, default=5, help="turns each probe takes per length")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads in this process (default: torch's)"
+    )
+    ap.add_argument("--batchgate-args", default="", help="extra `batchgate serve` flags (no --url)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "embeddings"))
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    texts = {n: exact_text(n) for n in lengths}
+    servers = [tuple(u.split("=", 1)) if "=" in u else (u, u) for u in args.url]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[int, dict[str, dict[str, float]]] = {}
+    refs = InProcess()
+
+    def measure_all(urls: list[tuple[str, str]]) -> None:
+        clients = [(label, Served(url)) for label, url in urls]
+        try:
+            for n in lengths:
+                probes = refs.probes(texts[n], n)
+                body = json.dumps({"model": MODEL, "input": texts[n]}).encode()
+                for label, c in clients:
+                    probes[f"{label} httpx"] = lambda c=c, t=texts[n]: c.via_httpx(t)
+                    probes[f"{label} raw"] = lambda c=c, b=body: c.via_raw(b)
+                results[n] = in_turns(probes, args.requests, args.rounds)
+                for label, c in clients:
+                    assert c.num_tokens == n, (label, n, c.num_tokens)  # the server counted the same
+        finally:
+            for _, c in clients:
+                c.close()
+
+    if servers:
+        measure_all(servers)  # type: ignore[arg-type]
+    else:
+        spec = batchgate_spec(args.batchgate_args.split())
+        with launched(spec, out / "logs"):
+            measure_all([("batchgate", spec.base_url.removesuffix("/v1"))])
+    threads = torch.get_num_threads()
+    print(f"\n1 client, 1 input per request, {args.requests} requests per length; torch threads {threads}")
+    head = f"{'tokens':>6} {'what':<28} {'p50 ms':>8} {'p99 ms':>8} {'/embed':>7} {'/st':>7}"
+    print(head)
+    for n in lengths:
+        ref, st_ref = results[n]["in-process embed"]["p50_ms"], results[n]["in-process st_encode"]["p50_ms"]
+        for what, v in results[n].items():
+            print(
+                f"{n:>6} {what:<28} {v['p50_ms']:>8.2f} {v['p99_ms']:>8.2f} "
+                f"{v['p50_ms'] / ref:>6.2f}x {v['p50_ms'] / st_ref:>6.2f}x"
+            )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    result = {"p50_p99_ms": results, "torch_threads": threads, "requests": args.requests, "urls": args.url}
+    path = out / f"latency-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["latency"]:
+        return latency_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,16,64,128")
     ap.add_argument("--inputs", default="1,32", help="inputs per request, comma-separated")

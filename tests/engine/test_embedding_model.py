@@ -41,6 +41,24 @@ def test_bundled_folder_reads_the_sentence_transformers_config(minilm: Embedding
     assert minilm.tokenize(["Hello"])[0][0] == 101 and minilm.tokenize(["Hello"])[0][-1] == 102
 
 
+def test_tokenize_equals_the_transformers_tokenizer_untruncated(minilm: EmbeddingModel) -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(bundled_embedding_path())
+    # The saved tokenizer.json truncates at 128 tokens: tokenize must not (the window is checked,
+    # and cut only on request, by the caller).
+    long_text = " ".join(["the"] * 600)  # one token each
+    texts = ["Hello", "Ünïcödé, punctuation!  and   spaces", long_text, *TEXTS]
+    expected = reference(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    assert minilm.tokenize(texts) == [list(ids) for ids in expected]
+    for text, ids in zip(texts, expected, strict=True):  # one text takes its own path
+        assert minilm.tokenize([text]) == [list(ids)]
+    assert len(minilm.tokenize([long_text])[0]) == 602
+    # The wrapper's per-call settings do not reach tokenize's tokenizer.
+    minilm.tokenizer(["x"], truncation=True, max_length=16)
+    assert len(minilm.tokenize([long_text])[0]) == 602
+
+
 def test_equals_sentence_transformers_encode(minilm: EmbeddingModel) -> None:
     from sentence_transformers import SentenceTransformer
 
