@@ -20,7 +20,8 @@ import tenancy
 from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
 from gateway import telemetry
-from gateway.embeddings import EmbeddingService, json_response, response_body
+from gateway.embeddings import EmbeddingService, _encode
+from gateway.responses import embedding_list
 from tests.gateway.conftest import AppFactory, client_for
 from tests.gateway.helpers import ASGICall, validate
 
@@ -282,11 +283,9 @@ async def test_the_embeddings_span_has_the_genai_attributes(
     assert [e.name for e in span.events] == ["gen_ai.admission", "gen_ai.completion"]
 
 
-def test_the_json_response_is_plain_json_and_refuses_non_finite_numbers() -> None:
-    body = response_body("m", ([0.5, -1e-05, 0.1234567890123],), None, 3)
-    r = json_response(body, {"X-Request-Id": "emb-1"})
-    assert json.loads(r.body) == body
-    assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"] == "emb-1"
+def test_the_json_body_is_plain_json_and_refuses_non_finite_numbers() -> None:
+    body = embedding_list("m", ([0.5, -1e-05, 0.1234567890123],), None, 3)
+    assert json.loads(_encode(body)) == body
     # orjson would write NaN as null; a faulty model's vector is an error (500), as with json.dumps.
     with pytest.raises(ValueError, match="not JSON compliant"):
-        json_response(response_body("m", ([0.5, float("nan")],), None, 1), {})
+        _encode(embedding_list("m", ([0.5, float("nan")],), None, 1))
