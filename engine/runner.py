@@ -382,7 +382,9 @@ class ModelRunner:
         ]
         masks, self._masks = self._masks, None
         bitmask = masks.result() if masks is not None else fill_bitmask(seqs, logits.shape[-1])
-        tokens, logprobs = sample_logits(logits, rows, bitmask) if seqs else ([], [])
+        # The logits are this step's alone (a CUDA graph's output buffer is read by nothing after
+        # this either, until the next replay rewrites it): the sampler may mask them in place.
+        tokens, logprobs = sample_logits(logits, rows, bitmask, overwrite=True) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)
 
 
