@@ -124,7 +124,26 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop[0] = False  # a top_p that underflows float32 still keeps the most likely token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return _draw(probs, generator)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token from `probs` (non-negative, summing to about 1) by inverse transform: one uniform
+    draw from the row's generator and a binary search of the cumulative sums (float64, so the
+    tail's tokens keep their share). torch.multinomial on the CPU draws an exponential per token
+    instead: ~770 us at 49152 tokens against ~40 us here (one core), and 32 sampled rows a step
+    spent ~25 ms in it, 40% of a decode step of the bundled model on the 2-core machine.
+
+    A token without mass is never drawn: its cumulative sum equals its predecessor's. -1 when the
+    row has no mass at all (every logit -inf or a NaN), which `sample` raises for, as multinomial
+    did, without a read-back per row."""
+    cdf = probs.cumsum(0, dtype=torch.float64)
+    total = cdf[-1]
+    u = torch.rand((), dtype=torch.float64, device=probs.device, generator=generator)
+    token = torch.searchsorted(cdf, (u * total).reshape(1), right=True)[0]
+    # u * total may round up to total: then stay on the last token with mass (where cdf reaches it).
+    token = torch.minimum(token, torch.searchsorted(cdf, total.reshape(1))[0])
+    return torch.where(total > 0, token, -1)  # NaN > 0 is false
 
 
 def sample(
@@ -165,6 +184,10 @@ def sample(
         tokens = torch.stack(
             [_sample_row(logits[i], r.params, r.generator) for i, r in enumerate(rows)]
         ).tolist()
+        if min(tokens) < 0:
+            raise RuntimeError(
+                f"no token has probability in row {tokens.index(min(tokens))} (NaN or all -inf)"
+            )
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, row in enumerate(rows):
