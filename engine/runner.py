@@ -354,8 +354,15 @@ class ModelRunner:
         seqs = self._sampled(out)
         self._masks = None
         if self.overlap_masks and any(s.grammar is not None for s in seqs):
-            # Every grammar's state is final before the forward pass: fill the mask during it.
-            self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size)
+            # Every grammar's state is final before the forward pass: fill the mask during it. The
+            # bitmask is allocated here: the filler thread must run no torch op that may go parallel
+            # (torch.full of a 32-row mask does). Its first one gave that thread an OpenMP team of
+            # its own, and with more OpenMP threads than cores libgomp stops spinning between
+            # parallel regions for good: every later step, constrained or not, ran ~30% slower on
+            # the 2-core machine (bench/structured.py: unconstrained 930 -> 670 tok/s once a
+            # process had filled one overlapped mask).
+            bitmask = allocate_bitmask(len(seqs), self.model.spec.vocab_size)
+            self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size, bitmask)
         inputs = self.step_inputs(out)
         if self.executor is not None:
             return self.executor.run(self.forward_inputs, inputs)
@@ -390,11 +397,15 @@ class ModelRunner:
         return StepResult(seqs, tokens, logprobs)
 
 
-def fill_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:
-    """The step's one token bitmask: a row per sampled sequence, filled by its grammar where it has
-    one (all tokens allowed elsewhere); None when no sequence is constrained."""
+def fill_bitmask(
+    seqs: list[Sequence], vocab_size: int, bitmask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The step's one token bitmask (`bitmask`, all bits set, or a new one): a row per sampled
+    sequence, filled by its grammar where it has one (all tokens allowed elsewhere); None when no
+    sequence is constrained."""
     if all(s.grammar is None for s in seqs):
         return None
-    bitmask = allocate_bitmask(len(seqs), vocab_size)
+    if bitmask is None:
+        bitmask = allocate_bitmask(len(seqs), vocab_size)
     fill_bitmasks(bitmask, [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None])
     return bitmask

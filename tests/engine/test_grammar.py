@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
+from engine import runner as runner_module
 from engine.grammar import (
     GrammarCache,
     LLGuidanceBackend,
@@ -433,6 +434,26 @@ def test_one_batch_fill_writes_what_each_grammar_would_and_nothing_else(llguidan
     assert torch.equal(batched, one_by_one)
     assert bool((batched[[1, 5, 8]] == -1).all())
     assert not bool((batched[[0, 2, 3]] == -1).all())
+
+
+def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
+    llguidance_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A torch op on the filler thread gave it an OpenMP team of its own, which slowed every later
+    # step of the process by ~30% on 2 cores (engine/runner.py): it gets its bitmask ready-made.
+    engine = llguidance_engine
+    allocated_on: list[threading.Thread] = []
+
+    def recording(num_rows: int, vocab_size: int) -> torch.Tensor:
+        allocated_on.append(threading.current_thread())
+        return allocate_bitmask(num_rows, vocab_size)
+
+    monkeypatch.setattr(runner_module, "allocate_bitmask", recording)
+    monkeypatch.setattr(engine.runner, "overlap_masks", True)
+    case = SCHEMAS[1]
+    params = SamplingParams(max_tokens=20, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
+    run_all(engine, [GenerationRequest("alloc", chat_ids(engine.tokenizer, case.prompt), params)])
+    assert allocated_on and set(allocated_on) == {threading.current_thread()}
 
 
 def test_unbounded_numbers_get_json_s_safe_range_and_bounded_decimals() -> None:
