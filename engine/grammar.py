@@ -54,7 +54,6 @@ __all__ = [  # the records live in engine.types (they travel in SamplingParams a
     "LLGuidanceBackend",
     "allocate_bitmask",
     "bound_numbers",
-    "fill_bitmasks",
 ]
 
 # One bit per token, 32 tokens per int32 word (the layout llguidance and xgrammar both fill).
@@ -158,30 +157,6 @@ class _LLGuidanceGrammar:
         self._matcher.rollback(num_tokens)
 
 
-_executor: Any = None
-_executor_lock = threading.Lock()
-
-
-def fill_bitmasks(bitmask: torch.Tensor, grammars: list[tuple[int, Grammar]]) -> None:
-    """Fill row `row` of `bitmask` for each (row, grammar): llguidance's grammars all in one call
-    (its Rust fills them with the GIL released once, no Python per row), any other grammar by its
-    own `fill_bitmask`. One thread: a second on the 2-core machine, beside torch's, made a
-    32-row fill ~8 ms instead of ~0.15 ms."""
-    global _executor
-    batch = [(g._matcher, row) for row, g in grammars if isinstance(g, _LLGuidanceGrammar)]
-    if batch:
-        import llguidance
-        import llguidance.torch
-
-        with _executor_lock:
-            if _executor is None:
-                _executor = llguidance.LLExecutor(num_threads=1)
-        llguidance.torch.fill_next_token_bitmask_par(_executor, batch, bitmask)
-    for row, g in grammars:
-        if not isinstance(g, _LLGuidanceGrammar):
-            g.fill_bitmask(bitmask, row)
-
-
 class _LLGuidanceCompiled:
     """A matcher at the start of the grammar, copied for each sequence: a copy costs microseconds,
     building one from the grammar text again up to milliseconds."""
@@ -243,7 +218,9 @@ class LLGuidanceBackend:
                 raise GrammarError(f"the schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise GrammarError("the schema must be a JSON object")
-            return str(llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=options))
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=options)
+            )
         if spec.kind == "json_object":
             return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if spec.kind == "lark":

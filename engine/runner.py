@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.grammar import allocate_bitmask, fill_bitmasks
+from engine.grammar import allocate_bitmask
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
@@ -253,10 +253,9 @@ class ModelRunner:
         # Grammar masks are filled on this thread while the forward pass runs, on every device (the
         # fill is llguidance's Rust with the GIL released; steps without a constrained row submit
         # nothing). On a GPU the CPU is idle meanwhile. On the 2-core CPU machine, where torch's two
-        # threads take both cores, it still paid (bench/structured.py throughput, 32 constrained
-        # rows, 2026-11-30): the constrained/unconstrained step-time ratio 94-96% overlapped
-        # against 90-93% with the ~1.5 ms fill after the pass, though only about half the fills
-        # ended before the pass did there.
+        # threads take both cores, it still paid once the filler ran no torch op (see forward):
+        # bench/structured.py throughput, 32 constrained rows, back to back (2026-11-30 19:11 UTC):
+        # constrained/unconstrained 90.4% and 93.3% overlapped, 83.3% with the fill after the pass.
         self.overlap_masks = True
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
         self._masks: Future[torch.Tensor | None] | None = None  # forward() -> sample()
@@ -361,7 +360,8 @@ class ModelRunner:
             # parallel regions for good: every later step, constrained or not, ran ~30% slower on
             # the 2-core machine (bench/structured.py: unconstrained 930 -> 670 tok/s once a
             # process had filled one overlapped mask).
-            bitmask = allocate_bitmask(len(seqs), self.model.spec.vocab_size)
+            with torch.inference_mode(False):  # a grammar may write it in place from that thread
+                bitmask = allocate_bitmask(len(seqs), self.model.spec.vocab_size)
             self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size, bitmask)
         inputs = self.step_inputs(out)
         if self.executor is not None:
@@ -407,5 +407,9 @@ def fill_bitmask(
         return None
     if bitmask is None:
         bitmask = allocate_bitmask(len(seqs), vocab_size)
-    fill_bitmasks(bitmask, [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None])
+    # One llguidance call per row: its batch call (fill_next_token_bitmask_par, one thread) measured
+    # slower in the engine on 2 cores, 2.2-2.4 ms against 1.4-1.5 ms a 32-row step.
+    for i, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.fill_bitmask(bitmask, i)
     return bitmask

@@ -25,7 +25,6 @@ from engine.grammar import (
     LLGuidanceBackend,
     allocate_bitmask,
     bound_numbers,
-    fill_bitmasks,
 )
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, _apply_bitmask_batched, apply_bitmask, sample
@@ -410,30 +409,6 @@ def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_e
     for i in range(2):
         assert tokens_of(overlapped[("overlap", i)]) == tokens_of(serial[("serial", i)])
         jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
-
-
-def test_one_batch_fill_writes_what_each_grammar_would_and_nothing_else(llguidance_engine: LLMEngine) -> None:
-    tokenizer = llguidance_engine.tokenizer
-    backend = LLGuidanceBackend(tokenizer, 49152, (2,))
-    grammars: list[Any] = []
-    for i, case in enumerate(SCHEMAS[:6]):  # each a few tokens into a different schema's output
-        grammar = backend.compile(GrammarSpec.json_schema(case.schema)).new_grammar()
-        for _ in range(i):
-            mask = allocate_bitmask(1, 49152)
-            grammar.fill_bitmask(mask, 0)
-            allowed = torch.isfinite(apply_bitmask(torch.zeros(1, 49152), mask, [0])[0]).nonzero()
-            assert grammar.accept_token(int(allowed[0]))
-        grammars.append(grammar)
-    grammars.insert(3, LiteralGrammar([7, 9]))  # not llguidance: filled by its own method
-    rows = [0, 2, 3, 4, 6, 7, 9]  # rows 1, 5 and 8 are unconstrained: all bits stay set
-    batched = allocate_bitmask(10, 49152)
-    fill_bitmasks(batched, list(zip(rows, grammars, strict=True)))
-    one_by_one = allocate_bitmask(10, 49152)
-    for row, grammar in zip(rows, grammars, strict=True):
-        grammar.fill_bitmask(one_by_one, row)
-    assert torch.equal(batched, one_by_one)
-    assert bool((batched[[1, 5, 8]] == -1).all())
-    assert not bool((batched[[0, 2, 3]] == -1).all())
 
 
 def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
