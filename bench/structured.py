@@ -2,7 +2,7 @@
 throughput cost of constraining a full batch.
 
     PYTHONPATH=. .venv/bin/python -m bench.structured validity [--temperatures 0,0.7,1.0]
-    PYTHONPATH=. .venv/bin/python -m bench.structured throughput [--concurrency 32 --steps 200 --no-overlap]
+    PYTHONPATH=. .venv/bin/python -m bench.structured throughput [--concurrency 32 --steps 200 --overlap]
 
 `validity`: every schema of bench/schemas.py at each temperature, as one batch; counts outputs that
 parse and validate (jsonschema), that hit max_tokens, and that contain a run of 3+ whitespace
@@ -14,8 +14,8 @@ the run) and once unconstrained with each request capped at the length its const
 produced (the same prefill/decode mix), alternating for `--rounds`; prints output tokens/s of
 each, their ratio, the mask time per step (filling the batch's bitmask) and the first-use compile
 time of the schemas.
-`--no-overlap` fills the masks after the forward pass instead of on a worker thread during it
-(the engine's default; `--overlap` forces it).
+`--overlap` fills the masks on a worker thread during the forward pass, `--no-overlap` after it;
+neither: the engine's default (overlapped on a GPU, after the pass on the CPU).
 Runs offline on LLMEngine (no HTTP), on this machine's CPU unless `--device` says otherwise.
 """
 
@@ -142,7 +142,7 @@ def _closed_loop(
 
 def throughput(args: argparse.Namespace) -> None:
     engine = _engine(args)
-    if args.overlap is not None:  # else the engine's default (overlapped)
+    if args.overlap is not None:  # else the engine's default for the device
         engine.runner.overlap_masks = args.overlap
     first_use = []
     backend = LLGuidanceBackend(engine.tokenizer, engine.spec.vocab_size, tuple(engine.spec.eos_token_ids))

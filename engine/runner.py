@@ -250,13 +250,13 @@ class ModelRunner:
             )
         self.eos_token_ids = spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
-        # Grammar masks are filled on this thread while the forward pass runs, on every device (the
-        # fill is llguidance's Rust with the GIL released; steps without a constrained row submit
-        # nothing). On a GPU the CPU is idle meanwhile. On the 2-core CPU machine, where torch's two
-        # threads take both cores, it still paid once the filler ran no torch op (see forward):
-        # bench/structured.py throughput, 32 constrained rows, back to back (2026-11-30 19:11 UTC):
-        # constrained/unconstrained 90.4% and 93.3% overlapped, 83.3% with the fill after the pass.
-        self.overlap_masks = True
+        # Grammar masks are filled on this thread while the forward pass runs on a GPU, where the
+        # CPU is idle meanwhile (the fill is llguidance's Rust with the GIL released). On the CPU
+        # after the pass: on the 2-core machine, where torch's two threads take both cores,
+        # overlapping gained nothing once the filler ran no torch op (see forward); before that it
+        # cost every step ~30%. bench/structured.py throughput, 32 constrained rows, back to back
+        # (2026-11-30 19:18 UTC): constrained/unconstrained 92.6% overlapped, 93.7% after the pass.
+        self.overlap_masks = device.type == "cuda"
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
         self._masks: Future[torch.Tensor | None] | None = None  # forward() -> sample()
 
