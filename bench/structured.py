@@ -14,7 +14,8 @@ the run) and once unconstrained with each request capped at the length its const
 produced (the same prefill/decode mix), alternating for `--rounds`; prints output tokens/s of
 each, their ratio, the mask time per step (filling the batch's bitmask) and the first-use compile
 time of the schemas.
-`--overlap` fills the masks on a worker thread during the forward pass (the GPU default).
+`--overlap` fills the masks on a worker thread during the forward pass, `--no-overlap` after it;
+neither: the engine's default (overlapped on a GPU, after the pass on the CPU).
 Runs offline on LLMEngine (no HTTP), on this machine's CPU unless `--device` says otherwise.
 """
 
@@ -141,7 +142,8 @@ def _closed_loop(
 
 def throughput(args: argparse.Namespace) -> None:
     engine = _engine(args)
-    engine.runner.overlap_masks = args.overlap
+    if args.overlap is not None:  # else the engine's default for the device
+        engine.runner.overlap_masks = args.overlap
     first_use = []
     backend = LLGuidanceBackend(engine.tokenizer, engine.spec.vocab_size, tuple(engine.spec.eos_token_ids))
     backend.compile(GrammarSpec.json_object())  # builds the tokenizer once, outside the timing
@@ -177,7 +179,8 @@ def throughput(args: argparse.Namespace) -> None:
     ordered = sorted(first_use)
     masks = [m for m in mask_s if m > 0]
     print(
-        f"{args.concurrency} concurrent, {args.steps} steps x{args.rounds} each, overlap={args.overlap}: "
+        f"{args.concurrency} concurrent, {args.steps} steps x{args.rounds} each, "
+        f"overlap={engine.runner.overlap_masks}: "
         f"unconstrained {free:.0f} tok/s, constrained {bound:.0f} tok/s ({bound / free:.1%})"
     )
     print(
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--kv-cache-mib", type=int, default=256)

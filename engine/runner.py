@@ -251,10 +251,11 @@ class ModelRunner:
         self.eos_token_ids = spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
         # Grammar masks are filled on this thread while the forward pass runs on a GPU, where the
-        # CPU is idle meanwhile. On the CPU they are filled after the pass: a third busy thread
-        # stalls torch's OpenMP threads on small machines (see DELIVERY_WAIT_S in async_engine.py),
-        # and `bench/structured.py --overlap` showed no gain within the noise of our shared 2-core
-        # machine (the masks take ~1-2 ms of a ~60 ms step at 32 rows).
+        # CPU is idle meanwhile (the fill is llguidance's Rust with the GIL released). On the CPU
+        # after the pass: on the 2-core machine, where torch's two threads take both cores,
+        # overlapping gained nothing once the filler ran no torch op (see forward); before that it
+        # cost every step ~30%. bench/structured.py throughput, 32 constrained rows, back to back
+        # (2026-11-30 19:18 UTC): constrained/unconstrained 92.6% overlapped, 93.7% after the pass.
         self.overlap_masks = device.type == "cuda"
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgate-masks")
         self._masks: Future[torch.Tensor | None] | None = None  # forward() -> sample()
@@ -352,8 +353,16 @@ class ModelRunner:
         seqs = self._sampled(out)
         self._masks = None
         if self.overlap_masks and any(s.grammar is not None for s in seqs):
-            # Every grammar's state is final before the forward pass: fill the mask during it.
-            self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size)
+            # Every grammar's state is final before the forward pass: fill the mask during it. The
+            # bitmask is allocated here: the filler thread must run no torch op that may go parallel
+            # (torch.full of a 32-row mask does). Its first one gave that thread an OpenMP team of
+            # its own, and with more OpenMP threads than cores libgomp stops spinning between
+            # parallel regions for good: every later step, constrained or not, ran ~30% slower on
+            # the 2-core machine (bench/structured.py: unconstrained 930 -> 670 tok/s once a
+            # process had filled one overlapped mask).
+            with torch.inference_mode(False):  # a grammar may write it in place from that thread
+                bitmask = allocate_bitmask(len(seqs), self.model.spec.vocab_size)
+            self._masks = self._mask_filler.submit(fill_bitmask, seqs, self.model.spec.vocab_size, bitmask)
         inputs = self.step_inputs(out)
         if self.executor is not None:
             return self.executor.run(self.forward_inputs, inputs)
@@ -382,16 +391,24 @@ class ModelRunner:
         ]
         masks, self._masks = self._masks, None
         bitmask = masks.result() if masks is not None else fill_bitmask(seqs, logits.shape[-1])
-        tokens, logprobs = sample_logits(logits, rows, bitmask) if seqs else ([], [])
+        # The logits are this step's alone (a CUDA graph's output buffer is read by nothing after
+        # this either, until the next replay rewrites it): the sampler may mask them in place.
+        tokens, logprobs = sample_logits(logits, rows, bitmask, overwrite=True) if seqs else ([], [])
         return StepResult(seqs, tokens, logprobs)
 
 
-def fill_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor | None:
-    """The step's one token bitmask: a row per sampled sequence, filled by its grammar where it has
-    one (all tokens allowed elsewhere); None when no sequence is constrained."""
+def fill_bitmask(
+    seqs: list[Sequence], vocab_size: int, bitmask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The step's one token bitmask (`bitmask`, all bits set, or a new one): a row per sampled
+    sequence, filled by its grammar where it has one (all tokens allowed elsewhere); None when no
+    sequence is constrained."""
     if all(s.grammar is None for s in seqs):
         return None
-    bitmask = allocate_bitmask(len(seqs), vocab_size)
+    if bitmask is None:
+        bitmask = allocate_bitmask(len(seqs), vocab_size)
+    # One llguidance call per row: its batch call (fill_next_token_bitmask_par, one thread) measured
+    # slower in the engine on 2 cores, 2.2-2.4 ms against 1.4-1.5 ms a 32-row step.
     for i, seq in enumerate(seqs):
         if seq.grammar is not None:
             seq.grammar.fill_bitmask(bitmask, i)

@@ -19,9 +19,15 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
-from engine.grammar import GrammarCache, LLGuidanceBackend, allocate_bitmask, bound_numbers
+from engine import runner as runner_module
+from engine.grammar import (
+    GrammarCache,
+    LLGuidanceBackend,
+    allocate_bitmask,
+    bound_numbers,
+)
 from engine.llm_engine import LLMEngine
-from engine.sampler import SamplingRow, apply_bitmask, sample
+from engine.sampler import SamplingRow, _apply_bitmask_batched, apply_bitmask, sample
 from engine.types import FinishReason, GenerationRequest, GrammarError, GrammarSpec, SamplingParams
 from tests.engine.helpers import chat_ids, run_all, text_of, tiny_engine, tokens_of
 
@@ -169,6 +175,86 @@ def test_min_tokens_does_not_override_the_grammar() -> None:
     assert tokens == [7]
 
 
+def reference_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool, True where allowed: the bits read one by one (bit t % 32 of word t // 32)."""
+    return torch.tensor(
+        [[bool((int(row[t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for row in bitmask]
+    )
+
+
+def apply_batched(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    _apply_bitmask_batched(logits, bitmask, rows)  # the GPU's way, here on the CPU
+    return logits
+
+
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_batched])
+@pytest.mark.parametrize("vocab", [VOCAB, 64, 97])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2], [3, 0]])
+def test_apply_bitmask_masks_exactly_the_clear_bits_and_leaves_the_rest_bit_for_bit(
+    apply: Any, vocab: int, rows: list[int]
+) -> None:
+    gen = torch.Generator().manual_seed(vocab + len(rows))
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    bitmask[0, 0] = -1  # all 32 set
+    bitmask[-1, -1] = 0  # all clear
+    logits = torch.randn(4, vocab, generator=gen) * 10
+    logits[:, 0] = float("-inf")  # already masked, e.g. by a logit bias
+    before = logits.clone()
+    assert apply(logits, bitmask, rows) is logits
+    allowed = reference_mask(bitmask, vocab)
+    for r in range(4):
+        if r in rows:
+            assert torch.equal(torch.isneginf(logits[r]), ~allowed[r] | torch.isneginf(before[r]))
+            assert torch.equal(logits[r][allowed[r]], before[r][allowed[r]])
+        else:
+            assert torch.equal(logits[r], before[r])  # a row not listed is not touched
+
+
+def test_apply_bitmask_on_bfloat16_logits() -> None:
+    bitmask = only(3, 17, 39, rows=2)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    before = logits.clone()
+    apply_bitmask(logits, bitmask, [1])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 17, 39]
+    assert torch.equal(logits[1, [3, 17, 39]], before[1, [3, 17, 39]])
+    assert torch.equal(logits[0], before[0])
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_n_constrained_choices_greedy_and_sampled_in_one_batch(overwrite: bool) -> None:
+    # Like a request with n=4 beside one with n=3, both constrained, and a free greedy row between.
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(7)) * 4
+    logits[:, 5] = 50.0  # the model's favourite, allowed in no constrained row
+    allowed = (2, 11, 33)
+    mask = only(*allowed, rows=8)
+    rows = [srow(True, temperature=0.0) for _ in range(4)]
+    rows += [srow(False, temperature=0.0)]
+    rows += [srow(True, seed=i, temperature=1.0) for i in range(3)]
+    before = logits.clone()
+    tokens, _ = sample(logits, rows, mask, overwrite=overwrite)
+    best = max(allowed, key=lambda t: float(before[0, t]))
+    assert tokens[:4] == [max(allowed, key=lambda t: float(before[i, t])) for i in range(4)]
+    assert tokens[0] == best
+    assert tokens[4] == 5
+    assert all(t in allowed for t in tokens[5:])
+    masked = torch.isneginf(logits).any(dim=-1).tolist()
+    assert masked == ([True] * 4 + [False] + [True] * 3 if overwrite else [False] * 8)
+
+
+def test_sampled_constrained_rows_follow_the_masked_distribution() -> None:
+    # 600 draws from 3 allowed tokens with equal logits: each about a third (a disallowed one
+    # would show up, or a mask that let only some through would skew the counts).
+    num = 600
+    logits = torch.zeros(num, VOCAB)
+    logits[:, 0] = 20.0
+    gen = torch.Generator().manual_seed(0)
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [], (), gen, constrained=True) for _ in range(num)]
+    tokens, _ = sample(logits, rows, only(4, 20, 36, rows=num), overwrite=True)
+    counts = {t: tokens.count(t) for t in set(tokens)}
+    assert set(counts) == {4, 20, 36}
+    assert all(150 < c < 250 for c in counts.values())
+
+
 def test_constrained_rows_need_a_bitmask() -> None:
     with pytest.raises(RuntimeError):
         sample(torch.zeros(1, VOCAB), [srow(True)])
@@ -312,15 +398,37 @@ def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_e
     case = SCHEMAS[0]
     params = SamplingParams(max_tokens=60, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
     prompt = chat_ids(engine.tokenizer, case.prompt)
-    serial = run_all(engine, [GenerationRequest("serial", prompt, params)])
-    engine.runner.overlap_masks = True
+    default = engine.runner.overlap_masks
     try:
+        engine.runner.overlap_masks = False
+        serial = run_all(engine, [GenerationRequest("serial", prompt, params)])
+        engine.runner.overlap_masks = True
         overlapped = run_all(engine, [GenerationRequest("overlap", prompt, params)])
     finally:
-        engine.runner.overlap_masks = False
+        engine.runner.overlap_masks = default
     for i in range(2):
         assert tokens_of(overlapped[("overlap", i)]) == tokens_of(serial[("serial", i)])
         jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
+
+
+def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
+    llguidance_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A torch op on the filler thread gave it an OpenMP team of its own, which slowed every later
+    # step of the process by ~30% on 2 cores (engine/runner.py): it gets its bitmask ready-made.
+    engine = llguidance_engine
+    allocated_on: list[threading.Thread] = []
+
+    def recording(num_rows: int, vocab_size: int) -> torch.Tensor:
+        allocated_on.append(threading.current_thread())
+        return allocate_bitmask(num_rows, vocab_size)
+
+    monkeypatch.setattr(runner_module, "allocate_bitmask", recording)
+    monkeypatch.setattr(engine.runner, "overlap_masks", True)
+    case = SCHEMAS[1]
+    params = SamplingParams(max_tokens=20, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
+    run_all(engine, [GenerationRequest("alloc", chat_ids(engine.tokenizer, case.prompt), params)])
+    assert allocated_on and set(allocated_on) == {threading.current_thread()}
 
 
 def test_unbounded_numbers_get_json_s_safe_range_and_bounded_decimals() -> None:

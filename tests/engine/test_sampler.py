@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampler import SamplingRow, sample
+from engine.sampler import SamplingRow, _draw, sample
 from engine.types import SamplingParams
 
 VOCAB = 50
@@ -270,3 +270,33 @@ def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
     row = SamplingRow(SamplingParams(temperature=1.0, top_p=5e-324), [], (), None)
     tokens, _ = sample(torch.tensor([[2.0, 1.0, 0.0]]), [row])
     assert tokens == [0]
+
+
+# ---- the draw ---------------------------------------------------------------------------------------
+
+
+def test_a_token_without_mass_is_never_drawn_even_at_the_ends_of_the_uniform(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0, 0.0])
+    for u in (0.0, 0.25, 0.5, 1.0 - 2**-53, 1.0):  # 1.0: u * total rounded up to the total
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.tensor(u, dtype=torch.float64))
+        assert int(_draw(probs, None)) == (1 if u < 0.5 else 3)
+
+
+def test_the_draw_follows_a_long_tail() -> None:
+    # 49,152 tokens like the model's vocabulary, the last 49,000 sharing 10% of the mass: float32
+    # cumulative sums would lose part of it.
+    probs = torch.full((49152,), 0.1 / 49000)
+    probs[:152] = 0.9 / 152
+    gen = torch.Generator().manual_seed(0)
+    tail = sum(int(_draw(probs, gen)) >= 152 for _ in range(4000))
+    assert abs(tail / 4000 - 0.1) < 0.02
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_row_without_any_probability_is_an_error_not_a_token(bad: float) -> None:
+    logits = random_logits(3, seed=9)
+    logits[1] = bad
+    with pytest.raises(RuntimeError, match="row 1"):
+        sample(logits, [row(temperature=1.0, seed=i) for i in range(3)])
