@@ -80,18 +80,30 @@ class EmbeddingService:
 
     def __init__(
         self,
-        model: EmbeddingModelLike,
+        model: EmbeddingModelLike | None = None,
         limits: BatchLimits | None = None,
         *,
         name: str | None = None,
+        build: Callable[[], EmbeddingModelLike] | None = None,
     ) -> None:
-        self.model = model
-        self.name: str = name or model.name
-        self.dimensions: int = model.dimensions
-        self.max_input_tokens: int = model.max_input_tokens
-        self.vocab_size: int = model.vocab_size
+        """Serve `model`, or the model `build()` makes on the batcher's thread (see
+        EmbeddingBatcher: a model runs faster on the thread that built it)."""
+        built: list[EmbeddingModelLike] = [] if model is None else [model]
+
+        def build_and_keep() -> EmbeddingModelLike:
+            assert build is not None
+            built.append(build())
+            return built[0]
+
         self._on_batch: Callable[[BatchRecord], None] | None = None
-        self.batcher = EmbeddingBatcher(model, limits, on_batch=self._observe).start()
+        self.batcher = EmbeddingBatcher(
+            model, limits, on_batch=self._observe, build=None if build is None else build_and_keep
+        ).start()
+        self.model = built[0]
+        self.name: str = name or self.model.name
+        self.dimensions: int = self.model.dimensions
+        self.max_input_tokens: int = self.model.max_input_tokens
+        self.vocab_size: int = self.model.vocab_size
 
     def _observe(self, record: BatchRecord) -> None:
         if self._on_batch is not None:
@@ -109,7 +121,7 @@ class EmbeddingService:
         its own name); blocking."""
         from engine.embeddings.model import EmbeddingModel
 
-        return cls(EmbeddingModel.load(path, device=device), limits, name=name)
+        return cls(limits=limits, name=name, build=lambda: EmbeddingModel.load(path, device=device))
 
     @property
     def ready(self) -> bool:

@@ -295,3 +295,36 @@ async def test_a_cancelled_caller_has_its_waiting_inputs_dropped() -> None:
         assert all(ids[0] // 1000 != tag("gone") for call in model.calls for ids in call)
     finally:
         batcher.shutdown()
+
+
+async def test_a_model_built_by_the_batcher_is_built_on_the_thread_that_runs_it() -> None:
+    threads: list[str] = []
+
+    class ThreadModel(FakeModel):
+        def embed(self, batch: list[list[int]]) -> list[list[float]]:
+            threads.append(threading.current_thread().name)
+            return super().embed(batch)
+
+    def build() -> FakeModel:
+        threads.append(threading.current_thread().name)
+        return ThreadModel()
+
+    batcher = EmbeddingBatcher(None, BatchLimits(max_wait_s=0.0), build=build).start()
+    try:
+        assert isinstance(batcher.model, ThreadModel)
+        await batcher.embed(req("one", 3))
+        assert threads == ["batchgate-embeddings", "batchgate-embeddings"]
+    finally:
+        batcher.shutdown()
+
+
+def test_a_failed_build_is_raised_by_start_and_the_batcher_is_not_ready() -> None:
+    def build() -> FakeModel:
+        raise OSError("no weights here")
+
+    batcher = EmbeddingBatcher(None, build=build)
+    with pytest.raises(OSError, match="no weights here"):
+        batcher.start()
+    assert not batcher.ready
+    with pytest.raises(TypeError):
+        EmbeddingBatcher(FakeModel(), build=FakeModel)
