@@ -30,6 +30,7 @@ from engine.types import SamplingParams
 from gateway.errors import APIError, ErrorKind, invalid_request
 
 MAX_NUM_CHOICES = 128
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's, for the legacy completions endpoint
 MAX_NUM_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -372,9 +373,9 @@ class CompletionRequest(_SamplingFields):
     best_of: Annotated[int, Field(ge=1, le=MAX_NUM_CHOICES), BeforeValidator(_integral)] | None = None
 
     @property
-    def requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int:
         # OpenAI's legacy default; chat's default is "whatever context is left".
-        return self.max_tokens if self.max_tokens is not None else 16
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
 
     @property
     def num_top_logprobs(self) -> int:

@@ -47,8 +47,6 @@ logger = logging.getLogger("batchgate.pool")
 # Reserved against the tenant when a chat request names no max_tokens (no model here to say how
 # much context is left); settlement refunds what was not used.
 DEFAULT_CHAT_MAX_TOKENS = 1024
-# OpenAI's default max_tokens for the legacy completions endpoint.
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 RETRY_STATUSES = (502, 503, 504)
 TASKS = {t.value for t in Task}
 # Hop-by-hop and recomputed headers not copied from a replica's response.
@@ -145,7 +143,7 @@ class ReplicaBackend:
                 return sum(len(p) if isinstance(p, tuple) else counter.count(p) for p in prompts)
 
             num_prompt = await anyio.to_thread.run_sync(count)
-            max_tokens = (req.requested_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS) * req.num_choices
+            max_tokens = req.requested_max_tokens * req.num_choices  # OpenAI's default 16 when unset
             max_tokens *= len(prompts)
         else:
             assert isinstance(req, protocol.EmbeddingsRequest)
