@@ -167,11 +167,11 @@ class Gateway:
     async def get_model(self, request: Request) -> Response:
         """One model's card (no task check: any served model)."""
         model = request.path_params["model"]
+        if self.replicas is not None:
+            await self.replicas.find(model)  # probes replicas marked down when none serves it
         for card in self.registry.cards():
             if card.id == model:
                 return JSONResponse(card.body())
-        if self.replicas is not None and await self.replicas.find(model):
-            return await self.get_model(request)
         await self._raise_unless_ready()
         raise APIError(
             ErrorKind.MODEL_NOT_FOUND,
