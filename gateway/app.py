@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import admission, endpoints, responses, telemetry
-from gateway.backend import Backend, Endpoint
+from gateway.backend import Backend, Endpoint, Task
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind
@@ -180,14 +180,15 @@ class Gateway:
         )
 
     async def openapi(self, request: Request) -> Response:
-        chat = next((b for b in self.engines if b.engine is not None), None)
+        """The OpenAPI document: every served chat model's name, and the token bounds of the first
+        in-process one (where there is one, every token id it takes is known)."""
+        names = [c.id for c in self.registry.cards() if c.task in (Task.GENERATE, None)]
+        chat = next((b for b in self.engines if b.tokenizer is not None), None)
+        vocab_size = chat.tokenizer.vocab_size if chat is not None and chat.tokenizer else None
+        if len(self.engines) > 1 or self.replicas is not None:
+            vocab_size = None  # models with different vocabularies: leave token ids unbounded
         embedding = next((b.service for b in self.embedders if b.service is not None), None)
-        if chat is not None:
-            name, vocab_size = chat.name, chat.tokenizer.vocab_size if chat.tokenizer else None
-        else:
-            replica_models = self.replicas.models() if self.replicas is not None else []
-            name, vocab_size = (replica_models[0].id if replica_models else None), None
-        return JSONResponse(build_openapi(name, vocab_size, embedding=embedding, generate=True))
+        return JSONResponse(build_openapi(names, vocab_size, embedding=embedding, generate=True))
 
     # -- internal routes (gateway <-> replica) ---------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
@@ -123,21 +124,23 @@ def _status_op(summary: str, not_ok: str) -> dict[str, Any]:
 
 
 def build_openapi(
-    model_name: str | None,
+    model_name: str | Sequence[str] | None,
     vocab_size: int | None = None,
     version: str = "0.1.0",
     *,
     embedding: EmbeddingService | None = None,
     generate: bool = False,
 ) -> dict[str, Any]:
-    """The document for a server serving `model_name` (None while the model is loading), whose
-    tokenizer has `vocab_size` tokens (bounds the token ids a prompt may hold), and `embedding`
-    (a gateway.embeddings.EmbeddingService, or None) at /v1/embeddings. `generate`: the server
-    also answers POST /v1/generate, an alias of /v1/completions (same request and response)."""
+    """The document for a server serving the chat model(s) `model_name` (None while loading),
+    whose tokenizer has `vocab_size` tokens (bounds the token ids a prompt may hold), and
+    `embedding` (a gateway.embeddings.EmbeddingService, or None) at /v1/embeddings. `generate`:
+    the server also answers POST /v1/generate, an alias of /v1/completions (same request and
+    response)."""
     schemas = copy.deepcopy(component_schemas())
-    if model_name is not None:
+    names = [model_name] if isinstance(model_name, str) else list(model_name or ())
+    if names:
         for name in ("ChatCompletionRequest", "CompletionRequest"):
-            schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+            schemas[name]["properties"]["model"] = {"type": "string", "enum": names}
     if vocab_size is not None:
         schemas["CompletionRequest"]["properties"]["prompt"] = prompt_schema(vocab_size)
     if embedding is not None:

@@ -148,3 +148,11 @@ def test_generate_is_the_completions_alias(server: LiveServer) -> None:
     assert alias["object"] == "text_completion" and alias["model"] == "tiny-a"
     assert alias["choices"][0]["text"] == original["choices"][0]["text"]
     assert alias["usage"] == original["usage"]
+
+
+def test_the_openapi_document_names_every_chat_model(server: LiveServer) -> None:
+    doc = httpx.get(server.base_url + "/openapi.json", timeout=10).json()
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        model = doc["components"]["schemas"][request]["properties"]["model"]
+        assert sorted(model["enum"]) == ["proxied-model", "tiny-a", "tiny-b"]
+    assert "/v1/generate" in doc["paths"]
