@@ -12,6 +12,7 @@ replicas' models, and no default local models (gateway-only mode) unless a model
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -98,8 +99,6 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        import asyncio
-
         # Models load in the background: /health answers at once, /ready says 503 until loaded.
         loading = [asyncio.ensure_future(b.start()) for b in self.backends]
         if not self.engines:

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
-import anyio
 from starlette.requests import Request
 
 from gateway import responses, schemas
@@ -194,9 +193,3 @@ class Backend(Protocol):
         ...
 
     async def plan(self, work: Work) -> Plan: ...
-
-
-async def shielded(cleanup: Callable[[], Awaitable[None]]) -> None:
-    """Run `cleanup` to the end even if the caller is being cancelled."""
-    with anyio.CancelScope(shield=True):
-        await cleanup()

@@ -40,6 +40,7 @@ from gateway.protocol import (
     MAX_TOKENS_PER_REQUEST,
     EmbeddingsRequest,
 )
+from gateway.tokens import inline_or_thread
 
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("batchgate.embeddings")
 
-# Texts longer than this (characters, in all) are tokenized in a worker thread.
-TOKENIZE_INLINE_MAX_CHARS = 4096
 LANGCHAIN_HINT = (
     "Clients that send OpenAI's own token ids instead of text (LangChain's OpenAIEmbeddings does by "
     "default) should send text: in LangChain, pass check_embedding_ctx_length=False."
@@ -308,10 +307,7 @@ class EmbeddingBackend:
         req = work.request
         assert isinstance(req, EmbeddingsRequest)
         size = sum(len(i) for i in req.input if isinstance(i, str))
-        if size <= TOKENIZE_INLINE_MAX_CHARS:
-            prepared = prepare(req, service)
-        else:
-            prepared = await anyio.to_thread.run_sync(prepare, req, service)
+        prepared = await inline_or_thread(lambda r: prepare(r, service), req, size)
 
         async def execute(call: Call) -> Reply:
             return await self._execute(call, service, req, prepared)

@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -27,19 +27,14 @@ from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream
 from gateway.errors import APIError, ErrorKind, from_engine_error
 from gateway.metrics import Metrics, TimedStream
 from gateway.settings import Settings
-from gateway.tokens import Tokenizer
+from gateway.tokens import Tokenizer, inline_or_thread
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("batchgate.gateway")
 
-# Prompts longer than this (characters) are tokenized in a worker thread, not on the event loop.
-TOKENIZE_INLINE_MAX_CHARS = 4096
-
 EngineFactory = Callable[[Settings], "AsyncEngine"]
-T = TypeVar("T")
-A = TypeVar("A")
 
 
 def default_engine_factory(settings: Settings) -> AsyncEngine:
@@ -147,7 +142,7 @@ class EngineBackend:
         if isinstance(req, protocol.ChatCompletionRequest):
             output = tools.plan_output(req)  # response_format and tools (gateway/tools.py)
             size = sum(len(m.text) for m in req.messages)
-            prompt = await _inline_or_thread(
+            prompt = await inline_or_thread(
                 lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
             )
             params = protocol.sampling_params(
@@ -164,7 +159,7 @@ class EngineBackend:
             return self._plan(work, job, [prompt], params, param="messages")
         assert isinstance(req, protocol.CompletionRequest)
         size = sum(len(p) for p in req.prompt)
-        prompts = await _inline_or_thread(
+        prompts = await inline_or_thread(
             lambda ps: [tokenizer.encode_prompt(p) for p in ps], req.prompt, size
         )
         params = protocol.sampling_params(
@@ -228,21 +223,21 @@ class EngineBackend:
             usage.num_completion_tokens = num_completion_tokens
 
         job.on_usage = on_usage
-        outputs = self._submit(call, prompts, params, param)
-        call.on_close(outputs.aclose)
-        chat = isinstance(call.work.request, protocol.ChatCompletionRequest)
-        if call.work.stream:
-            ready = await outputs.wait_ready(call.keep_alive_s)
-            error = outputs.first_error()
-            if error is not None:
-                if error.kind is ErrorKind.OVERLOADED:
-                    error.refusal = None  # the engine counts its own deadline refusals
-                raise error
-            events = (
-                generation.chat_events(outputs, job) if chat else generation.completion_events(outputs, job)
-            )
-            return Stream(events, ready)
         try:
+            outputs = self._submit(call, prompts, params, param)
+            call.on_close(outputs.aclose)
+            chat = isinstance(call.work.request, protocol.ChatCompletionRequest)
+            if call.work.stream:
+                ready = await outputs.wait_ready(call.keep_alive_s)
+                error = outputs.first_error()
+                if error is not None:
+                    raise error
+                events = (
+                    generation.chat_events(outputs, job)
+                    if chat
+                    else generation.completion_events(outputs, job)
+                )
+                return Stream(events, ready)
             choices = await generation.gather(outputs, job)
         except APIError as error:
             if error.kind is ErrorKind.OVERLOADED:
@@ -275,21 +270,12 @@ class EngineBackend:
             # Submitted streams are closed with the call (below); the rest never opened.
             outputs = generation.Outputs(streams)
             call.on_close(outputs.aclose)
-            error = from_engine_error(exc, param=param)
-            if error.kind is ErrorKind.OVERLOADED:
-                error.refusal = None  # the engine counts its own deadline refusals
-            raise error from None
+            raise from_engine_error(exc, param=param) from None
         return generation.Outputs(streams)
 
     def stats(self) -> dict[str, object]:
         engine, _ = self._running()
         return dataclasses.asdict(engine.stats())
-
-
-async def _inline_or_thread(fn: Callable[[A], T], arg: A, size: int) -> T:
-    if size <= TOKENIZE_INLINE_MAX_CHARS:
-        return fn(arg)
-    return await anyio.to_thread.run_sync(fn, arg)
 
 
 def freeze_startup_heap() -> None:

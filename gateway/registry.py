@@ -73,11 +73,8 @@ class ModelRegistry:
     def _listing(self, task: Task) -> str:
         names = [c.id for c in self.cards() if c.task in (task, None)]
         if not names:
-            return (
-                " This server serves no chat model."
-                if task is Task.GENERATE
-                else (" This server serves no embedding model.")
-            )
+            kind = "chat" if task is Task.GENERATE else "embedding"
+            return f" This server serves no {kind} model."
         return " This server serves " + ", ".join(f"`{n}`" for n in names) + "."
 
 

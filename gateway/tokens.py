@@ -1,7 +1,8 @@
 """Prompt rendering and tokenization, and the text/bytes of single tokens for logprobs.
 
 Everything here runs the tokenizer, which is CPU work: `Tokenizer.encode_*` are plain functions;
-the app runs them in a worker thread when the input is large, so the event loop stays free.
+backends run them through `inline_or_thread`, in a worker thread when the input is large, so the
+event loop stays free.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import functools
 import json
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 from jinja2 import TemplateError
 
 from gateway import tools as tool_prompt
@@ -20,6 +22,18 @@ from gateway.protocol import ChatMessage, Tool
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# Inputs longer than this (characters, in all) are tokenized in a worker thread, not on the loop.
+TOKENIZE_INLINE_MAX_CHARS = 4096
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+async def inline_or_thread(fn: Callable[[A], R], arg: A, size: int) -> R:
+    """`fn(arg)`, on the event loop when `size` (characters) is small, else in a worker thread."""
+    if size <= TOKENIZE_INLINE_MAX_CHARS:
+        return fn(arg)
+    return await anyio.to_thread.run_sync(fn, arg)
 
 
 @functools.cache
