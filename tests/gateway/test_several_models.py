@@ -4,6 +4,8 @@ settings) and a third model proxied to a replica, each answering as its own mode
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,10 +60,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     gateway = LiveServer(create_app(settings))
     try:
         with httpx.Client(base_url=gateway.base_url, timeout=5) as http:
-            for _ in range(3000):  # bounded: both tiny engines load in a few seconds
-                if http.get("/ready").status_code == 200:
-                    break
-                http.get("/health")  # (also checks the process stays live while loading)
+            deadline = time.monotonic() + 120  # both tiny engines load in a few seconds
+            while http.get("/ready").status_code != 200 and time.monotonic() < deadline:
+                assert http.get("/health").status_code == 200  # live while loading
+                threading.Event().wait(0.05)  # polls another thread's progress; not a clock
             assert http.get("/ready").status_code == 200, http.get("/ready").text
         yield gateway
     finally:
