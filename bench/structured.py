@@ -1,12 +1,14 @@
 """Structured output on the engine with the bundled model: validity over the schema set, and the
 throughput cost of constraining a full batch.
 
-    PYTHONPATH=. .venv/bin/python -m bench.structured validity [--temperatures 0,0.7,1.0]
+    PYTHONPATH=. .venv/bin/python -m bench.structured validity [--temperatures 0,0.7,1.0 --seeds 1]
     PYTHONPATH=. .venv/bin/python -m bench.structured throughput [--concurrency 32 --steps 200 --overlap]
 
-`validity`: every schema of bench/schemas.py at each temperature, as one batch; counts outputs that
-parse and validate (jsonschema), that hit max_tokens, and that contain a run of 3+ whitespace
-characters outside strings (the runaway-whitespace failure).
+`validity`: every schema of bench/schemas.py at each temperature, as one batch, `--seeds` times
+with other seeds (once at temperature 0); counts outputs that parse and validate (jsonschema), that
+hit max_tokens, that contain a run of 3+ whitespace characters outside strings (the
+runaway-whitespace failure), and that reached the last `closing_reserve` tokens of their budget
+(steered to close, engine/grammar.py).
 
 `throughput`: a closed loop of `--concurrency` requests (a finished one is replaced at once) for
 `--steps` engine steps, once with every request constrained by a cached schema (compiled before
@@ -34,9 +36,9 @@ import jsonschema
 from bench.schemas import SCHEMAS
 from engine import runner as runner_module
 from engine.config import EngineConfig
-from engine.grammar import LLGuidanceBackend
+from engine.grammar import LLGuidanceBackend, closing_reserve
 from engine.llm_engine import LLMEngine
-from engine.types import FinishReason, GenerationRequest, GrammarSpec, SamplingParams
+from engine.types import FinishReason, GenerationRequest, GrammarSpec, RequestOutput, SamplingParams
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
@@ -65,35 +67,39 @@ def _prompt(engine: LLMEngine, text: str) -> list[int]:
 
 def validity(args: argparse.Namespace) -> None:
     engine = _engine(args)
+    reserve = closing_reserve(args.max_tokens)
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        for i, case in enumerate(SCHEMAS):
-            params = SamplingParams(
-                max_tokens=args.max_tokens,
-                temperature=temperature,
-                seed=i,
-                grammar=GrammarSpec.json_schema(case.schema),
-            )
-            engine.add_request(GenerationRequest(case.name, _prompt(engine, case.prompt), params))
-        texts: dict[str, str] = {c.name: "" for c in SCHEMAS}
-        finish: dict[str, FinishReason | None] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                texts[out.request_id] += out.new_text
-                if out.finished:
-                    finish[out.request_id] = out.finish_reason
-        valid = length = runaway = 0
-        for case in SCHEMAS:
-            text = texts[case.name]
-            length += finish[case.name] is FinishReason.LENGTH
-            runaway += bool(re.search(r"\s{3,}", _STRING.sub("", text)))
-            try:
-                jsonschema.validate(json.loads(text), case.schema)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                print(f"  invalid at T={temperature}: {case.name}: {text[:120]!r}")
+        valid = length = runaway = closed = 0
+        rounds = 1 if temperature == 0 else args.seeds  # greedy gives the same outputs every round
+        for round_ in range(rounds):
+            for i, case in enumerate(SCHEMAS):
+                params = SamplingParams(
+                    max_tokens=args.max_tokens,
+                    temperature=temperature,
+                    seed=round_ * 1000 + i,
+                    grammar=GrammarSpec.json_schema(case.schema),
+                )
+                engine.add_request(GenerationRequest(case.name, _prompt(engine, case.prompt), params))
+            texts: dict[str, str] = {c.name: "" for c in SCHEMAS}
+            last: dict[str, RequestOutput] = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    texts[out.request_id] += out.new_text
+                    last[out.request_id] = out
+            for case in SCHEMAS:
+                text = texts[case.name]
+                length += last[case.name].finish_reason is FinishReason.LENGTH
+                closed += last[case.name].num_output_tokens > args.max_tokens - reserve
+                runaway += bool(re.search(r"\s{3,}", _STRING.sub("", text)))
+                try:
+                    jsonschema.validate(json.loads(text), case.schema)
+                    valid += 1
+                except (ValueError, jsonschema.ValidationError):
+                    print(f"  invalid at T={temperature} round {round_}: {case.name}: {text[-120:]!r}")
         print(
-            f"T={temperature}: {valid}/{len(SCHEMAS)} parse and validate, {length} hit max_tokens, "
-            f"{runaway} with a whitespace run outside strings"
+            f"T={temperature}: {valid}/{rounds * len(SCHEMAS)} parse and validate ({rounds} seed rounds), "
+            f"{length} hit max_tokens, {runaway} with a whitespace run outside strings, {closed} steered "
+            f"to close (within the last {reserve} tokens)"
         )
 
 
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("mode", choices=["validity", "throughput"])
     parser.add_argument("--temperatures", default="0,0.7,1.0")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seeds", type=int, default=1, help="validity: rounds of seeds per temperature")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)

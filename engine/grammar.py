@@ -26,17 +26,29 @@ Runaway whitespace (models looping on newlines until max_tokens inside grammar-c
 a known failure of other servers): JSON is compiled compact (`whitespace_flexible: false`), so no
 whitespace is allowed between tokens at all; inside strings it is content the schema allows.
 Runaway digits likewise: a number or integer without bounds gets JSON's safe range, and a number
-without `multipleOf` at most NUMBER_DECIMALS decimals (`bound_numbers`).
+without `multipleOf` at most NUMBER_DECIMALS decimals, an email's local part and a URI's scheme
+at most 64 characters (`bound_schema`).
+
+Running out of max_tokens inside the JSON (a free-form string the model will not end, a long list)
+would leave it unparseable: once a sequence's remaining budget is within `closing_reserve`, its row
+of the mask is narrowed to the allowed tokens that end the output soonest (`fill_bitmask(...,
+closing=True)`): first those that close containers (`}` `]`, after a string's closing quote or
+not), else a lone quote (ending a string, or starting one that the next step ends), else whatever
+the grammar allows (a required key, a comma, a number's digits), so the output ends valid and the
+sequence stops with its grammar. Measured in docs/BENCHMARKS.md, section T.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import numpy
 import torch
 
 from engine.types import GrammarError, GrammarSpec
@@ -56,7 +68,8 @@ __all__ = [  # the records live in engine.types (they travel in SamplingParams a
     "GrammarSpec",
     "LLGuidanceBackend",
     "allocate_bitmask",
-    "bound_numbers",
+    "bound_schema",
+    "closing_reserve",
 ]
 
 # One bit per token, 32 tokens per int32 word (the layout llguidance and xgrammar both fill).
@@ -79,8 +92,10 @@ class Grammar(Protocol):
         """Advance by `token_id`; False if the grammar does not allow it (the state is then unusable)."""
         ...
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (bit set: allowed)."""
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (bit set: allowed); `closing`: the
+        budget is nearly spent, allow only those of them that end the output soonest (a grammar
+        that cannot tell allows them all)."""
         ...
 
     def is_terminated(self) -> bool:
@@ -111,20 +126,30 @@ class GrammarBackend(Protocol):
 # on "1234567890..."), the numeric cousin of runaway whitespace; and a `number` without
 # `multipleOf` gets at most NUMBER_DECIMALS decimals (sampled, it ran "0.3333..." to max_tokens:
 # 1 of 34 schemas at temperature 0.7 and at 1.0 in bench/structured.py before this bound).
+# A string format that may end only after a separator has no bound before it: an email's local
+# part gets RFC 5321's 64 octets, a URI's scheme 64 characters (RFC 3986 sets none; registered
+# schemes are under 40). Sampled at 1.0, SmolLM2 ran hex digits to max_tokens before an email's
+# `@` (2 of 408 outputs, 6 seeds of the 34 schemas, bench/structured.py) and "N-T-V-E-..." before
+# a URI's `:` (2 of 816, 12 seeds) before these bounds.
 MAX_SAFE_INTEGER = 2**53 - 1
 NUMBER_DECIMALS = 6
+FORMAT_PREFIXES = {"email": "^[^@]{1,64}@", "uri": "^[A-Za-z][A-Za-z0-9+.-]{0,63}:"}
 
 
-def bound_numbers(schema: Any) -> Any:
+def bound_schema(schema: Any) -> Any:
     """`schema` with `minimum`/`maximum` +-MAX_SAFE_INTEGER added to every integer or number
-    subschema that lacks them, and `multipleOf` 10**-NUMBER_DECIMALS to every number subschema
-    that lacks one (a copy; everything else unchanged). An output of the bounded schema validates
-    against the original."""
+    subschema that lacks them, `multipleOf` 10**-NUMBER_DECIMALS to every number subschema that
+    lacks one, and FORMAT_PREFIXES' bound as the `pattern` of every email or URI string without one
+    (a copy; everything else unchanged). An output of the bounded schema validates against the
+    original."""
     if isinstance(schema, list):
-        return [bound_numbers(item) for item in schema]
+        return [bound_schema(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: bound_numbers(value) for key, value in schema.items()}
+    out = {key: bound_schema(value) for key, value in schema.items()}
+    prefix = FORMAT_PREFIXES.get(str(schema.get("format")))
+    if prefix is not None and "pattern" not in out:
+        out["pattern"] = prefix
     kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind]
     if "integer" in kinds or "number" in kinds:
@@ -137,40 +162,121 @@ def bound_numbers(schema: Any) -> Any:
     return out
 
 
+# A sequence closes its output (Grammar.fill_bitmask(closing=True)) once at most this many of its
+# max_tokens are left, or half of them if fewer: enough for SmolLM2 on the 34 schemas of
+# bench/schemas.py to close from wherever it is (the few required keys left, a comma or two, the
+# brackets); see docs/BENCHMARKS.md, section T.
+CLOSE_RESERVE = 32
+
+
+def closing_reserve(max_tokens: int) -> int:
+    return min(CLOSE_RESERVE, max_tokens // 2)
+
+
+def token_row(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """One bitmask row with exactly `token_ids` allowed."""
+    bits = numpy.zeros(bitmask_words(vocab_size) * BITS_PER_WORD, dtype=bool)
+    bits[token_ids] = True
+    return torch.from_numpy(numpy.packbits(bits, bitorder="little").view(numpy.int32).copy())
+
+
+class ClosingTokens:
+    """What a JSON grammar's closing rows are narrowed to, as bitmask rows over the vocabulary, and
+    the bytes of every token (to follow whether the output is inside a string).
+
+    First `end`, the end-of-sequence tokens (allowed once the grammar accepts and may go on, as a
+    Lark grammar's repeated tool calls may). Inside a string `}` and `]` are content, so the next
+    sets depend on where the output is: `in_string`, a quote then only brackets (`"}`, `"]}`);
+    `outside`, only brackets (`}`, `]]`). Last `quote`, the lone `"` (ending a string, or starting
+    one the next step ends)."""
+
+    def __init__(self, token_bytes: list[bytes], end_ids: list[int]) -> None:
+        self.token_bytes = token_bytes
+        self.end = token_row(end_ids, len(token_bytes))
+
+        def row(pattern: bytes) -> torch.Tensor:
+            matcher = re.compile(pattern)
+            ids = [t for t, text in enumerate(token_bytes) if matcher.fullmatch(text)]
+            return token_row(ids, len(token_bytes))
+
+        self.in_string = row(rb'"[\]}]+')
+        self.outside = row(rb"[\]}]+")
+        self.quote = row(rb'"')
+
+    def narrow(self, bitmask: torch.Tensor, row: int, state: JsonState) -> None:
+        """Keep in `bitmask[row]` the allowed end, else the allowed brackets (after a quote inside
+        a string), else the allowed quote, else all it allows."""
+        allowed = bitmask[row]
+        for preferred in (self.end, self.in_string if state.in_string else self.outside, self.quote):
+            narrowed = allowed & preferred
+            if bool(narrowed.any()):
+                allowed.copy_(narrowed)
+                return
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonState:
+    """Whether a prefix of JSON text ends inside a string (and just after a backslash there)."""
+
+    in_string: bool = False
+    escaped: bool = False
+
+    def after(self, text: bytes) -> JsonState:
+        in_string, escaped = self.in_string, self.escaped
+        for byte in text:
+            if escaped:
+                escaped = False
+            elif in_string and byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = not in_string
+        return JsonState(in_string, escaped)
+
+
 # -- llguidance ---------------------------------------------------------------------------------
 
 
 class _LLGuidanceGrammar:
-    def __init__(self, matcher: LLMatcher) -> None:
+    def __init__(self, matcher: LLMatcher, closing: ClosingTokens | None) -> None:
         import llguidance.torch
 
         self._matcher = matcher
+        self._closing = closing
+        self._states = [JsonState()]  # after each accepted token (JSON grammars only)
         self._fill = llguidance.torch.fill_next_token_bitmask
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
+        accepted = bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
+        if accepted and self._closing is not None:
+            self._states.append(self._states[-1].after(self._closing.token_bytes[token_id]))
+        return accepted
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
         self._fill(self._matcher, bitmask, row)
+        if closing and self._closing is not None:
+            self._closing.narrow(bitmask, row, self._states[-1])
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
 
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
+        if self._closing is not None and num_tokens:
+            del self._states[-num_tokens:]
 
 
 class _LLGuidanceCompiled:
     """A matcher at the start of the grammar, copied for each sequence: a copy costs microseconds,
     building one from the grammar text again up to milliseconds."""
 
-    def __init__(self, prototype: LLMatcher) -> None:
+    def __init__(self, prototype: LLMatcher, closing: ClosingTokens | None) -> None:
         self._prototype = prototype
+        self._closing = closing  # None: not JSON (a lark grammar closes as it likes)
         self._lock = threading.Lock()  # shared by every request with this spec
 
     def new_grammar(self) -> Grammar:
         with self._lock:
-            return _LLGuidanceGrammar(self._prototype.deep_copy())
+            return _LLGuidanceGrammar(self._prototype.deep_copy(), self._closing)
 
 
 class LLGuidanceBackend:
@@ -187,6 +293,7 @@ class LLGuidanceBackend:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: LLTokenizer | None = None
+        self._closing: ClosingTokens | None = None
         self._lock = threading.Lock()
 
     def _lltokenizer(self) -> LLTokenizer:
@@ -201,6 +308,9 @@ class LLGuidanceBackend:
                     n_vocab=self._vocab_size,
                     eos_token=self._eos or None,
                 )
+                tokenizer = self._tokenizer
+                token_bytes = [tokenizer.decode_bytes([t]) for t in range(self._vocab_size)]
+                self._closing = ClosingTokens(token_bytes, self._eos)
             return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -213,7 +323,8 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return _LLGuidanceCompiled(matcher)
+        json_only = spec.kind != "lark" or spec.json_only
+        return _LLGuidanceCompiled(matcher, self._closing if json_only else None)
 
     @staticmethod
     def _grammar_text(spec: GrammarSpec) -> str:
@@ -227,9 +338,7 @@ class LLGuidanceBackend:
                 raise GrammarError(f"the schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise GrammarError("the schema must be a JSON object")
-            return str(
-                llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=options)
-            )
+            return str(llguidance.LLMatcher.grammar_from_json_schema(bound_schema(schema), defaults=options))
         if spec.kind == "json_object":
             return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if spec.kind == "lark":

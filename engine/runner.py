@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.grammar import allocate_bitmask
+from engine.grammar import allocate_bitmask, closing_reserve
 from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
@@ -411,5 +411,6 @@ def fill_bitmask(
     # slower in the engine on 2 cores, 2.2-2.4 ms against 1.4-1.5 ms a 32-row step.
     for i, seq in enumerate(seqs):
         if seq.grammar is not None:
-            seq.grammar.fill_bitmask(bitmask, i)
+            left = seq.sampling.max_tokens - seq.num_output_tokens
+            seq.grammar.fill_bitmask(bitmask, i, closing=left <= closing_reserve(seq.sampling.max_tokens))
     return bitmask

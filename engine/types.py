@@ -36,12 +36,15 @@ class GrammarSpec:
     `properties` is the order the output's fields are generated in); for `json_object`, ""; for
     `lark`, the grammar text (llguidance's Lark dialect, which embeds JSON schemas: `%json {...}`).
     `strict` (JSON schemas): a keyword the engine does not implement is an error; not strict, it
-    is ignored (the rest still constrains).
+    is ignored (the rest still constrains). `json_only` (Lark): the output is JSON and fixed text,
+    no free text (where `}` would be content), so a sequence near max_tokens may be steered to
+    close it as JSON (engine/grammar.py); the JSON kinds always are.
     """
 
     kind: GrammarKind
     source: str = ""
     strict: bool = True
+    json_only: bool = False
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
@@ -52,8 +55,8 @@ class GrammarSpec:
         return cls("json_object")
 
     @classmethod
-    def lark(cls, grammar: str) -> GrammarSpec:
-        return cls("lark", grammar)
+    def lark(cls, grammar: str, json_only: bool = False) -> GrammarSpec:
+        return cls("lark", grammar, json_only=json_only)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.grammar import bound_numbers
+from engine.grammar import bound_schema
 from engine.types import GrammarError, GrammarSpec
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
@@ -74,7 +74,9 @@ def plan_output(req: ChatCompletionRequest) -> OutputPlan:
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if tools and choice != "none":
         checks = tuple((_parameters_spec(t), f"tools[{i}].function.parameters") for i, t in enumerate(tools))
-        grammar = GrammarSpec.lark(tool_call_grammar(tools, choice, req.parallel_tool_calls is not False))
+        grammar = GrammarSpec.lark(
+            tool_call_grammar(tools, choice, req.parallel_tool_calls is not False), json_only=choice != "auto"
+        )
         return OutputPlan(grammar, (*checks, (grammar, "tools")), tools, parse_tool_calls=True)
     if fmt is None or fmt.type == "text":
         return OutputPlan()
@@ -103,7 +105,7 @@ def tool_call_grammar(tools: Sequence[Tool], choice: Any, parallel: bool) -> str
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": bound_numbers(_parameters(t))},
+            "properties": {"name": {"const": t.function.name}, "arguments": bound_schema(_parameters(t))},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

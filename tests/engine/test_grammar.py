@@ -21,10 +21,15 @@ import torch
 from bench.schemas import SCHEMAS
 from engine import runner as runner_module
 from engine.grammar import (
+    CLOSE_RESERVE,
+    ClosingTokens,
     GrammarCache,
+    JsonState,
     LLGuidanceBackend,
     allocate_bitmask,
-    bound_numbers,
+    bound_schema,
+    closing_reserve,
+    token_row,
 )
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, _apply_bitmask_batched, apply_bitmask, sample
@@ -40,6 +45,7 @@ class LiteralGrammar:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self.pos = 0
+        self.closing: list[bool] = []  # each fill's `closing`, in order
 
     def accept_token(self, token_id: int) -> bool:
         if self.pos >= len(self.tokens) or self.tokens[self.pos] != token_id:
@@ -47,7 +53,8 @@ class LiteralGrammar:
         self.pos += 1
         return True
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
+        self.closing.append(closing)
         bitmask[row] = 0
         if self.pos < len(self.tokens):
             t = self.tokens[self.pos]
@@ -63,9 +70,11 @@ class LiteralGrammar:
 class LiteralCompiled:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
+        self.made: list[LiteralGrammar] = []
 
     def new_grammar(self) -> LiteralGrammar:
-        return LiteralGrammar(self.tokens)
+        self.made.append(LiteralGrammar(self.tokens))
+        return self.made[-1]
 
 
 class FakeBackend:
@@ -81,7 +90,8 @@ class FakeBackend:
         self.compiled.append(spec)
         if spec.source == "bad":
             raise GrammarError("unsupported keyword 'bad'")
-        return LiteralCompiled([int(t) for t in spec.source.split()])
+        self.last = LiteralCompiled([int(t) for t in spec.source.split()])
+        return self.last
 
 
 def literal(*tokens: int) -> GrammarSpec:
@@ -292,6 +302,19 @@ def test_constrained_choices_follow_their_grammar_and_stop_when_it_terminates(en
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize(("max_tokens", "num_open"), [(10, 5), (16, 8), (100, 10)])
+def test_a_grammar_closes_once_its_budget_is_within_the_reserve(
+    engine: LLMEngine, max_tokens: int, num_open: int
+) -> None:
+    """Each fill is told to close once the tokens left (max_tokens - output so far) are at most
+    closing_reserve: half of a small budget, CLOSE_RESERVE of a large one."""
+    backend = with_fake_backend(engine)
+    params = SamplingParams(max_tokens=max_tokens, grammar=literal(*range(100, 110)))
+    run_all(engine, [GenerationRequest("c", [5, 6, 7], params)])
+    assert closing_reserve(max_tokens) == min(CLOSE_RESERVE, max_tokens // 2) and CLOSE_RESERVE == 32
+    assert backend.last.made[0].closing == [False] * num_open + [True] * (10 - num_open)
+
+
 def test_a_request_waits_for_its_grammar_while_others_run(engine: LLMEngine) -> None:
     backend = with_fake_backend(engine)
     backend.gate.clear()
@@ -343,32 +366,28 @@ def llguidance_engine(tiny_model_dir: Path) -> LLMEngine:
 
 
 def test_random_weights_still_produce_valid_json_for_every_schema(llguidance_engine: LLMEngine) -> None:
-    """Valid by construction: a random-weight model's constrained output parses and validates,
-    and it is compact (no whitespace between tokens)."""
+    """Valid by construction: every output of a random-weight model (which ends nothing on its
+    own) stops with its grammar, parses and validates, compact (no whitespace between tokens),
+    even at a max_tokens its strings alone would overrun without the closing steer."""
     engine = llguidance_engine
     requests = [
         GenerationRequest(
             case.name,
             chat_ids(engine.tokenizer, case.prompt),
             SamplingParams(
-                max_tokens=400, temperature=0.7, seed=i, grammar=GrammarSpec.json_schema(case.schema)
+                max_tokens=160, temperature=0.7, seed=i, grammar=GrammarSpec.json_schema(case.schema)
             ),
         )
         for i, case in enumerate(SCHEMAS)
     ]
     outs = run_all(engine, requests)
-    num_stopped = 0
     for case in SCHEMAS:
         out = outs[(case.name, 0)]
         text = text_of(out)
-        if out[-1].finish_reason is FinishReason.STOP:
-            num_stopped += 1
-            jsonschema.validate(json.loads(text), case.schema)
-        else:  # random weights may fill an unbounded string (an email's local part) to max_tokens
-            assert out[-1].finish_reason is FinishReason.LENGTH and text.count('"') % 2 == 1, text
-            outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text.rsplit('"', 1)[0])
-            assert not any(c.isspace() for c in outside), "whitespace outside strings"
-    assert num_stopped >= len(SCHEMAS) - 3
+        assert out[-1].finish_reason is FinishReason.STOP, (case.name, text)
+        jsonschema.validate(json.loads(text), case.schema)
+        outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+        assert not any(c.isspace() for c in outside), "whitespace outside strings"
 
 
 def test_llguidance_names_what_it_cannot_compile(llguidance_engine: LLMEngine) -> None:
@@ -385,12 +404,9 @@ def test_json_object_output_is_one_object(llguidance_engine: LLMEngine) -> None:
     engine = llguidance_engine
     params = SamplingParams(max_tokens=300, temperature=1.0, seed=1, n=4, grammar=GrammarSpec.json_object())
     outs = run_all(engine, [GenerationRequest("obj", chat_ids(engine.tokenizer, "Give JSON."), params)])
-    for i in range(4):
-        text = text_of(outs[("obj", i)])
-        if outs[("obj", i)][-1].finish_reason is FinishReason.STOP:
-            assert isinstance(json.loads(text), dict)
-        else:  # an unbounded object may run to max_tokens, but never on whitespace
-            assert text.startswith("{") and "\n\n" not in text
+    for i in range(4):  # an unbounded object too is closed before max_tokens
+        assert outs[("obj", i)][-1].finish_reason is FinishReason.STOP
+        assert isinstance(json.loads(text_of(outs[("obj", i)])), dict)
 
 
 def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_engine: LLMEngine) -> None:
@@ -442,7 +458,7 @@ def test_unbounded_numbers_get_json_s_safe_range_and_bounded_decimals() -> None:
             "d": {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 0},
         },
     }
-    bounded = bound_numbers(schema)["properties"]
+    bounded = bound_schema(schema)["properties"]
     assert bounded["a"] == {"type": "integer", "maximum": safe, "minimum": -safe}
     assert bounded["b"]["maximum"] == 5 and bounded["b"]["minimum"] == -safe
     assert bounded["c"] == {"type": "number", "maximum": safe, "minimum": -safe, "multipleOf": 1e-6}
@@ -462,6 +478,85 @@ def test_a_number_cannot_run_past_its_decimals(llguidance_engine: LLMEngine) -> 
 
     assert accepts("0.123456") and accepts("-12.5")
     assert not accepts("0.1234567")
+
+
+def test_string_formats_that_end_after_a_separator_are_bounded_before_it(
+    llguidance_engine: LLMEngine,
+) -> None:
+    """An email's local part and a URI's scheme get at most 64 characters: the grammar then
+    requires the `@` or `:`, where sampling could otherwise run the string to max_tokens."""
+    schema = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}
+    assert bound_schema(schema)["properties"]["e"]["pattern"] == "^[^@]{1,64}@"
+    own = {"type": "string", "format": "email", "pattern": "@example[.]com$"}
+    assert bound_schema(own) == own  # a schema's own pattern is kept as it is
+    tokenizer = llguidance_engine.tokenizer
+    backend = LLGuidanceBackend(tokenizer, 49152, (2,))
+
+    def accepts(fmt: str, text: str) -> bool:
+        grammar = backend.compile(GrammarSpec.json_schema({"type": "string", "format": fmt})).new_grammar()
+        ids = tokenizer.encode(json.dumps(text), add_special_tokens=False)
+        return all(grammar.accept_token(t) for t in ids) and grammar.is_terminated()
+
+    assert accepts("email", "a" * 64 + "@b.co") and not accepts("email", "a" * 65 + "@b.co")
+    assert accepts("uri", "https://example.com/" + "x" * 200) and accepts("uri", "urn:isbn:0451450523")
+    assert not accepts("uri", "h" * 65 + "://x")
+
+
+TOKENS = [b"a", b'"', b"}", b"]", b'"}', b'"]}', b"}]", b",", b'},{"', b"\\", b'a"b', b'""', b"</s>"]
+
+
+def allowed_after_closing(allowed: list[bytes], state: JsonState) -> set[bytes]:
+    closing = ClosingTokens(TOKENS, [TOKENS.index(b"</s>")])
+    ids = [TOKENS.index(t) for t in allowed]
+    bitmask = allocate_bitmask(2, len(TOKENS))
+    bitmask[1] = token_row(ids, len(TOKENS))
+    closing.narrow(bitmask, 1, state)
+    assert torch.equal(bitmask[0], allocate_bitmask(1, len(TOKENS))[0])  # other rows untouched
+    return {t for i, t in enumerate(TOKENS) if bitmask[1, i // 32] >> (i % 32) & 1}
+
+
+def test_closing_keeps_the_allowed_tokens_that_end_the_output_soonest() -> None:
+    outside, inside = JsonState(), JsonState(in_string=True)
+    # The end, where the grammar allows it (it accepts, and could go on: another tool call).
+    assert allowed_after_closing([b"a", b"}", b"</s>"], outside) == {b"</s>"}
+    # Outside a string: brackets alone (not a new element after them, not a string starting "}).
+    assert allowed_after_closing([b"a", b"}", b"}]", b'},{"', b",", b'"}'], outside) == {b"}", b"}]"}
+    # Inside one, "}" is content: the quote that ends the string, with the brackets after it.
+    assert allowed_after_closing([b"a", b"}", b'"}', b'"]}', b'"'], inside) == {b'"}', b'"]}'}
+    # No bracket allowed: the lone quote (ends a string; outside, starts one the next step ends).
+    assert allowed_after_closing([b"a", b'"', b",", b'a"b'], inside) == {b'"'}
+    assert allowed_after_closing([b"a", b'"', b'""'], outside) == {b'"'}
+    # Neither: everything the grammar allows (a required key, a comma, an email's `@`).
+    assert allowed_after_closing([b"a", b","], inside) == {b"a", b","}
+
+
+def test_json_state_follows_strings_and_escapes() -> None:
+    state = JsonState()
+    for text, in_string in [(b'{"k', True), (b'":"a\\', True), (b'"', True), (b"\\\\", True), (b'"', False)]:
+        state = state.after(text)
+        assert state.in_string is in_string, text
+    assert JsonState().after(b'{"a":"b"}') == JsonState()
+
+
+def test_a_rolled_back_grammar_closes_from_where_it_is_again(llguidance_engine: LLMEngine) -> None:
+    """The string state rolls back with the parser: after undoing a string's closing quote, a
+    closing fill offers the quote (plus brackets) again, not the bracket alone."""
+    tokenizer = llguidance_engine.tokenizer
+    backend = LLGuidanceBackend(tokenizer, 49152, (2,))
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    grammar = backend.compile(spec).new_grammar()
+    ids = tokenizer.encode('{"a":"xyz"', add_special_tokens=False)
+    assert all(grammar.accept_token(t) for t in ids)
+
+    def closing_texts() -> set[str]:
+        bitmask = allocate_bitmask(1, 49152)
+        grammar.fill_bitmask(bitmask, 0, closing=True)
+        allowed = [i for i in range(49152) if bitmask[0, i // 32] >> (i % 32) & 1]
+        return {tokenizer.decode([i]) for i in allowed}
+
+    assert closing_texts() == {"}"}
+    grammar.rollback(1)  # back inside the string: `"}` ends it and the object
+    assert closing_texts() == {'"}'}
 
 
 def test_a_cancelled_compile_is_compiled_again() -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
-from engine.types import GrammarSpec
+from engine.types import FinishReason, GenerationRequest, GrammarSpec, SamplingParams
 from gateway.protocol import parse_chat_request
 from gateway.tools import MAX_PARALLEL_TOOL_CALLS, ToolCallParser, conversation, parse_message, plan_output
+from tests.engine.helpers import run_all, text_of, tiny_engine
 
 WEATHER = {
     "type": "function",
@@ -139,3 +142,27 @@ def test_default_format_renders_tools_calls_and_results() -> None:
     assert tools is not None and tools[0]["function"]["name"] == "get_weather"
     assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert native[3]["role"] == "tool" and native[3]["tool_call_id"] == "c1"
+
+
+def test_forced_calls_close_before_max_tokens_with_arguments_that_validate(tiny_model_dir: Path) -> None:
+    """`required` is JSON and fixed text only, so near max_tokens it is steered to close: a
+    random-weight model (which ends nothing on its own) still ends every output with whole calls
+    whose arguments validate, even where its strings alone would overrun the budget."""
+    plan = plan_output(chat(tools=[WEATHER], tool_choice="required"))
+    assert plan.grammar is not None and plan.grammar.json_only
+    assert not plan_output(chat(tools=[WEATHER])).grammar.json_only  # auto: free text may come first
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=8)
+    requests = [
+        GenerationRequest(
+            f"r{i}", [1, 2, 3], SamplingParams(max_tokens=96, temperature=1.0, seed=i, grammar=plan.grammar)
+        )
+        for i in range(8)
+    ]
+    outs = run_all(engine, requests)
+    for i in range(8):
+        out = outs[(f"r{i}", 0)]
+        assert out[-1].finish_reason is FinishReason.STOP, text_of(out)
+        content, calls = parse_message(text_of(out))
+        assert content is None and calls
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
