@@ -164,3 +164,27 @@ def test_langchain_structured_output_and_bound_tools(real_server: TinyServer) ->
     assert call["name"] == "GetWeather"
     GetWeather.model_validate(call["args"])
     real_server.wait_idle()
+
+
+class Story(BaseModel):
+    title: str
+    text: str  # no bound: only the budget ends it
+
+
+def test_parse_gets_a_closed_object_when_the_model_would_run_past_max_tokens(
+    client: openai.OpenAI, real_server: TinyServer
+) -> None:
+    """Biased against every token that starts with a quote, the model would never end a string on
+    its own, and parse() raises on a cut output (LengthFinishReasonError). Near max_tokens the
+    output is steered to close, so the SDK gets a whole object with finish_reason "stop"."""
+    tokenizer = real_server.engine.tokenizer
+    quotes = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).startswith('"')]
+    assert 10 < len(quotes) < 300  # the bias is OpenAI's shape: at most 300 entries
+    messages: Any = [{"role": "user", "content": "Write a long story as JSON with a title and a text."}]
+    args: dict[str, Any] = dict(model=real_server.model, messages=messages, response_format=Story)
+    bias = {str(i): -100 for i in quotes}
+    r = client.chat.completions.parse(**args, temperature=0, max_tokens=60, logit_bias=bias)
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Story)
+    assert r.usage is not None and r.usage.completion_tokens <= 60
+    assert len(choice.message.parsed.title) + len(choice.message.parsed.text) > 20  # it ran, then closed
