@@ -12,7 +12,12 @@ and taking turns in blocks (`--rounds`, so drift on a shared machine hits all al
 http.client connection (the client's floor), and in this process, with the same torch thread
 count as a default server, the references on the same token ids: our encoder's `embed([ids])`
 (and `tokenize` + `embed`) and sentence-transformers' `encode([text])`. Prints p50/p99 of
-`--requests` calls each and the ratios of each p50 to the two references' p50.
+`--requests` calls each and the ratios of each p50 to the two references' p50. For a server that
+reports it (batchgate's /metrics), also the mean of its own model calls during that length's
+turns, against the means of the in-process `embed` and of the served raw calls: a served time
+splits into the server's model call and the rest (HTTP, handler, thread hand-offs). The
+in-process `embed` runs back to back in a hot loop; the server's call follows an idle gap and a
+wake-up, and is often a few tenths of a millisecond slower.
 
 For each server and each (concurrency, inputs per request) in the sweep, a closed loop:
 `concurrency` clients each send a request of `inputs` texts, wait for the answer, send the next,
@@ -234,7 +239,11 @@ def exact_text(num_tokens: int) -> str:
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    return {"p50_ms": statistics.median(seconds) * 1e3, "p99_ms": percentile(seconds, 0.99) * 1e3}
+    return {
+        "p50_ms": statistics.median(seconds) * 1e3,
+        "p99_ms": percentile(seconds, 0.99) * 1e3,
+        "mean_ms": statistics.fmean(seconds) * 1e3,
+    }
 
 
 class Served:
@@ -272,6 +281,22 @@ class Served:
         resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{self.base_url}: HTTP {resp.status}")
+
+    def model_seconds(self) -> tuple[float, int] | None:
+        """The server's own embedding model calls so far (batchgate's /metrics): seconds in all
+        and how many; None when the server does not report them."""
+        try:
+            text = self.http.get("/metrics").text
+        except httpx.HTTPError:
+            return None
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("batchgate_embedding_model_seconds_sum", "batchgate_embedding_model_seconds_count"):
+                found[name.rsplit("_", 1)[1]] = float(value)
+        if len(found) != 2:
+            return None
+        return found["sum"], int(found["count"])
 
     def close(self) -> None:
         self.http.close()
@@ -341,6 +366,9 @@ def latency_main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[int, dict[str, dict[str, float]]] = {}
+    # Per length and server: the mean of its own model calls over that length's turns (from its
+    # /metrics), so the served time splits into the server's model call and everything else.
+    server_model_ms: dict[int, dict[str, float]] = {}
     refs = InProcess()
 
     def measure_all(urls: list[tuple[str, str]]) -> None:
@@ -352,7 +380,13 @@ def latency_main(argv: list[str]) -> int:
                 for label, c in clients:
                     probes[f"{label} httpx"] = lambda c=c, t=texts[n]: c.via_httpx(t)
                     probes[f"{label} raw"] = lambda c=c, b=body: c.via_raw(b)
+                before = {label: c.model_seconds() for label, c in clients}
                 results[n] = in_turns(probes, args.requests, args.rounds)
+                for label, c in clients:
+                    start, end = before[label], c.model_seconds()
+                    if start is not None and end is not None and end[1] > start[1]:
+                        mean = (end[0] - start[0]) / (end[1] - start[1]) * 1e3
+                        server_model_ms.setdefault(n, {})[label] = mean
                 for label, c in clients:
                     assert c.num_tokens == n, (label, n, c.num_tokens)  # the server counted the same
         finally:
@@ -376,8 +410,22 @@ def latency_main(argv: list[str]) -> int:
                 f"{n:>6} {what:<28} {v['p50_ms']:>8.2f} {v['p99_ms']:>8.2f} "
                 f"{v['p50_ms'] / ref:>6.2f}x {v['p50_ms'] / st_ref:>6.2f}x"
             )
+        # The server reports only a sum and a count: means, compared with means.
+        ref_mean = results[n]["in-process embed"]["mean_ms"]
+        for label, mean in server_model_ms.get(n, {}).items():
+            raw = results[n][f"{label} raw"]["mean_ms"]
+            print(
+                f"{n:>6} {label + ' model call':<28} mean {mean:.2f} ms: {mean / ref_mean:.2f}x the "
+                f"in-process embed's mean; {label} raw's mean is {raw / mean:.2f}x it"
+            )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    result = {"p50_p99_ms": results, "torch_threads": threads, "requests": args.requests, "urls": args.url}
+    result = {
+        "p50_p99_ms": results,
+        "server_model_call_mean_ms": server_model_ms,
+        "torch_threads": threads,
+        "requests": args.requests,
+        "urls": args.url,
+    }
     path = out / f"latency-{stamp}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
