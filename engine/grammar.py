@@ -32,10 +32,12 @@ at most 64 characters (`bound_schema`).
 Running out of max_tokens inside the JSON (a free-form string the model will not end, a long list)
 would leave it unparseable: once a sequence's remaining budget is within `closing_reserve`, its row
 of the mask is narrowed to the allowed tokens that end the output soonest (`fill_bitmask(...,
-closing=True)`): first those that close containers (`}` `]`, after a string's closing quote or
-not), else a lone quote (ending a string, or starting one that the next step ends), else whatever
-the grammar allows (a required key, a comma, a number's digits), so the output ends valid and the
-sequence stops with its grammar. Measured in docs/BENCHMARKS.md, section T.
+closing=True)`, `ClosingTokens`): the end of sequence where the grammar allows it, else tokens
+that close containers (`}` `]`, after a string's closing quote inside one), else a lone quote
+(ending a string, or starting one that the next step ends), else whatever the grammar allows (a
+required key, a comma, a number's digits), so the output ends valid and the sequence stops with
+its grammar. JSON kinds and Lark grammars marked `json_only` are steered. Measured in
+docs/BENCHMARKS.md, section T.
 """
 
 from __future__ import annotations
@@ -271,7 +273,7 @@ class _LLGuidanceCompiled:
 
     def __init__(self, prototype: LLMatcher, closing: ClosingTokens | None) -> None:
         self._prototype = prototype
-        self._closing = closing  # None: not JSON (a lark grammar closes as it likes)
+        self._closing = closing  # None: not steered to close (a Lark grammar with free text)
         self._lock = threading.Lock()  # shared by every request with this spec
 
     def new_grammar(self) -> Grammar:
