@@ -43,12 +43,11 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend
 from engine.loader import LoadedModel, load_model
+from engine.platform import resolve_device, resolve_dtype
 from engine.runner import (
     ModelRunner,
     StepResult,
     plan_num_blocks,
-    resolve_device,
-    resolve_dtype,
     resolve_int4_max_rows,
 )
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput

@@ -4,8 +4,10 @@ residual add, RoPE in place, SiLU-and-multiply).
 
 Compiled with the machine's C++ compiler on first use (about 20 s on 2 cores) through
 `torch.utils.cpp_extension`, then cached (under $TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions) and loaded in well under a second. `-march=native`: it is built where it
-runs. Without a compiler the engine falls back to plain torch ops (`kernels="auto"`).
+~/.cache/torch_extensions) and loaded in well under a second. Built for the CPU level it runs at
+(engine/platform.py): `-march=native` at the CPU's own level, the level's x86-64-vN baseline under
+a cap, and cached under a name that says which, so a cache made on another CPU is never loaded
+(it could die with SIGILL). Without a compiler the engine falls back to plain torch ops.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.platform import CpuIsa, cpu_flags, cpu_isa, isa_build_key, isa_of_flags
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,24 @@ def _put_ninja_on_path() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+# Each level's baseline, used when a cap puts the build below the CPU's own level.
+_MARCH = {
+    CpuIsa.NONE: ["-march=x86-64"],
+    CpuIsa.AVX2: ["-march=x86-64-v3"],
+    CpuIsa.AVX512: ["-march=x86-64-v4"],
+    CpuIsa.AVX512_VNNI: ["-march=x86-64-v4", "-mavx512vnni"],
+    CpuIsa.AVX512_BF16: ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
+}
+
+
+def march_flags() -> list[str]:
+    """The compiler's target for this process's CPU level."""
+    level = cpu_isa()
+    if level == isa_of_flags(cpu_flags()):
+        return ["-march=native"]
+    return _MARCH[level]
+
+
 def native_kernels() -> Any:
     """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, write_kv_, rms_norm,
     add_rms_norm, rope_, silu_mul); raises RuntimeError (with the compiler's reason) if they cannot
@@ -51,12 +73,12 @@ def native_kernels() -> Any:
 
                 _put_ninja_on_path()
                 load(
-                    name="batchgate_kernels",
+                    name=f"batchgate_kernels_{isa_build_key()}",
                     sources=[str(SOURCE)],
                     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially
                     # without it; the runtime is torch's own libgomp (same soname, already loaded).
                     # -ffp-contract=off: no implicit FMA, so fused ops round as torch's do.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_cflags=["-O3", *march_flags(), "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=False,

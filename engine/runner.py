@@ -9,10 +9,8 @@ import math
 import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from engine.config import EngineConfig
@@ -22,6 +20,7 @@ from engine.loader import LoadedModel, is_q4_1_gguf
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
 from engine.parallel import ParallelExecutor, TensorParallel, check_divisible, shard_weights
+from engine.platform import available_memory
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.scheduler import SchedulerOutput
@@ -29,33 +28,6 @@ from engine.sequence import Sequence
 from engine.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
-
 
 def resolve_int4_max_rows(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
     """Rows up to which steps use int4 weights (0: never), from `config.quantization`."""
@@ -76,34 +48,6 @@ def resolve_int4_max_rows(config: EngineConfig, device: torch.device, dtype: tor
 def kv_bytes_per_token(model: LoadedModel, dtype: torch.dtype) -> int:
     s = model.spec
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def cgroup_memory_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes the container's memory limit (cgroup v2, else v1) still allows this process group,
-    or None when there is no limit. A pod's limit is usually far below the node's free memory,
-    which is what psutil reports inside a container."""
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),  # v2
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # v1
-    ):
-        try:
-            raw = (root / limit_file).read_text().strip()
-            if raw == "max":
-                return None
-            limit = int(raw)
-            if limit >= 1 << 60:  # v1 writes "unlimited" as a page-rounded 2**63 - 1
-                return None
-            return max(0, limit - int((root / usage_file).read_text().strip()))
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def available_memory() -> int:
-    """Free memory for the KV cache on the CPU: the machine's, capped by the container's limit."""
-    free = psutil.virtual_memory().available
-    limited = cgroup_memory_available()
-    return free if limited is None else min(free, limited)
 
 
 def plan_num_blocks(
