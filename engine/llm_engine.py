@@ -43,12 +43,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend
 from engine.loader import LoadedModel, load_model
+from engine.native import qmatmul_available
 from engine.platform import resolve_device, resolve_dtype
+from engine.quant import resolve_weight_format
 from engine.runner import (
     ModelRunner,
     StepResult,
     plan_num_blocks,
-    resolve_int4_max_rows,
 )
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -100,9 +101,12 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        int4_max_rows = resolve_int4_max_rows(config, device, dtype)
-        # int4 is recovered from float32 weights (exact for Q4_1); the model casts them to `dtype`.
-        load_dtype = torch.float32 if int4_max_rows else dtype
+        weight_format = resolve_weight_format(
+            config, device, dtype, qmatmul_available(config.kernels, device)
+        )
+        # Quantized weights are recovered from float32 ones (exact for a GGUF's groups); the model
+        # casts the rest to `dtype`.
+        load_dtype = torch.float32 if weight_format.layers or weight_format.int4_max_rows else dtype
         loaded = (
             model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
         )
@@ -115,7 +119,7 @@ class LLMEngine:
             config.max_model_len or loaded.spec.max_position_embeddings, num_blocks * config.block_size
         )
         self.max_model_len = max_len
-        self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len, int4_max_rows)
+        self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len, weight_format)
         del loaded.weights  # the runner holds (fused) copies
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -153,7 +157,7 @@ class LLMEngine:
             dtype,
             device,
             f" x {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
-            f", int4 weights for steps of <= {int4_max_rows} tokens" if int4_max_rows else "",
+            weight_format.describe(),
             self.runner.kv_cache_bytes / 2**20,
             num_blocks,
             config.block_size,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import ModelSpec
-from engine.quant import Linear
+from engine.quant import Linear, WeightFormat
 
 if TYPE_CHECKING:
     from engine.parallel import TensorParallel
@@ -98,14 +98,14 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         max_positions: int,
         dtype: torch.dtype | None = None,
-        int4_max_rows: int = 0,
+        weight_format: WeightFormat | None = None,
         kernels: Any = None,
         tp: TensorParallel | None = None,
         paged_decode: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        """`weights` are cast to `dtype` (default: theirs). With `int4_max_rows` > 0 every layer's
-        projections also get an int4 copy (engine/quant.py), quantized from the weights as given
-        (pass float32 for exact Q4_1 recovery), used by steps of at most that many tokens.
+        """`weights` are cast to `dtype` (default: theirs). `weight_format` (engine/quant.py): the
+        projections and LM head quantized from the weights as given (pass float32 for exact
+        recovery of a GGUF's groups).
         `kernels`: the native CPU kernels (engine/native.py), or None for plain torch ops. `tp`: this
         rank's share of a tensor-parallel replica, with `spec` and `weights` already this rank's shard
         (engine/parallel.py); o_proj and down_proj then all-reduce their partial sums. `paged_decode`:
@@ -116,6 +116,7 @@ class LlamaModel:
         self.tp = tp
         self.paged_decode = kernels.paged_decode_attention if kernels is not None else paged_decode
         w = weights
+        fmt = weight_format or WeightFormat()
         dtype = dtype or w["model.embed_tokens.weight"].dtype
         # The native SiLU-and-multiply exists where the CPU has AVX512-BF16, for bf16 only.
         self.fused_silu_mul = (
@@ -130,11 +131,15 @@ class LlamaModel:
                 torch.cat([w[n + ".weight"] for n in names]) if len(names) > 1 else w[names[0] + ".weight"]
             )
             b = torch.cat([w[n + ".bias"] for n in names]).to(dtype) if bias else None
-            return Linear.build(source.to(dtype).contiguous(), b, int4_max_rows, source)
+            if fmt.layers is not None:
+                return Linear.build(source, b, quant=fmt.layers)
+            return Linear.build(source.to(dtype).contiguous(), b, fmt.int4_max_rows, source)
 
         self.embed = w["model.embed_tokens.weight"].to(dtype)
         lm_head = self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed).to(dtype)
-        self.lm_head = Linear.build(lm_head)
+        self.lm_head = (
+            Linear.build(lm_head, quant=fmt.head) if fmt.head is not None else Linear.build(lm_head)
+        )
         self.norm = w["model.norm.weight"].to(dtype)
         self.layers: list[Layer] = []
         for i in range(spec.num_layers):

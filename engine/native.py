@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import shutil
 import threading
 from pathlib import Path
@@ -26,7 +27,14 @@ from engine.platform import CpuIsa, cpu_flags, cpu_isa, isa_build_key, isa_of_fl
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "kernels.cpp"
+# The quantized matmuls are per ISA: one file each (x86 only so far; elsewhere torch ops serve).
+_ISA_SOURCES = {"x86_64": [CSRC / "qmatmul_x86.cpp"], "amd64": [CSRC / "qmatmul_x86.cpp"]}
+
+
+def sources() -> list[str]:
+    return [str(p) for p in (SOURCE, *_ISA_SOURCES.get(platform.machine().lower(), []))]
 
 _lock = threading.Lock()
 _loaded: Any = None
@@ -74,7 +82,7 @@ def native_kernels() -> Any:
                 _put_ninja_on_path()
                 load(
                     name=f"batchgate_kernels_{isa_build_key()}",
-                    sources=[str(SOURCE)],
+                    sources=sources(),
                     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially
                     # without it; the runtime is torch's own libgomp (same soname, already loaded).
                     # -ffp-contract=off: no implicit FMA, so fused ops round as torch's do.
@@ -104,3 +112,11 @@ def resolve_kernels(setting: str, device: torch.device) -> Any | None:
             raise
         logger.warning("%s; the engine falls back to torch ops", exc)
         return None
+
+
+def qmatmul_available(setting: str, device: torch.device) -> bool:
+    """Whether our quantized matmuls (engine/csrc/qmatmul_x86.cpp) can serve on `device`."""
+    if device.type != "cpu" or cpu_isa() < CpuIsa.AVX2:
+        return False
+    kernels = resolve_kernels(setting, device)
+    return kernels is not None and bool(kernels.has_qmatmul())

@@ -16,11 +16,12 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.grammar import allocate_bitmask, closing_reserve
-from engine.loader import LoadedModel, is_q4_1_gguf
+from engine.loader import LoadedModel
 from engine.model import ForwardBatch, LlamaModel, PrefillSlice
 from engine.native import resolve_kernels
 from engine.parallel import ParallelExecutor, TensorParallel, check_divisible, shard_weights
 from engine.platform import available_memory
+from engine.quant import WeightFormat
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.scheduler import SchedulerOutput
@@ -28,22 +29,6 @@ from engine.sequence import Sequence
 from engine.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-def resolve_int4_max_rows(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """Rows up to which steps use int4 weights (0: never), from `config.quantization`."""
-    if config.quantization == "none" or config.int4_max_batch == 0:
-        return 0
-    if config.tensor_parallel_size > 1:  # int4 is a single-rank CPU path
-        if config.quantization == "int4":
-            raise ValueError("quantization int4 needs tensor_parallel_size 1")
-        return 0
-    usable = device.type == "cpu" and dtype == torch.bfloat16
-    if config.quantization == "int4":
-        if not usable:
-            raise ValueError("quantization int4 needs the CPU and dtype bfloat16")
-        return config.int4_max_batch
-    return config.int4_max_batch if usable and is_q4_1_gguf(config.model) else 0
-
 
 def kv_bytes_per_token(model: LoadedModel, dtype: torch.dtype) -> int:
     s = model.spec
@@ -132,7 +117,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
-        int4_max_rows: int = 0,
+        weight_format: WeightFormat | None = None,
         tp: TensorParallel | None = None,
     ) -> None:
         """`tp`: this rank's share of a tensor-parallel replica (a rank > 0 passes its own); with
@@ -152,7 +137,7 @@ class ModelRunner:
                 )
                 tp = self.executor.tp
             # The C++ kernels and int4 are single-rank CPU paths; a TP replica runs plain torch ops.
-            int4_max_rows, kernels = 0, None
+            weight_format, kernels = WeightFormat(), None
             spec, weights = shard_weights(spec, weights, tp.rank, tp.world_size)
         else:
             kernels = resolve_kernels(config.kernels, device)
@@ -170,7 +155,7 @@ class ModelRunner:
             weights,
             max_model_len,
             dtype=dtype,
-            int4_max_rows=int4_max_rows,
+            weight_format=weight_format or WeightFormat(),
             kernels=kernels,
             tp=tp,
             paged_decode=_triton_decode_attention() if use_triton else None,

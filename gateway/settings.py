@@ -146,7 +146,7 @@ class Settings:
     quantization: str = _opt(
         EngineConfig.quantization,
         _str,
-        "int4 weights for small decode steps (CPU, bf16): int4, none, or auto (for a Q4_1 GGUF)",
+        "quantized weights on the CPU: int4, int8 (requantize), none, or auto (a Q4_1 GGUF as it is)",
         choices=QUANTIZATIONS,
     )
     int4_max_batch: int = _opt(

@@ -10,11 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import engine.quant as quant
-from engine.config import EngineConfig
-from engine.loader import is_q4_1_gguf
 from engine.platform import cpu_has_bf16
 from engine.quant import Linear, padded_rows, quantize_int4
-from engine.runner import resolve_int4_max_rows
 from engine.types import GenerationRequest
 from tests.engine.helpers import greedy, run_all, tiny_engine, tokens_of
 from tests.tiny_model import make_tiny_model, snap_to_q4_1
@@ -51,21 +48,6 @@ def test_linear_uses_int4_only_up_to_its_row_limit() -> None:
     small, large = torch.randn(4, 64).to(torch.bfloat16), torch.randn(5, 64).to(torch.bfloat16)
     assert torch.allclose(layer(small).float(), small.float() @ other.t(), atol=0.1, rtol=0.02)
     assert torch.equal(layer(large), F.linear(large, dense))
-
-
-def test_quantization_setting_resolves_per_model_device_and_dtype(tiny_model_dir: Path) -> None:
-    bf16 = torch.bfloat16
-    assert is_q4_1_gguf(None)  # the bundled SmolLM2 file
-    assert not is_q4_1_gguf(str(tiny_model_dir))
-    assert resolve_int4_max_rows(EngineConfig(), CPU, bf16) == 8
-    assert resolve_int4_max_rows(EngineConfig(), CPU, torch.float32) == 0
-    assert resolve_int4_max_rows(EngineConfig(model=str(tiny_model_dir)), CPU, bf16) == 0
-    assert resolve_int4_max_rows(EngineConfig(quantization="none"), CPU, bf16) == 0
-    assert resolve_int4_max_rows(EngineConfig(quantization="int4", int4_max_batch=3), CPU, bf16) == 3
-    with pytest.raises(ValueError, match="bfloat16"):
-        resolve_int4_max_rows(EngineConfig(quantization="int4"), CPU, torch.float32)
-    with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int8")
 
 
 @pytest.fixture

@@ -1,0 +1,302 @@
+// Quantized linear layers for x86 CPUs with AVX2 (engine/quant.py packs the weights and calls these).
+//
+// y = x @ W^T for weights kept in groups of 32 along K, as the GGUF formats hold them:
+//   q4: Q4_1, w = d * q + m with q in 0..15 (d, m fp16 per group and row);
+//   q8: Q8_0, w = d * q with q in -127..127 (d fp16 per group and row).
+// Activations are quantized on the fly per row and group of 32 to integers qx = 255 * hi + lo
+// (hi, lo signed bytes) at a step dx = max|x| / 32512, so each group's dot product is exact
+// integer arithmetic, scaled once: sum(w * x) = dw * dx * sum(qw * qx) + m * dx * sum(qx).
+// A group's lo bytes are used only where its largest value is an outlier (max|x| > ratio *
+// mean|x|): there the small values beside it keep 15 bits, at the cost of a second vpmaddubsw per
+// product; elsewhere lo = 0 and hi alone is an int8 quantization at max|x| / 127.5 (as llama.cpp's
+// Q8_1). Each output row depends only on its own input row: a token's result does not depend on
+// the batch it is computed in (prefill, chunked prefill and decode agree).
+//
+// Layout: output rows in blocks of 8, each block's groups contiguous, so one 32-byte load feeds
+// all 8 rows. In a q4 group (160 bytes): four 32-byte chunks p = 0..3 whose byte 4j + t holds
+// row j's weights k = 4p + t (low nibble) and 16 + 4p + t (high nibble), then the 8 rows' d and
+// m (fp16). A q8 group (272 bytes): eight chunks c whose byte 4j + t is row j's weight 4c + t,
+// then the 8 d. vpmaddubsw multiplies unsigned weight bytes by a broadcast of 4 activation
+// bytes, so each 32-bit lane sums one row's products: no horizontal sums.
+//
+// This file is the only ISA-specific part; a NEON/SVE port is one more file with the same ops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define BATCHGATE_QMATMUL_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockRows = 8;
+constexpr int64_t kQ4GroupBytes = 160;
+constexpr int64_t kQ8GroupBytes = 272;
+
+bool has_qmatmul() {
+#ifdef BATCHGATE_QMATMUL_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef BATCHGATE_QMATMUL_AVX2
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i pack_bytes(const __m256i v[4]) {
+  // int32 -> int8 with packs (which interleave 128-bit lanes), then the lanes back in order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// One group of 32 activations -> hi and lo bytes, the step d, d * sum(q) and whether lo is used.
+inline void quantize_group(const float* x, int8_t* hi, int8_t* lo, float* d, float* s, uint8_t* wide,
+                           float ratio) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps(), asum = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    amax = _mm256_max_ps(amax, a);
+    asum = _mm256_add_ps(asum, a);
+  }
+  const float maxabs = hmax(amax);
+  const bool outlier = maxabs > ratio * (hsum(asum) / kGroup);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 base = _mm256_set1_ps(255.0f);
+  __m256i h[4], l[4];
+  __m256 total = _mm256_setzero_ps();
+  if (outlier) {
+    const __m256 inv = _mm256_set1_ps(maxabs > 0.0f ? 32512.0f / maxabs : 0.0f);
+    const __m256 inv_base = _mm256_set1_ps(1.0f / 255.0f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 q = _mm256_round_ps(_mm256_mul_ps(v[i], inv), kRound);  // |q| <= 32512
+      const __m256 hf = _mm256_round_ps(_mm256_mul_ps(q, inv_base), kRound);  // |hf| <= 127
+      total = _mm256_add_ps(total, q);
+      h[i] = _mm256_cvtps_epi32(hf);
+      l[i] = _mm256_cvtps_epi32(_mm256_fnmadd_ps(hf, base, q));  // exact: small integers
+    }
+  } else {
+    const __m256 inv = _mm256_set1_ps(maxabs > 0.0f ? (32512.0f / 255.0f) / maxabs : 0.0f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 hf = _mm256_round_ps(_mm256_mul_ps(v[i], inv), kRound);  // |hf| <= 127
+      total = _mm256_fmadd_ps(hf, base, total);
+      h[i] = _mm256_cvtps_epi32(hf);
+      l[i] = _mm256_setzero_si256();
+    }
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), pack_bytes(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), pack_bytes(l));
+  *d = maxabs / 32512.0f;
+  *s = *d * hsum(total);  // the sum of at most 32 integers below 2^15: exact in float
+  *wide = outlier;
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// The activations of a step: rows of hi bytes, then rows of lo bytes, per-group d, d * sum(q)
+// and flags, each [M, K / 32].
+struct Activations {
+  const int8_t* hi;
+  int64_t lo_offset;
+  const float* d;
+  const float* s;
+  const uint8_t* wide;
+  int64_t k;
+  int64_t groups;
+};
+
+// 255 * hi + lo, from the two 32-bit sums.
+inline __m256i combine(__m256i hi, __m256i lo) {
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
+}
+
+// MR activation rows (from row r0) times one block of 8 q4 rows: out[r * ldo + j] for j < 8.
+template <int MR>
+inline void q4_tile(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t ldo) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* wg = w + g * kQ4GroupBytes;
+    bool wide = false;
+    for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
+    // Up to 8 products of 15 * 127 per 16-bit lane pair: at most 30,480, no saturation.
+    __m256i dh[MR], dl[MR];
+    for (int r = 0; r < MR; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+      const __m256i lo = _mm256_and_si256(packed, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup;
+        dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(lo, broadcast4(xh + 4 * p)));
+        dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(hi, broadcast4(xh + 16 + 4 * p)));
+        if (wide) {
+          const int8_t* xl = xh + a.lo_offset;
+          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(lo, broadcast4(xl + 4 * p)));
+          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(hi, broadcast4(xl + 16 + 4 * p)));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 128)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 144)));
+    for (int r = 0; r < MR; ++r) {
+      const __m256i sum = combine(_mm256_madd_epi16(dh[r], ones), _mm256_madd_epi16(dl[r], ones));
+      const int64_t gi = (r0 + r) * a.groups + g;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[gi])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[gi]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// The same for q8 (signed) weights: |w| times x with w's sign, as vpmaddubsw takes one unsigned
+// side; each 16-bit pair (at most 2 * 127 * 127) is widened to 32 bits at once.
+template <int MR>
+inline void q8_tile(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t ldo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* wg = w + g * kQ8GroupBytes;
+    bool wide = false;
+    for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
+    __m256i dh[MR], dl[MR];
+    for (int r = 0; r < MR; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i wc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
+      const __m256i magnitude = _mm256_sign_epi8(wc, wc);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup + 4 * c;
+        const __m256i h = _mm256_sign_epi8(broadcast4(xh), wc);
+        dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, h), ones));
+        if (wide) {
+          const __m256i l = _mm256_sign_epi8(broadcast4(xh + a.lo_offset), wc);
+          dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, l), ones));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 256)));
+    for (int r = 0; r < MR; ++r) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(r0 + r) * a.groups + g]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(combine(dh[r], dl[r])), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+using Tile = void (*)(const uint8_t*, const Activations&, int64_t, float*, int64_t);
+
+struct Kernel {
+  int64_t group_bytes;
+  Tile tiles[4];  // 1..4 activation rows at a time
+};
+
+constexpr Kernel kQ4 = {kQ4GroupBytes, {q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>}};
+constexpr Kernel kQ8 = {kQ8GroupBytes, {q8_tile<1>, q8_tile<2>, q8_tile<3>, q8_tile<4>}};
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
+                   double outlier_ratio, const Kernel& kernel) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kernel.group_bytes,
+              "qlinear: w must be packed [N / 8, K / 32, ", kernel.group_bytes, "] uint8");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup, blocks = w.size(0);
+  TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, "qlinear: K must match the packed weight");
+  TORCH_CHECK(n > (blocks - 1) * kBlockRows && n <= blocks * kBlockRows, "qlinear: n must match w");
+  at::Tensor bytes = at::empty({2 * m * k + m * groups}, xc.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({2, m, groups}, xc.options());
+  int8_t* qp = bytes.data_ptr<int8_t>();
+  uint8_t* flags = reinterpret_cast<uint8_t*>(qp + 2 * m * k);
+  float* dp = scales.data_ptr<float>();
+  float* sp = dp + m * groups;
+  const float* xp = xc.data_ptr<float>();
+  const float ratio = static_cast<float>(outlier_ratio);
+  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_group(xp + i * kGroup, qp + i * kGroup, qp + m * k + i * kGroup, dp + i, sp + i, flags + i, ratio);
+  });
+  const Activations acts{qp, m * k, dp, sp, flags, k, groups};
+  const int64_t padded = blocks * kBlockRows;
+  at::Tensor out = at::empty({m, padded}, xc.options());
+  float* op = out.data_ptr<float>();
+  const at::Tensor wc = w.contiguous();
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = wp + b * groups * kernel.group_bytes;
+      for (int64_t r = 0; r < m; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r);
+        kernel.tiles[rows - 1](wb, acts, r, op + r * padded + b * kBlockRows, padded);
+      }
+    }
+  });
+  if (padded != n) out = out.narrow(1, 0, n).contiguous();
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
+                     double outlier_ratio) {
+  return qlinear(x, w, n, bias, outlier_ratio, kQ4);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
+                     double outlier_ratio) {
+  return qlinear(x, w, n, bias, outlier_ratio, kQ8);
+}
+
+#else  // no AVX2: the ops exist (so the library loads) but refuse; the engine never calls them
+
+at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&, double) {
+  TORCH_CHECK(false, "q4_linear: needs AVX2, FMA and F16C");
+}
+at::Tensor q8_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&, double) {
+  TORCH_CHECK(false, "q8_linear: needs AVX2, FMA and F16C");
+}
+
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchgate, m) {
+  m.def("q4_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
+  m.def("has_qmatmul() -> bool", &has_qmatmul);
+}
+
+TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}

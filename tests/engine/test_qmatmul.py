@@ -1,0 +1,162 @@
+"""Our quantized matmuls (engine/csrc/qmatmul_x86.cpp): exact packing of the GGUF formats, the
+kernels against a float64 reference of the same arithmetic, rows independent of their batch, the
+path each CPU gets, and the engine served on them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import quant
+from engine.config import EngineConfig
+from engine.loader import is_q4_1_gguf
+from engine.native import native_kernels, qmatmul_available
+from engine.platform import CpuIsa, cpu_isa
+from engine.quant import Linear, WeightFormat, dequantize, pack_q4, pack_q8, resolve_weight_format
+from engine.types import GenerationRequest
+from tests.engine.helpers import greedy, run_all, tiny_engine, tokens_of
+from tests.tiny_model import make_tiny_model, snap_to_q4_1
+
+CPU = torch.device("cpu")
+HAS_QMATMUL = cpu_isa() >= CpuIsa.AVX2 and qmatmul_available("auto", CPU)
+needs_qmatmul = pytest.mark.skipif(
+    not HAS_QMATMUL, reason=f"the int8 kernels need AVX2, FMA and F16C (this CPU's level: {cpu_isa().name})"
+)
+
+
+def snap_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` rounded onto a Q8_0 grid (per 32 along K: w = d * q, q in -127..127, d in fp16)."""
+    g = weight.float().view(weight.shape[0], -1, 32)
+    d = (g.abs().amax(-1, keepdim=True) / 127).half().float()
+    return ((g / d).round().clamp(-127, 127) * d).view_as(weight)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_gguf_groups_are_packed_exactly_and_unpack_to_the_same_weights(kind: str) -> None:
+    torch.manual_seed(0)
+    raw = torch.randn(100, 96) * 0.05  # 100 rows: the last block of 8 is padded
+    snapped = snap_to_q4_1(raw) if kind == "q4" else snap_to_q8_0(raw)
+    pack = pack_q4 if kind == "q4" else pack_q8
+    packed = pack(snapped)
+    assert packed.max_abs_error == 0.0 and packed.packed.shape == (13, 3, 160 if kind == "q4" else 272)
+    assert torch.equal(dequantize(packed), snapped)
+    assert torch.equal(pack(dequantize(packed)).packed, packed.packed)
+    lossy = pack(raw)  # weights off the grid: within half a step of the group's range
+    steps = raw.view(100, 3, 32)
+    span = steps.amax(-1) - steps.amin(-1) if kind == "q4" else 2 * steps.abs().amax(-1)
+    assert 0 < lossy.max_abs_error <= (span / (15 if kind == "q4" else 254)).max().item() * 0.51
+
+
+def test_a_weight_must_come_in_whole_groups() -> None:
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        pack_q4(torch.randn(8, 40))
+
+
+@needs_qmatmul
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize(("ratio", "bound"), [(0.0, 1e-4), (quant.OUTLIER_RATIO, 5e-3), (math.inf, 3e-2)])
+def test_kernels_compute_the_quantized_product(kind: str, ratio: float, bound: float) -> None:
+    torch.manual_seed(0)
+    ops = native_kernels()
+    op = ops.q4_linear if kind == "q4" else ops.q8_linear
+    weight = (pack_q4 if kind == "q4" else pack_q8)(torch.randn(100, 1536) * 0.05)
+    exact = dequantize(weight).double()
+    bias = torch.randn(100)
+    for rows in (1, 2, 3, 4, 5, 7, 33):
+        x = torch.rand(rows, 1536) * 2 - 1
+        x[:, 7] *= 40  # an outlier channel, as LLM activations have
+        got = op(x, weight.packed, 100, bias, ratio).double()
+        want = quant.quantize_activations(x, ratio).double() @ exact.t() + bias.double()
+        assert got.shape == (rows, 100)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        # The activations' own rounding: 15 bits in every group (ratio 0), in the outlier's groups
+        # only, or 8 bits everywhere.
+        vs_float = (got - (x.double() @ exact.t() + bias.double())).abs().max() / want.abs().max()
+        assert vs_float < bound
+
+
+@needs_qmatmul
+@pytest.mark.parametrize("ratio", [0.0, quant.OUTLIER_RATIO, math.inf])
+def test_a_row_does_not_depend_on_its_batch(ratio: float) -> None:
+    """So a prompt gets the same logits prefilled whole, in chunks, or decoded beside others."""
+    torch.manual_seed(0)
+    layer = Linear.build(torch.randn(64, 576) * 0.05, quant="q4")
+    layer.outlier_ratio = ratio
+    x = torch.randn(11, 576)
+    x[::2, 40] *= 30  # outlier groups in some rows only: tiles mix 8- and 15-bit rows
+    together = layer(x)
+    for i in range(11):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+    assert torch.equal(layer(x[3:9]), together[3:9])
+
+
+def test_the_path_matches_the_cpu() -> None:
+    """Runs everywhere: our kernels exactly where the CPU level has AVX2 and they build."""
+    if cpu_isa() < CpuIsa.AVX2:
+        assert not qmatmul_available("auto", CPU)
+    else:
+        assert qmatmul_available("auto", CPU) == bool(native_kernels().has_qmatmul())
+    assert not qmatmul_available("torch", CPU)
+    assert not qmatmul_available("auto", torch.device("cuda"))
+
+
+def test_weight_format_per_setting_dtype_and_cpu(tiny_model_dir: Path) -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert is_q4_1_gguf(None) and not is_q4_1_gguf(str(tiny_model_dir))  # the bundled file, a tiny one
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int3")
+    ours = WeightFormat(layers="q4", head="q8")
+    assert resolve_weight_format(EngineConfig(), CPU, f32, True) == ours  # AVX2: the bundled Q4_1
+    assert resolve_weight_format(EngineConfig(), CPU, f32, False) == WeightFormat()  # no kernels
+    assert resolve_weight_format(EngineConfig(), CPU, bf16, True) == WeightFormat(int4_max_rows=8)
+    assert resolve_weight_format(EngineConfig(dtype="float32"), CPU, f32, True) == WeightFormat()  # parity
+    assert resolve_weight_format(EngineConfig(model=str(tiny_model_dir)), CPU, f32, True) == WeightFormat()
+    int8 = EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization="int8")
+    assert resolve_weight_format(int8, CPU, f32, True) == WeightFormat(layers="q8", head="q8")
+    int4 = EngineConfig(model=str(tiny_model_dir), quantization="int4")
+    assert resolve_weight_format(int4, CPU, f32, True) == ours
+    with pytest.raises(ValueError, match="native kernels"):
+        resolve_weight_format(int8, CPU, f32, False)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        resolve_weight_format(EngineConfig(quantization="int8", tensor_parallel_size=2), CPU, f32, True)
+    assert resolve_weight_format(EngineConfig(quantization="none"), CPU, f32, True) == WeightFormat()
+
+
+@needs_qmatmul
+def test_engine_on_the_int8_kernels_serves_frees_and_keeps_prefill_consistent(
+    tmp_path: Path, real_model_dir: Path
+) -> None:
+    model = make_tiny_model(
+        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
+    )
+    engine = tiny_engine(model, quantization="int4")
+    layers = engine.runner.model.layers
+    assert all(layer.qkv.quant is not None and layer.qkv.weight is None for layer in layers)
+    assert engine.runner.model.lm_head.quant is not None
+    dense = tiny_engine(model, quantization="none")
+    prompt = list(range(200, 237))
+    # Prefilled whole, or in chunks of 8 beside a decoding sequence: the same tokens.
+    whole = tokens_of(run_all(engine, [GenerationRequest("a", prompt, greedy(12))])["a"])
+    chunked = tiny_engine(model, quantization="int4", max_num_batched_tokens=8)
+    outs = run_all(
+        chunked, [GenerationRequest("b", [5, 6, 7], greedy(20)), GenerationRequest("a", prompt, greedy(12))]
+    )
+    assert tokens_of(outs["a"]) == whole
+    assert chunked.block_manager.num_free_blocks == chunked.block_manager.num_blocks
+    # Against the float weights: the same greedy choices where they are clear.
+    ref = tokens_of(run_all(dense, [GenerationRequest("a", prompt, greedy(12))])["a"])
+    assert whole[:4] == ref[:4]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@needs_qmatmul
+def test_linear_on_our_kernels_keeps_no_float_copy() -> None:
+    weight = snap_to_q4_1(torch.randn(24, 64))
+    layer = Linear.build(weight, torch.zeros(24), quant="q4")
+    assert layer.weight is None and layer.packed is None and layer.int4 is None
+    x = torch.randn(3, 64)
+    assert (layer(x) - F.linear(x, weight)).abs().max() < 0.05 * F.linear(x, weight).abs().max()
