@@ -45,7 +45,7 @@ test: install $(HELM)
 # docs/BENCHMARKS.md says; LLAMA_SERVER=path) on the same GGUF file.
 bench-avx2: install
 	$(AVX2_PROFILE) $(BIN)/python -m bench.compare --no-hf --no-engine --batchgate \
-	    --llama-server $(LLAMA_SERVER) --repeat 2
+	    --dtypes auto --llama-server $(LLAMA_SERVER) --repeat 2
 
 # ruff; mypy over engine/, gateway/, tenancy/ ([tool.mypy]); the import contracts
 # ([tool.importlinter]: engine and tenancy import no gateway, no import cycles).

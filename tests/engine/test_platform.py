@@ -3,6 +3,7 @@ the choices that follow from them (dtype, kernel build key)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -135,8 +136,6 @@ def test_the_kernel_build_key_differs_between_profiles(monkeypatch: pytest.Monke
 
 def test_this_machine_is_detected_as_its_features_say() -> None:
     """Runs everywhere: the level matches /proc/cpuinfo (capped only by the environment)."""
-    import os
-
     expected = isa_of_flags(platform.cpu_flags()) if platform.platform.machine() == "x86_64" else CpuIsa.NONE
     cap = os.environ.get(platform.MAX_ISA_ENV)
     if cap:
@@ -146,3 +145,28 @@ def test_this_machine_is_detected_as_its_features_say() -> None:
     assert platform.cpu_has_bf16() == (
         expected >= CpuIsa.AVX512_BF16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
+
+
+def test_a_capped_process_builds_and_loads_another_cache_than_the_native_one() -> None:
+    """In real processes: the cap in the environment changes the kernels' build name and target,
+    so a cache made by an uncapped process (here or on another CPU) is not the one a capped
+    process loads."""
+    import subprocess
+    import sys
+
+    probe = "from engine.native import march_flags; from engine.platform import isa_build_key; "
+    probe += "print(isa_build_key(), *march_flags())"
+
+    def run(cap: str | None) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != platform.MAX_ISA_ENV}
+        if cap is not None:
+            env[platform.MAX_ISA_ENV] = cap
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    native, capped = run(None), run("none")
+    assert native != capped
+    if platform.platform.machine() == "x86_64":
+        assert capped == ["x86_64_none_cap", "-march=x86-64"]
+        assert native[1] == "-march=native" and not native[0].endswith("_cap")
