@@ -146,7 +146,7 @@ class QuantWeight:
 Q4_GROUP_BYTES, Q8_GROUP_BYTES = 160, 272
 # Activation groups whose max|x| exceeds this times their mean|x| keep 15 bits on our kernels
 # (engine/csrc/qmatmul_x86.cpp); chosen by bench/quant_parity.py (docs/BENCHMARKS.md).
-OUTLIER_RATIO = 4.0
+OUTLIER_RATIO = 6.0
 
 
 def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:

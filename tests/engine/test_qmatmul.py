@@ -140,16 +140,17 @@ def test_engine_on_the_int8_kernels_serves_frees_and_keeps_prefill_consistent(
     dense = tiny_engine(model, quantization="none")
     prompt = list(range(200, 237))
     # Prefilled whole, or in chunks of 8 beside a decoding sequence: the same tokens.
-    whole = tokens_of(run_all(engine, [GenerationRequest("a", prompt, greedy(12))])["a"])
+    whole = tokens_of(run_all(engine, [GenerationRequest("a", prompt, greedy(12))])[("a", 0)])
     chunked = tiny_engine(model, quantization="int4", max_num_batched_tokens=8)
     outs = run_all(
         chunked, [GenerationRequest("b", [5, 6, 7], greedy(20)), GenerationRequest("a", prompt, greedy(12))]
     )
-    assert tokens_of(outs["a"]) == whole
+    assert tokens_of(outs[("a", 0)]) == whole
     assert chunked.block_manager.num_free_blocks == chunked.block_manager.num_blocks
-    # Against the float weights: the same greedy choices where they are clear.
-    ref = tokens_of(run_all(dense, [GenerationRequest("a", prompt, greedy(12))])["a"])
-    assert whole[:4] == ref[:4]
+    # Against the float weights (the head requantized to Q8_0 here): the same first choice. The
+    # real model's agreement is measured by bench/quant_parity.py.
+    ref = tokens_of(run_all(dense, [GenerationRequest("a", prompt, greedy(12))])[("a", 0)])
+    assert whole[0] == ref[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
