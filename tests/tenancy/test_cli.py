@@ -61,8 +61,8 @@ def test_unreachable_redis_is_a_clean_error(capsys: pytest.CaptureFixture[str]) 
 async def test_usage_lists_tenants_from_redis(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     limiter = RedisLimiter.from_url(redis_url)
     try:
-        for tenant, prompt, completion in [("acme", 10, 3), ("acme", 5, 1), ("globex", 7, 7)]:
-            lease = (await limiter.admit(tenant, make_plan(), prompt + 10, "r")).lease
+        for i, (tenant, prompt, completion) in enumerate([("acme", 10, 3), ("acme", 5, 1), ("globex", 7, 7)]):
+            lease = (await limiter.admit(tenant, make_plan(), prompt + 10, f"r{i}")).lease
             assert lease is not None
             await limiter.settle(lease, prompt, completion)
     finally:
