@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admission, endpoints, responses, telemetry
+from gateway import admission, endpoints, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
@@ -87,6 +87,14 @@ class Gateway:
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
+        if tenancy is not None:
+            tenancy.on_soft_limit(self._soft_limit_crossed)
+
+    def _soft_limit_crossed(self, tenant_name: str, budget: Any) -> None:
+        tenant = self.tenancy.config.tenant(tenant_name) if self.tenancy is not None else None
+        plan = "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
+        self.metrics.soft_crossed(plan, budget.metric)
+        logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -208,6 +216,16 @@ class Gateway:
         return JSONResponse(self.replicas.replicas.snapshot())
 
 
+def usage_routes(gateway: Gateway) -> list[Route]:
+    """The usage ledger's routes (gateway/usage.py)."""
+    routes = usage.UsageRoutes(gateway.tenancy, gateway.settings.admin_key_hash)
+    return [
+        Route("/v1/usage", routes.own, methods=["GET"]),
+        Route("/v1/organization/usage/completions", routes.organization, methods=["GET"]),
+        Route("/admin/usage.csv", routes.csv_export, methods=["GET"]),
+    ]
+
+
 def create_app(
     settings: Settings,
     engine: AsyncEngine | None = None,
@@ -245,6 +263,7 @@ def create_app(
         Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
         Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
+        *usage_routes(gateway),
     ]
     app = Starlette(
         routes=routes,

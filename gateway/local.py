@@ -221,6 +221,7 @@ class EngineBackend:
         def on_usage(num_completion_tokens: int) -> None:
             usage.served = True
             usage.num_completion_tokens = num_completion_tokens
+            usage.num_cached_tokens = job.num_cached_tokens
 
         job.on_usage = on_usage
         try:
@@ -244,6 +245,7 @@ class EngineBackend:
                 error.refusal = None  # the engine counts its own deadline refusals
             raise
         usage.served = True
+        usage.num_cached_tokens = job.num_cached_tokens
         body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
         return Body(body)
 

@@ -151,6 +151,7 @@ class _Lifetime:
                 num_prompt_tokens=self._plan.num_prompt_tokens,
                 max_num_tokens=self._plan.max_num_tokens,
                 request_id=work.request_id,
+                model=work.model,
             )
         except APIError as exc:
             self._pipeline._refused(exc)
@@ -175,10 +176,18 @@ class _Lifetime:
             caller = self.call.work.caller
             num_prompt = usage.num_prompt_tokens if usage.served else 0
             num_completion = usage.num_completion_tokens if usage.served else 0
+            num_cached = min(usage.num_cached_tokens, num_prompt) if usage.served else 0
             if self._held is not None:
                 if usage.served:
-                    self._held.record(num_prompt_tokens=num_prompt, num_completion_tokens=num_completion)
+                    self._held.record(
+                        num_prompt_tokens=num_prompt,
+                        num_completion_tokens=num_completion,
+                        num_cached_tokens=num_cached,
+                    )
                 await self._held.close()
+                self._pipeline.metrics.count_spend(
+                    caller.plan, self._held.cost(num_prompt, num_cached, num_completion)
+                )
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)
             self._span.end(
                 response_id=usage.response_id or self.call.work.request_id,

@@ -94,6 +94,10 @@ class LeaseHolder:
         if cached_tokens is not None:
             self._cached_tokens = cached_tokens
 
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        """Micro-dollars these tokens cost at the request's model's price."""
+        return self.lease.charge.cost(prompt_tokens, cached_tokens, completion_tokens)
+
     async def __aenter__(self) -> LeaseHolder:
         if self._settled or self._renewer is not None:
             raise RuntimeError("a LeaseHolder can be entered only once")
@@ -234,6 +238,10 @@ class Tenancy:
         if tenant is None:
             raise AuthError(INVALID_KEY_MESSAGE)
         return Identity(tenant, key_id_of(hash_key(raw_key)))
+
+    def tenant_names(self) -> list[str]:
+        """Every configured tenant's name (sorted)."""
+        return sorted(self.config.tenants)
 
     def budgets_of(self, tenant: Tenant) -> tuple[Budget, ...]:
         """The budgets that apply to ``tenant``'s requests."""
