@@ -47,6 +47,9 @@ class Caller:
     internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
     report_usage: bool = False  # that gateway wants a stream's final usage chunk
     key_id: str = ""  # the API key's ledger id (`key_` + 16 hex digits of its hash), never the key
+    # Set by a gateway in front (pool mode), so what runs here never exceeds what it reserved:
+    upstream_request_id: str = ""  # its request id: this replica keeps the usage for it to read
+    max_tokens_cap: int | None = None  # completion tokens per choice it reserved
 
     @property
     def cache_salt(self) -> str:
@@ -65,6 +68,18 @@ PLAN_HEADER = "x-batchgate-plan"
 FAIRNESS_HEADER = "x-batchgate-fairness"
 # A gateway asks for a stream's final usage chunk with this (to settle the exact token count).
 USAGE_HEADER = "x-batchgate-usage"
+# What the gateway reserved, so the replica stays within it, and the id under which the replica
+# keeps the request's final usage (read at /v1/internal/usage/{id} when a stream was cut short).
+REQUEST_ID_HEADER = "x-batchgate-request-id"
+MAX_TOKENS_HEADER = "x-batchgate-max-tokens"
+
+
+def _positive_int(raw: str | None) -> int | None:
+    try:
+        value = int(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
 
 
 def _token_matches(token: str | None, headers: Mapping[str, str]) -> bool:
@@ -119,6 +134,8 @@ def internal_caller(token: str | None, headers: Mapping[str, str], user: str | N
         plan=plan if plan in ("paid", "free", "open") else "open",
         internal=True,
         report_usage=headers.get(USAGE_HEADER) == "1",
+        upstream_request_id=headers.get(REQUEST_ID_HEADER, "")[:200],
+        max_tokens_cap=_positive_int(headers.get(MAX_TOKENS_HEADER)),
     )
 
 

@@ -209,6 +209,15 @@ class Gateway:
             return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
         return JSONResponse({**self.engines[0].stats(), "tasks": tasks})
 
+    async def internal_usage(self, request: Request) -> Response:
+        """The usage this replica kept for a gateway's request (gateway/reports.py); 404 when none
+        came within the wait."""
+        admission.check_internal(self.settings.internal_token, request.headers)
+        report = await self.pipeline.reports.take(request.path_params["request_id"])
+        if report is None:
+            raise APIError(ErrorKind.NOT_FOUND, "No usage report for this request id.")
+        return JSONResponse(report.body())
+
     async def upstreams(self, request: Request) -> Response:
         admission.check_internal(self.settings.internal_token, request.headers)
         if self.replicas is None:
@@ -263,6 +272,7 @@ def create_app(
         Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
         Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
+        Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
         *usage_routes(gateway),
     ]
     app = Starlette(

@@ -30,6 +30,7 @@ from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
+from gateway.reports import Report, Reports
 from gateway.settings import Settings
 from gateway.sse import EventStreamResponse
 from gateway.telemetry import ChatSpan
@@ -59,6 +60,7 @@ class Pipeline:
         self.tenancy = tenancy
         self.metrics = metrics
         self.drain = drain
+        self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
         """A gateway in front of this replica already authenticated and admitted the request (its
@@ -188,6 +190,9 @@ class _Lifetime:
                 self._pipeline.metrics.count_spend(
                     caller.plan, self._held.cost(num_prompt, num_cached, num_completion)
                 )
+            if caller.internal and caller.upstream_request_id and self.call.work.stream:
+                report = Report(num_prompt, num_cached, num_completion)
+                self._pipeline.reports.put(caller.upstream_request_id, report)
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)
             self._span.end(
                 response_id=usage.response_id or self.call.work.request_id,
