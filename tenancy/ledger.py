@@ -227,6 +227,12 @@ class MemoryStore:
             ).fetchall()
         return [LedgerRow(t, h, m, k, bool(b), r, i, c, o, x) for t, h, m, k, b, r, i, c, o, x in found]
 
+    def ledger_all(self, start_hour: int, end_hour: int) -> list[LedgerRow]:
+        """Every tenant's rows in ``[start_hour, end_hour)``."""
+        with self._lock:
+            names = [t for (t,) in self._db.execute("SELECT DISTINCT tenant FROM ledger").fetchall()]
+        return self.ledger(names, start_hour, end_hour) if names else []
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

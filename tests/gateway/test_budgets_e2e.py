@@ -47,6 +47,12 @@ plan = "paid"
 keys = ["{capped}"]
 budget_usd = 0.001            # 1,000 micro-dollars: room for a few small requests
 budget_window = "daily"
+
+[tenants.metered]
+plan = "paid"
+keys = ["{metered}"]
+budget_tokens = 1000000
+budget_window = "none"
 """
 
 
@@ -58,7 +64,9 @@ def server(
 
     redis.Redis.from_url(redis_server).flushdb()
     tenants = tmp_path_factory.mktemp("budgets") / "tenants.toml"
-    tenants.write_text(TENANTS.format(rich=hash_key("sk-rich"), capped=hash_key("sk-capped")))
+    tenants.write_text(
+        TENANTS.format(rich=hash_key("sk-rich"), capped=hash_key("sk-capped"), metered=hash_key("sk-metered"))
+    )
     settings = Settings(
         tenants=str(tenants),
         redis_url=redis_server,
@@ -179,3 +187,28 @@ def test_the_organization_usage_api_needs_the_admin_key(server: Any) -> None:
     assert any(",rich," in line for line in lines)
     bad = httpx.get(url, params={"bucket_width": "1m"}, headers={"authorization": f"Bearer {ADMIN_KEY}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bucket_width"
+
+
+def test_a_stream_the_client_left_releases_its_hold_and_pays_for_what_was_sent(server: Any) -> None:
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    headers = {"authorization": "Bearer sk-metered"}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = 0
+            while seen < 3:
+                seen += next(lines).startswith("data: ")
+    # The server notices the cut and settles (bounded wait): the hold is gone, the tokens sent paid.
+    deadline = time.monotonic() + 10
+    while True:
+        body = usage_of(server, "sk-metered")
+        (state,) = body["budgets"]
+        if state["reserved"] == 0 and state["used"]:
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    got = totals(body)
+    assert got["num_model_requests"] == 1
+    assert 2 <= got["output_tokens"] < 300  # the first event carries the role, no token
+    assert state["used"] == got["input_tokens"] + got["output_tokens"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +84,43 @@ async def test_memory_usage_is_per_process() -> None:
     assert lease is not None
     await limiter.settle(lease, 2, 3)
     assert (await limiter.usage())["acme"].total_tokens == 5
+
+
+def test_usage_reads_the_ledgers_buckets_from_redis_and_the_storage_dir(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tenancy.billing import Charge, Price
+    from tenancy.ledger import LEDGER_FILE, MemoryStore
+    from tenancy.limiter import MemoryLimiter
+
+    price = Price(1_000_000, 500_000, 2_000_000)
+
+    async def fill() -> None:
+        redis_limiter = RedisLimiter.from_url(redis_url)
+        memory_limiter = MemoryLimiter(store=MemoryStore(tmp_path / LEDGER_FILE))
+        try:
+            for limiter in (redis_limiter, memory_limiter):
+                for i, model in enumerate(("m1", "m2", "m1")):
+                    charge = Charge(model=model, key_id="key_x", price=price)
+                    lease = (await limiter.admit("acme", make_plan(), 20, f"r{i}", charge)).lease
+                    assert lease is not None
+                    await limiter.settle(lease, 10, 5)
+        finally:
+            await redis_limiter.aclose()
+            await memory_limiter.aclose()
+
+    asyncio.run(fill())
+    for source in (["--redis-url", redis_url], ["--storage-dir", str(tmp_path)]):
+        argv = ["usage", *source, "--bucket-width", "1h", "--group-by", "model", "--tenant", "acme"]
+        assert cli.run(parser().parse_args(argv)) == 0
+        page = json.loads(capsys.readouterr().out)
+        results = [r for bucket in page["data"] for r in bucket["results"]]
+        assert {
+            (r["model"], r["num_model_requests"], r["output_tokens"], r["cost_micros"]) for r in results
+        } == {
+            ("m1", 2, 10, 40),
+            ("m2", 1, 5, 20),
+        }
+        assert cli.run(parser().parse_args([*argv, "--csv"])) == 0
+        header, *lines = capsys.readouterr().out.splitlines()
+        assert header.startswith("start_time,end_time,project_id,model") and len(lines) == 2

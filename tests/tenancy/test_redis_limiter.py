@@ -193,6 +193,9 @@ async def test_a_settle_failed_in_an_outage_is_retried_when_redis_returns(
         assert level >= 10 + 35  # the 35 unused tokens were refunded (refill alone: ~10 + seconds)
         assert int(await observer.hget(usage_key("acme"), "completion_tokens") or 0) == 5
         assert limiter.num_pending_settles == 0
+        hour = int(time.time() // 3600)
+        (row,) = await limiter.ledger(["acme"], hour - 1, hour + 2)  # the ledger has it, once
+        assert (row.requests, row.input, row.output) == (1, 10, 5)
     finally:
         await observer.aclose()
         await limiter.aclose()
@@ -234,5 +237,8 @@ async def test_a_retried_settlement_that_already_ran_counts_usage_once(redis_url
         assert not await limiter._settle_now(decision.lease, 10, 5)
         usage = (await limiter.usage())["acme"]
         assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (10, 5, 1)
+        hour = int(time.time() // 3600)
+        (row,) = await limiter.ledger(["acme"], hour - 1, hour + 2)
+        assert (row.requests, row.input, row.output) == (1, 10, 5)
     finally:
         await limiter.aclose()
