@@ -247,11 +247,20 @@ async def admit(
 async def watching(
     tenancy: Tenancy | None, interval_s: float = LIMITER_PROBE_INTERVAL_S
 ) -> AsyncIterator[None]:
-    """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S);
-    nothing without tenancy or without Redis."""
+    """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S),
+    and follow the plans and tenants changed at run time (tenancy.admin: a first read before
+    serving, then a poll); nothing without tenancy or without Redis."""
     if tenancy is None or not _uses_redis(tenancy):
         yield
         return
+    followers: list[asyncio.Future[None]] = []
+    admin_store = tenancy.admin
+    if admin_store is not None:
+        from tenancy.admin import ConfigWatcher
+
+        watcher = ConfigWatcher(admin_store, tenancy.reconfigure)
+        await watcher.check()
+        followers.append(asyncio.ensure_future(watcher.run()))
 
     async def probe() -> None:
         while True:
@@ -261,12 +270,13 @@ async def watching(
                 logger.exception("probing the rate limiter failed")
             await asyncio.sleep(interval_s)
 
-    task = asyncio.ensure_future(probe())
+    tasks = [asyncio.ensure_future(probe()), *followers]
     try:
         yield
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _uses_redis(tenancy: Tenancy) -> bool:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admission, endpoints, responses, telemetry, usage
+from gateway import admin, admission, endpoints, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
@@ -274,6 +274,7 @@ def create_app(
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
         *usage_routes(gateway),
+        *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
     ]
     app = Starlette(
         routes=routes,

@@ -105,6 +105,9 @@ class TenancyConfig:
     plans: Mapping[str, Plan] = field(default_factory=dict)
     tenants: Mapping[str, Tenant] = field(default_factory=dict)
     prices: Mapping[str, Price] = field(default_factory=dict)
+    # The validated document it was built from (tables by section), so that run-time changes
+    # (tenancy.admin) can be merged over it and validated by the same rules.
+    source: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def tenant(self, name: str) -> Tenant | None:
         """The tenant called ``name``, or None."""
@@ -187,7 +190,10 @@ def config_from_dict(raw: Mapping[str, Any]) -> TenancyConfig:
                 )
             owner_of[key_hash] = name
         tenants[name] = tenant
-    return TenancyConfig(plans=plans, tenants=tenants, prices=prices)
+    source = {
+        section: dict(_table(raw.get(section, {}), section)) for section in ("plans", "tenants", "prices")
+    }
+    return TenancyConfig(plans=plans, tenants=tenants, prices=prices, source=source)
 
 
 def _table(value: object, path: str) -> dict[str, Any]:

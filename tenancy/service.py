@@ -29,10 +29,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tenancy.admin import AdminStore
 from tenancy.billing import Budget, BudgetState, Charge
 from tenancy.config import OPEN_PLAN, OPEN_TENANT, TenancyConfig, Tenant, load_config
 from tenancy.errors import AuthError
-from tenancy.keys import KeyStore, hash_key
+from tenancy.keys import KeyStore, hash_key, key_id_of
 from tenancy.ledger import DEFAULT_RETENTION_S, LEDGER_FILE, LedgerRow, MemoryStore
 from tenancy.limiter import DEFAULT_LEASE_TTL_S, Decision, FailurePolicy, Lease, Limiter, MemoryLimiter
 from tenancy.redis_limiter import RedisLimiter
@@ -146,11 +147,6 @@ class Identity:
     key_id: str = ""
 
 
-def key_id_of(key_hash: str) -> str:
-    """The ledger's name for a key, from its ``sha256:<hex>`` hash."""
-    return "key_" + key_hash.removeprefix("sha256:")[:16]
-
-
 class Tenancy:
     """Authentication, admission and settlement for the gateway, over one :class:`Limiter`."""
 
@@ -163,8 +159,10 @@ class Tenancy:
         keys: KeyStore | None = None,
         tokens: TokenCounter | None = None,
         sleep: Sleep = asyncio.sleep,
+        admin: AdminStore | None = None,
     ) -> None:
         self.config = config
+        self.admin = admin  # run-time plans, tenants and keys (with Redis); see tenancy.admin
         self.limiter = limiter
         self.tokens = tokens or TokenCounter()
         self._open_mode = open_mode
@@ -207,12 +205,26 @@ class Tenancy:
             )
             limiter = redis_limiter
             keys = KeyStore(config, redis_limiter.client, policy=policy)
+            admin = None if tenants_file is None else AdminStore(redis_limiter.client, config)
         else:
             path = None if storage_dir is None else Path(storage_dir) / LEDGER_FILE
             store = MemoryStore(path, retention_s=retention_s)
             limiter = MemoryLimiter(lease_ttl_s=lease_ttl_s, store=store)
             keys = KeyStore(config)
-        return cls(config, limiter, open_mode=tenants_file is None, keys=keys, tokens=TokenCounter(tokenize))
+            admin = None
+        return cls(
+            config,
+            limiter,
+            open_mode=tenants_file is None,
+            keys=keys,
+            tokens=TokenCounter(tokenize),
+            admin=admin,
+        )
+
+    def reconfigure(self, config: TenancyConfig) -> None:
+        """Serve ``config`` from the next request on (plans, tenants, budgets, static keys)."""
+        self.config = config
+        self._keys.reconfigure(config)
 
     @property
     def open_mode(self) -> bool:
