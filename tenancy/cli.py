@@ -249,6 +249,114 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     usage_parser.add_argument("--bucket-width", choices=tuple(WIDTHS), help="1h or 1d (default 1d)")
     usage_parser.add_argument("--group-by", action="append", default=[], choices=GROUPS, help="repeatable")
     usage_parser.set_defaults(**{_HANDLER: _run_usage})
+    _add_admin(subparsers, redis_default)
+
+
+def _add_admin(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], redis_default: str | None
+) -> None:
+    """``batchgate admin ...``: the admin API's verbs over the same code (tenancy.admin)."""
+    admin = subparsers.add_parser("admin", help="plans, tenants, keys and the audit log at run time (Redis)")
+    admin.add_argument("--redis-url", default=redis_default, help=f"Redis URL (default: ${REDIS_URL_ENV})")
+    admin.add_argument(
+        "--tenants", default=os.environ.get(TENANTS_ENV), help=f"the tenants file (default: ${TENANTS_ENV})"
+    )
+    what = admin.add_subparsers(dest="admin_what", required=True)
+    for noun in ("plans", "tenants"):
+        sub = what.add_parser(noun, help=f"list, get, put or delete {noun}").add_subparsers(
+            dest="admin_verb", required=True
+        )
+        sub.add_parser("list")
+        for verb in ("get", "delete"):
+            sub.add_parser(verb).add_argument("name")
+        put = sub.add_parser("put", help="create or replace, from the table's fields as JSON")
+        put.add_argument("name")
+        put.add_argument(
+            "--json", required=True, dest="table", help='e.g. \'{"plan": "paid", "budget_usd": 5}\''
+        )
+    keys = what.add_parser("keys", help="list, issue, rotate or revoke keys").add_subparsers(
+        dest="admin_verb", required=True
+    )
+    keys.add_parser("list").add_argument("--tenant", required=True)
+    issue = keys.add_parser("issue", help="a new key, printed once")
+    issue.add_argument("--tenant", required=True)
+    issue.add_argument("--name", default="")
+    issue.add_argument("--expires-in-days", type=float)
+    keys.add_parser("rotate", help="a new key for the same tenant; the old one revoked").add_argument("key")
+    keys.add_parser("revoke").add_argument("key")
+    audit = what.add_parser("audit", help="the newest changes")
+    audit.add_argument("--limit", type=int, default=100)
+    admin.set_defaults(**{_HANDLER: _run_admin})
+
+
+def admin(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> Any:
+    """Run one ``batchgate admin`` verb; JSON (or a raw key, once) to ``out``."""
+    import getpass
+
+    from tenancy.admin import AdminStore
+
+    out, err = out or sys.stdout, err or sys.stderr
+    if not args.tenants:
+        raise TenancyError(f"--tenants (or ${TENANTS_ENV}) is required: run-time changes merge over it")
+    redis_url = _require_redis(args)
+    actor = f"cli:{getpass.getuser()}"
+
+    async def run() -> Any:
+        store = AdminStore(open_async(redis_url, operation_timeout_s=5.0), load_config(args.tenants))
+        try:
+            return await _admin_verb(store, args, actor)
+        finally:
+            await store.client.aclose()
+
+    result = asyncio.run(run())
+    if hasattr(result, "raw_key"):
+        print(result.raw_key, file=out)
+        print(f"issued {result.key_hash} for tenant {result.tenant!r}; shown only this once", file=err)
+    else:
+        print(json.dumps(result, indent=2, sort_keys=True), file=out)
+    return result
+
+
+async def _admin_verb(store: Any, args: argparse.Namespace, actor: str) -> Any:
+    what, verb = args.admin_what, getattr(args, "admin_verb", None)
+    now = time.time()
+    if what in ("plans", "tenants"):
+        if verb == "put":
+            try:
+                table = json.loads(args.table)
+            except ValueError as exc:
+                raise TenancyError(f"--json: not JSON: {exc}") from None
+            put = store.put_plan if what == "plans" else store.put_tenant
+            await put(args.name, table, actor)
+        elif verb == "delete":
+            await (store.delete_plan if what == "plans" else store.delete_tenant)(args.name, actor)
+            return {"deleted": args.name}
+        source = (await store.config()).source[what]
+        if verb == "list":
+            return source
+        if args.name not in source:
+            raise UnknownTenantError(f"no {what[:-1]} named {args.name!r}")
+        return source[args.name]
+    if what == "keys":
+        if verb == "list":
+            return [k.body(now) for k in await store.keys(args.tenant)]
+        if verb == "issue":
+            expires = None if args.expires_in_days is None else now + args.expires_in_days * 86400
+            return await store.issue_key(args.tenant, actor, name=args.name, expires_at=expires)
+        if verb == "rotate":
+            return await store.rotate_key(args.key, actor)
+        info = await store.revoke_key(args.key, actor)
+        return {"revoked": info.key_id, "tenant": info.tenant}
+    return await store.audit(args.limit)
+
+
+def _run_admin(args: argparse.Namespace) -> None:
+    from tenancy.admin import NotFoundError
+
+    try:
+        admin(args)
+    except NotFoundError as exc:
+        raise TenancyError(str(exc)) from None
 
 
 def handles(args: argparse.Namespace) -> bool:

@@ -124,3 +124,50 @@ def test_usage_reads_the_ledgers_buckets_from_redis_and_the_storage_dir(
         assert cli.run(parser().parse_args([*argv, "--csv"])) == 0
         header, *lines = capsys.readouterr().out.splitlines()
         assert header.startswith("start_time,end_time,project_id,model") and len(lines) == 2
+
+
+def test_admin_verbs_change_what_the_gateway_serves(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tenancy.service import Tenancy
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[plans.paid]\npriority = "paid"\ntokens_per_minute = 1000\nrequests_per_minute = 10\n'
+        'max_concurrent_requests = 2\nqueue_deadline_seconds = 5\n\n[tenants.seed]\nplan = "paid"\n'
+    )
+    base = ["admin", "--redis-url", redis_url, "--tenants", str(tenants)]
+
+    def run(*argv: str) -> str:
+        assert cli.run(parser().parse_args([*base, *argv])) == 0
+        return capsys.readouterr().out
+
+    run(
+        "tenants", "put", "newco", "--json", '{"plan": "paid", "budget_usd": 2.5, "budget_window": "monthly"}'
+    )
+    assert json.loads(run("tenants", "get", "newco"))["budget_usd"] == 2.5
+    raw = run("keys", "issue", "--tenant", "newco", "--name", "ci").strip()
+    assert raw.startswith("bg-")
+    (listed,) = json.loads(run("keys", "list", "--tenant", "newco"))
+    assert listed["key_hash"] == hash_key(raw) and listed["name"] == "ci" and raw not in json.dumps(listed)
+
+    async def resolve(key: str) -> str | None:
+        tenancy = Tenancy.from_settings(str(tenants), redis_url)
+        try:
+            assert tenancy.admin is not None
+            tenancy.reconfigure(await tenancy.admin.config())  # what the gateway's watcher does
+            identity = await tenancy.identify(f"Bearer {key}")
+            return f"{identity.tenant.name}:{identity.tenant.budgets[0].limit}"
+        except Exception:  # noqa: BLE001 - AuthError: the key does not resolve
+            return None
+        finally:
+            await tenancy.aclose()
+
+    assert asyncio.run(resolve(raw)) == "newco:2500000"
+    run("keys", "revoke", hash_key(raw))
+    assert asyncio.run(resolve(raw)) is None
+    audit = json.loads(run("audit"))
+    assert [e["action"] for e in reversed(audit)] == ["tenant.put", "key.issue", "key.revoke"]
+    assert all(e["actor"].startswith("cli:") for e in audit) and raw not in json.dumps(audit)
+    assert cli.run(parser().parse_args([*base, "plans", "delete", "paid"])) == 1  # the only plan: refused
+    assert "plans: at least one plan is required" in capsys.readouterr().err
