@@ -20,12 +20,17 @@ from gateway.app import create_app
 from gateway.cli import build_tenancy
 from gateway.settings import Settings
 from tenancy import hash_key
+from tenancy.billing import Price
 from tests.gateway.conftest import LiveServer
 from tests.gateway.fakes import FakeEngine
 
 ADMIN_KEY = "bg-admin-root"
 SEED_KEY = "sk-seed"
 TENANTS = f"""
+[prices."fake-model"]
+input = 1.0
+output = 4.0
+
 [plans.paid]
 priority = "paid"
 tokens_per_minute = 100000
@@ -195,3 +200,32 @@ def test_changes_the_rules_refuse_are_400s_naming_the_field(gateways: list[Any])
     assert admin(a, "PUT", "/admin/tenants/other", {"plan": "paid"}).status_code == 200
     assert admin(a, "DELETE", "/admin/tenants/seed").status_code == 200
     assert chat(a, SEED_KEY).status_code == 401
+
+
+def test_many_concurrent_requests_over_two_gateways_never_overshoot_a_budget(gateways: list[Any]) -> None:
+    """Room for about 10 requests' worst case; 120 at once over both gateways: the settled spend
+    never exceeds the budget, every refusal is insufficient_quota, and the spend is exactly the
+    accepted requests' usage at the price."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b = gateways
+    price = Price(input=1_000_000, cached_input=1_000_000, output=4_000_000)
+    probe = chat(a, SEED_KEY, max_tokens=8).json()["usage"]
+    worst = price.cost(probe["prompt_tokens"], 0, 8)
+    budget = 10 * worst + worst // 2  # ten worst cases and a half
+    table = {"plan": "paid", "budget_usd": budget / 1_000_000, "budget_window": "monthly"}
+    assert admin(a, "PUT", "/admin/tenants/capped", table).status_code == 200
+    raw = admin(a, "POST", "/admin/tenants/capped/keys").json()["key"]
+    until(lambda: chat(b, raw, max_tokens=1).status_code == 200, within_s=1.0)
+    spent_before = admin(b, "GET", "/admin/tenants/capped").json()["budgets"][0]["used"]  # that first call
+    with ThreadPoolExecutor(12) as pool:  # 2 CPUs in CI: more threads only queue in the client
+        responses = list(pool.map(lambda i: chat(gateways[i % 2], raw, max_tokens=8), range(120)))
+    accepted = [r.json()["usage"] for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert 1 <= len(accepted) <= 10
+    assert refused and all(
+        r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota" for r in refused
+    )
+    spent = spent_before + sum(price.cost(u["prompt_tokens"], 0, u["completion_tokens"]) for u in accepted)
+    (state,) = admin(b, "GET", "/admin/tenants/capped").json()["budgets"]
+    assert state["used"] == spent <= budget and state["reserved"] == 0
