@@ -9,9 +9,10 @@
     PUT    /admin/tenants/{name}              comes with GET)
     DELETE /admin/tenants/{name}
     GET    /admin/tenants/{name}/keys        hashes and metadata only
-    POST   /admin/tenants/{name}/keys        body: {"name": ..., "expires_at": unix s}; 201 with the
+    POST   /admin/tenants/{name}/keys        body: {"name", "expires_at": unix s, "budgets"}; 201 with the
                                              raw key, shown this once
-    POST   /admin/keys/{key_hash}/rotate     a new key (same tenant, name, expiry); the old revoked
+    POST   /admin/keys/{key_hash}/rotate     a new key (same tenant, name, expiry, budgets); the old revoked
+    PUT    /admin/keys/{key_hash}/budgets    body: the key's own budget_* fields ({} removes them)
     DELETE /admin/keys/{key_hash}            revoke
     GET    /admin/audit?limit=100            the newest changes: who, what, when
 
@@ -52,6 +53,7 @@ class AdminRoutes:
             Route("/admin/tenants/{name}", self._wrap(self.tenant), methods=["GET", "PUT", "DELETE"]),
             Route("/admin/tenants/{name}/keys", self._wrap(self.tenant_keys), methods=["GET", "POST"]),
             Route("/admin/keys/{key_hash}/rotate", self._wrap(self.rotate_key), methods=["POST"]),
+            Route("/admin/keys/{key_hash}/budgets", self._wrap(self.key_budgets), methods=["PUT"]),
             Route("/admin/keys/{key_hash}", self._wrap(self.revoke_key), methods=["DELETE"]),
             Route("/admin/audit", self._wrap(self.audit), methods=["GET"]),
         ]
@@ -156,8 +158,21 @@ class AdminRoutes:
         label = body.get("name", "")
         if not isinstance(label, str):
             raise invalid_request("name must be a string", "name")
-        issued = await store.issue_key(name, self._actor(request), name=label, expires_at=expires_at)
+        budgets = body.get("budgets")
+        if budgets is not None and not isinstance(budgets, dict):
+            raise invalid_request("budgets must be an object of budget_* fields", "budgets")
+        issued = await store.issue_key(
+            name, self._actor(request), name=label, expires_at=expires_at, budgets=budgets
+        )
         return _issued(issued, label, expires_at)
+
+    async def key_budgets(self, request: Request, store: AdminStore) -> Response:
+        import time
+
+        info = await store.set_key_budgets(
+            request.path_params["key_hash"], await _json(request), self._actor(request)
+        )
+        return JSONResponse(info.body(time.time()))
 
     async def rotate_key(self, request: Request, store: AdminStore) -> Response:
         body = await _json(request) if await request.body() else {}

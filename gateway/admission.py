@@ -18,7 +18,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.types import Priority
 from gateway.errors import APIError, ErrorKind
@@ -47,6 +47,7 @@ class Caller:
     internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
     report_usage: bool = False  # that gateway wants a stream's final usage chunk
     key_id: str = ""  # the API key's ledger id (`key_` + 16 hex digits of its hash), never the key
+    key_budgets: tuple[Any, ...] = ()  # the key's own budgets (tenancy.billing.Budget)
     # Set by a gateway in front (pool mode), so what runs here never exceeds what it reserved:
     upstream_request_id: str = ""  # its request id: this replica keeps the usage for it to read
     max_tokens_cap: int | None = None  # completion tokens per choice it reserved
@@ -201,6 +202,7 @@ async def authenticate(tenancy: Tenancy | None, authorization: str | None, user:
         tenant=tenant,
         plan="free" if plan.priority == "free" else "paid",
         key_id=identity.key_id,
+        key_budgets=identity.key_budgets,
     )
 
 
@@ -220,7 +222,13 @@ async def admit(
     if caller.tenant is None:
         raise RuntimeError("admit() needs an authenticated caller when tenancy is on")
     decision = await tenancy.admit(
-        caller.tenant, num_prompt_tokens, max_num_tokens, request_id, model=model, key_id=caller.key_id
+        caller.tenant,
+        num_prompt_tokens,
+        max_num_tokens,
+        request_id,
+        model=model,
+        key_id=caller.key_id,
+        key_budgets=caller.key_budgets,
     )
     if not decision.admitted:
         reason = str(getattr(decision.reason, "value", decision.reason))

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tenancy.config import TenancyConfig, config_from_dict
+from tenancy.config import TenancyConfig, config_from_dict, key_budgets
 from tenancy.errors import LimiterUnavailableError, TenancyConfigError, UnknownTenantError
 from tenancy.keys import IssuedKey, hash_key, key_hash_of, key_id_of, new_key
 from tenancy.keyspace import (
@@ -63,6 +63,7 @@ class KeyInfo:
     expires_at: float | None = None
     static: bool = False  # from the tenants file
     revoked: bool = False
+    budgets: dict[str, Any] | None = None  # the key's own budget_* fields
 
     def body(self, now: float) -> dict[str, Any]:
         return {
@@ -73,6 +74,7 @@ class KeyInfo:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "static": self.static,
+            "budgets": self.budgets or {},
             "active": not self.revoked and (self.expires_at is None or self.expires_at > now),
         }
 
@@ -176,16 +178,27 @@ class AdminStore:
     # -- keys --------------------------------------------------------------------------------
 
     async def issue_key(
-        self, tenant: str, actor: str, *, name: str = "", expires_at: float | None = None
+        self,
+        tenant: str,
+        actor: str,
+        *,
+        name: str = "",
+        expires_at: float | None = None,
+        budgets: dict[str, Any] | None = None,
     ) -> IssuedKey:
-        """A new key for ``tenant`` (which must exist now); the raw key is in the result only."""
+        """A new key for ``tenant`` (which must exist now), with its own budgets if given (the
+        ``budget_*`` fields); the raw key is in the result only."""
         if (await self.config()).tenant(tenant) is None:
             raise UnknownTenantError(f"unknown tenant {tenant!r}")
         if expires_at is not None and expires_at <= self._wall():
             raise TenancyConfigError(f"expires_at: must be in the future, got {expires_at}")
         raw = new_key()
         key_hash = hash_key(raw)
+        if budgets:
+            key_budgets(_table(budgets), key_id_of(key_hash))  # refuses what the file would
         meta = {"tenant": tenant, "name": name[:200], "created_at": self._wall(), "expires_at": expires_at}
+        if budgets:
+            meta["budgets"] = budgets
 
         async def write() -> None:
             pipe = self.client.pipeline(transaction=True)
@@ -229,6 +242,7 @@ class AdminStore:
                     meta.get("created_at"),
                     meta.get("expires_at"),
                     revoked=key_hash in revoked,
+                    budgets=meta.get("budgets"),
                 )
             )
         return found
@@ -286,7 +300,33 @@ class AdminStore:
             meta.get("created_at"),
             meta.get("expires_at"),
             revoked=bool(revoked),
+            budgets=meta.get("budgets"),
         )
+
+    async def set_key_budgets(self, key_or_hash: str, budgets: dict[str, Any], actor: str) -> KeyInfo:
+        """Set one issued key's own budgets (``{}`` removes them); the next request applies them."""
+        key_hash = key_hash_of(key_or_hash)
+        info = await self._find_key(key_hash)
+        if info.static:
+            raise TenancyConfigError(
+                f"key {info.key_id} is from the tenants file: issue a key to give it budgets"
+            )
+        budgets = _table(budgets)
+        key_budgets(budgets, info.key_id)
+
+        async def write() -> None:
+            meta = json.loads(await self.client.hget(KEY_META, key_hash) or "{}")
+            if budgets:
+                meta["budgets"] = budgets
+            else:
+                meta.pop("budgets", None)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(KEY_META, key_hash, json.dumps(meta))
+            _audit(pipe, self._wall(), actor, "key.budgets", f"key:{info.key_id}", budgets)
+            await pipe.execute()
+
+        await self._run("key.budgets", write)
+        return await self._find_key(key_hash)
 
     # -- the audit log -----------------------------------------------------------------------
 

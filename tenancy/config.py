@@ -364,6 +364,21 @@ def _budgets(fields: _BudgetFields, path: str, sources: Mapping[str, str]) -> tu
     return tuple(budgets)
 
 
+def key_budgets(table: Mapping[str, Any], key_id: str) -> tuple[Budget, ...]:
+    """The budgets of one API key, from its ``budget_*`` fields (as a tenant's); scope
+    ``key:<key id>``. Raises TenancyConfigError naming the field."""
+    path = f"keys.{key_id}"
+    unknown = set(table) - _BUDGET_FIELDS
+    if unknown:
+        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field (budget_* fields only)")
+    fields = _budget_fields(table, path, f"key {key_id}")
+    budgets = _budgets(fields, path, _both(f"key {key_id}"))
+    return tuple(
+        Budget(b.metric, b.limit, b.window, b.soft_ratio, scope=f"key:{key_id}", source=b.source)
+        for b in budgets
+    )
+
+
 def _parse_price(model: str, body: object) -> Price:
     path = f'prices."{model}"'
     table = _table(body, path)

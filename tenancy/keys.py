@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -105,10 +106,14 @@ class KeyStore:
 
     async def resolve(self, raw_key: str) -> Tenant | None:
         """The tenant owning ``raw_key``, or None if the key is unknown or revoked."""
+        return (await self.resolve_key(raw_key))[0]
+
+    async def resolve_key(self, raw_key: str) -> tuple[Tenant | None, dict[str, Any]]:
+        """:meth:`resolve`, with the key's stored metadata (``{}`` for a static key)."""
         key_hash = hash_key(raw_key)
         static_owner = find_owner(key_hash, self._owners)
         if self._client is None:
-            return self._tenant(static_owner)
+            return self._tenant(static_owner), {}
         try:
             async with asyncio.timeout(self._deadline_s):
                 pipe = self._client.pipeline(transaction=False)
@@ -119,15 +124,16 @@ class KeyStore:
         except UNAVAILABLE_ERRORS as exc:
             if self._policy is FailurePolicy.FAIL_OPEN:
                 logger.warning("tenancy: Redis unavailable for key lookup; static keys only (fail_open)")
-                return self._tenant(static_owner)
+                return self._tenant(static_owner), {}
             raise LimiterUnavailableError(f"Redis unavailable during key lookup: {exc!r}") from exc
         if revoked or key_expired(meta, self._wall()):
-            return None
+            return None, {}
+        parsed = _meta(meta)
         if static_owner is not None:
-            return self._tenant(static_owner)
+            return self._tenant(static_owner), parsed
         if isinstance(issued_owner, bytes):
             issued_owner = issued_owner.decode()
-        return self._tenant(issued_owner)
+        return self._tenant(issued_owner), parsed
 
     def _tenant(self, name: str | None) -> Tenant | None:
         if name is None:
@@ -137,6 +143,16 @@ class KeyStore:
             # Issued for a tenant since removed from the file: the key is dead, not an error.
             logger.warning("tenancy: an issued key belongs to tenant %r, which is not configured", name)
         return tenant
+
+
+def _meta(meta: str | bytes | None) -> dict[str, Any]:
+    if not meta:
+        return {}
+    try:
+        parsed = json.loads(meta)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def key_expired(meta: str | bytes | None, now: float) -> bool:

@@ -31,8 +31,8 @@ from typing import Any
 
 from tenancy.admin import AdminStore
 from tenancy.billing import Budget, BudgetState, Charge
-from tenancy.config import OPEN_PLAN, OPEN_TENANT, TenancyConfig, Tenant, load_config
-from tenancy.errors import AuthError
+from tenancy.config import OPEN_PLAN, OPEN_TENANT, TenancyConfig, Tenant, key_budgets, load_config
+from tenancy.errors import AuthError, TenancyConfigError
 from tenancy.keys import KeyStore, hash_key, key_id_of
 from tenancy.ledger import DEFAULT_RETENTION_S, LEDGER_FILE, LedgerRow, MemoryStore
 from tenancy.limiter import DEFAULT_LEASE_TTL_S, Decision, FailurePolicy, Lease, Limiter, MemoryLimiter
@@ -145,6 +145,7 @@ class Identity:
 
     tenant: Tenant
     key_id: str = ""
+    key_budgets: tuple[Budget, ...] = ()  # the key's own budgets (set through the admin API)
 
 
 class Tenancy:
@@ -246,10 +247,17 @@ class Tenancy:
         if self._open_mode:
             return Identity(OPEN_TENANT)
         raw_key = _bearer_token(authorization_header)
-        tenant = await self._keys.resolve(raw_key)
+        tenant, meta = await self._keys.resolve_key(raw_key)
         if tenant is None:
             raise AuthError(INVALID_KEY_MESSAGE)
-        return Identity(tenant, key_id_of(hash_key(raw_key)))
+        key_id = key_id_of(hash_key(raw_key))
+        budgets: tuple[Budget, ...] = ()
+        if isinstance(meta.get("budgets"), dict):
+            try:
+                budgets = key_budgets(meta["budgets"], key_id)
+            except TenancyConfigError as exc:  # written by an older or foreign tool: not enforced
+                logger.error("tenancy: key %s has invalid budgets (%s); ignored", key_id, exc)
+        return Identity(tenant, key_id, budgets)
 
     def tenant_names(self) -> list[str]:
         """Every configured tenant's name (sorted)."""
@@ -268,6 +276,7 @@ class Tenancy:
         *,
         model: str = "",
         key_id: str = "",
+        key_budgets: tuple[Budget, ...] = (),
         batch: bool = False,
     ) -> Decision:
         """Reserve ``prompt_tokens + max_tokens``, one request and one lease for ``tenant``,
@@ -276,12 +285,13 @@ class Tenancy:
         Never raises for Redis trouble: the policy's answer comes back as the Decision
         (``Reason.UNAVAILABLE``). Refused -> 429 with ``decision.headers()`` (503 when the
         reason is UNAVAILABLE; ``insufficient_quota`` for ``Reason.BUDGET``); admitted -> hold
-        ``decision.lease`` with :meth:`hold`.
+        ``decision.lease`` with :meth:`hold`. ``key_budgets``: the key's own
+        (``Identity.key_budgets``), held beside the tenant's.
         """
         if prompt_tokens < 0 or max_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got prompt={prompt_tokens} max={max_tokens}")
         charge = Charge.worst_case(
-            self.budgets_of(tenant),
+            self.budgets_of(tenant) + key_budgets,
             num_prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             model=model,

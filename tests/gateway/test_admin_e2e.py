@@ -229,3 +229,27 @@ def test_many_concurrent_requests_over_two_gateways_never_overshoot_a_budget(gat
     spent = spent_before + sum(price.cost(u["prompt_tokens"], 0, u["completion_tokens"]) for u in accepted)
     (state,) = admin(b, "GET", "/admin/tenants/capped").json()["budgets"]
     assert state["used"] == spent <= budget and state["reserved"] == 0
+
+
+def test_a_key_has_its_own_budget_beside_its_tenants(gateways: list[Any]) -> None:
+    a, b = gateways
+    probe = chat(a, SEED_KEY, max_tokens=2).json()["usage"]
+    room = 2 * (probe["prompt_tokens"] + 2) + 1  # two requests' worst case, not three
+    body = {"name": "metered", "budgets": {"budget_tokens": room, "budget_window": "daily"}}
+    issued = admin(a, "POST", "/admin/tenants/seed/keys", body).json()
+    key, key_hash = issued["key"], issued["key_hash"]
+    assert [chat(b, key).status_code for _ in range(3)] == [200, 200, 429]
+    error = chat(a, key).json()["error"]
+    assert error["code"] == "insufficient_quota" and "this API key's daily token budget" in error["message"]
+    assert chat(b, SEED_KEY).status_code == 200  # the tenant's other key is not held by it
+    (listed,) = [
+        k for k in admin(b, "GET", "/admin/tenants/seed/keys").json()["data"] if k["key_hash"] == key_hash
+    ]
+    assert listed["budgets"] == {"budget_tokens": room, "budget_window": "daily"}
+    bad = admin(a, "PUT", f"/admin/keys/{key_hash}/budgets", {"budget_tokens": -1, "budget_window": "daily"})
+    assert (
+        bad.status_code == 400
+        and f"keys.key_{key_hash[7:23]}.budget_tokens" in bad.json()["error"]["message"]
+    )
+    assert admin(a, "PUT", f"/admin/keys/{key_hash}/budgets", {}).status_code == 200
+    assert chat(b, key).status_code == 200  # no budget of its own any more: the next request runs
