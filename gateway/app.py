@@ -121,6 +121,8 @@ class Gateway:
                 await backend.aclose()
             if self.owns_tenancy and self.tenancy is not None:
                 await self.tenancy.aclose()
+            if self.pipeline.events is not None:
+                self.pipeline.events.close()
 
     # -- the model endpoints -----------------------------------------------------------------
 

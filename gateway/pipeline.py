@@ -16,6 +16,7 @@ tenant's hold, settled with the tokens used (none when no answer was produced).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from gateway.backend import Body, Call, Endpoint, Plan, Usage, Work
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError
+from gateway.events import UsageEvent, UsageEvents
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
 from gateway.reports import Report, Reports
@@ -61,6 +63,7 @@ class Pipeline:
         self.metrics = metrics
         self.drain = drain
         self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
+        self.events = UsageEvents(settings.usage_events_file) if settings.usage_events_file else None
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
         """A gateway in front of this replica already authenticated and admitted the request (its
@@ -140,6 +143,7 @@ class _Lifetime:
         self._span = span
         self._held: admission.Admission | None = None
         self._closed = False
+        self._started_at = time.time()
         self.headers: dict[str, str] = {}
         self.call = Call(work, Usage(plan.num_prompt_tokens), span, http, pipeline.settings.keep_alive_s)
 
@@ -186,10 +190,25 @@ class _Lifetime:
                         num_completion_tokens=num_completion,
                         num_cached_tokens=num_cached,
                     )
+                cost = self._held.cost(num_prompt, num_cached, num_completion)  # before close lets go
                 await self._held.close()
-                self._pipeline.metrics.count_spend(
-                    caller.plan, self._held.cost(num_prompt, num_cached, num_completion)
-                )
+                self._pipeline.metrics.count_spend(caller.plan, cost)
+                if self._pipeline.events is not None and caller.tenant is not None:
+                    self._pipeline.events.write(
+                        UsageEvent(
+                            request_id=self.call.work.request_id,
+                            tenant=caller.tenant.name,
+                            key_id=caller.key_id,
+                            model=self.call.work.model,
+                            input_tokens=num_prompt,
+                            cached_tokens=num_cached,
+                            output_tokens=num_completion,
+                            cost_micros=cost,
+                            status="served" if usage.served else "not_served",
+                            started_at=self._started_at,
+                            ended_at=time.time(),
+                        )
+                    )
             if caller.internal and caller.upstream_request_id and self.call.work.stream:
                 report = Report(num_prompt, num_cached, num_completion)
                 self._pipeline.reports.put(caller.upstream_request_id, report)

@@ -211,6 +211,12 @@ class Settings:
     ledger_retention_days: int = _opt(
         90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"
     )
+    usage_events_file: str | None = _opt(
+        None,
+        _str,
+        "append one JSON line per settled request (tenant, model, key id, tokens, cost, times) to this "
+        "file, for a billing pipeline (default: none)",
+    )
     admin_key_hash: str | None = _opt(
         None,
         _str,

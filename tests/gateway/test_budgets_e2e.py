@@ -63,7 +63,8 @@ def server(
     import redis
 
     redis.Redis.from_url(redis_server).flushdb()
-    tenants = tmp_path_factory.mktemp("budgets") / "tenants.toml"
+    workdir = tmp_path_factory.mktemp("budgets")
+    tenants = workdir / "tenants.toml"
     tenants.write_text(
         TENANTS.format(rich=hash_key("sk-rich"), capped=hash_key("sk-capped"), metered=hash_key("sk-metered"))
     )
@@ -73,6 +74,7 @@ def server(
         keep_alive_s=1.0,
         embedding_model="none",
         admin_key_hash=hash_key(ADMIN_KEY),
+        usage_events_file=str(workdir / "usage.jsonl"),
     )
     engine = AsyncEngine.from_config(
         EngineConfig(
@@ -84,6 +86,7 @@ def server(
         )
     )
     live = LiveServer(create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True))
+    live.events_file = workdir / "usage.jsonl"  # type: ignore[attr-defined]
     try:
         yield live
     finally:
@@ -212,3 +215,26 @@ def test_a_stream_the_client_left_releases_its_hold_and_pays_for_what_was_sent(s
     assert got["num_model_requests"] == 1
     assert 2 <= got["output_tokens"] < 300  # the first event carries the role, no token
     assert state["used"] == got["input_tokens"] + got["output_tokens"]
+
+
+def test_usage_event_lines_match_the_ledger_one_to_one(server: Any) -> None:
+    import json
+
+    sdk = client(server, "sk-rich", max_retries=0)
+    for max_tokens in (2, 3):
+        sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=max_tokens)
+    events = [json.loads(line) for line in server.events_file.read_text().splitlines()]
+    rich = [e for e in events if e["tenant"] == "rich"]
+    assert len({e["request_id"] for e in rich}) == len(rich)  # one line per request
+    got = totals(usage_of(server, "sk-rich", bucket_width="1h"))
+    assert got["num_model_requests"] == len(rich)
+    assert got["input_tokens"] == sum(e["input_tokens"] for e in rich)
+    assert got["output_tokens"] == sum(e["output_tokens"] for e in rich)
+    assert got["cost_micros"] == sum(e["cost_micros"] for e in rich)
+    assert {e["model"] for e in rich} == {MODEL} and all(e["key_id"].startswith("key_") for e in rich)
+    assert all(e["status"] == "served" and e["ended_at"] >= e["started_at"] for e in rich)
+    spend = [
+        line for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+        if line.startswith('batchgate_spend_micros_total{plan="paid"}')
+    ]  # fmt: skip
+    assert float(spend[0].split()[-1]) >= got["cost_micros"] > 0
