@@ -36,6 +36,7 @@ from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
 from gateway.relay import ReplicaBackend
 from gateway.settings import Settings
+from gateway.webhooks import BudgetWebhook
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -87,6 +88,7 @@ class Gateway:
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
+        self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
         if tenancy is not None:
             tenancy.on_soft_limit(self._soft_limit_crossed)
 
@@ -95,6 +97,8 @@ class Gateway:
         plan = "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
         self.metrics.soft_crossed(plan, budget.metric)
         logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
+        if self.webhook is not None:
+            self.webhook.crossed(tenant_name, budget)
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -123,6 +127,8 @@ class Gateway:
                 await self.tenancy.aclose()
             if self.pipeline.events is not None:
                 self.pipeline.events.close()
+            if self.webhook is not None:
+                await self.webhook.aclose()
 
     # -- the model endpoints -----------------------------------------------------------------
 

@@ -217,6 +217,11 @@ class Settings:
         "append one JSON line per settled request (tenant, model, key id, tokens, cost, times) to this "
         "file, for a billing pipeline (default: none)",
     )
+    budget_webhook_url: str | None = _opt(
+        None,
+        _str,
+        "POST here when a settlement crosses a budget's soft threshold (once per window; retried)",
+    )
     admin_key_hash: str | None = _opt(
         None,
         _str,

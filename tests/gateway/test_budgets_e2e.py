@@ -48,6 +48,13 @@ keys = ["{capped}"]
 budget_usd = 0.001            # 1,000 micro-dollars: room for a few small requests
 budget_window = "daily"
 
+[tenants.soft]
+plan = "paid"
+keys = ["{soft}"]
+budget_tokens = 100000
+budget_window = "monthly"
+budget_soft_ratio = 0.0001    # 10 tokens: the first request crosses it
+
 [tenants.metered]
 plan = "paid"
 keys = ["{metered}"]
@@ -66,9 +73,27 @@ def server(
     workdir = tmp_path_factory.mktemp("budgets")
     tenants = workdir / "tenants.toml"
     tenants.write_text(
-        TENANTS.format(rich=hash_key("sk-rich"), capped=hash_key("sk-capped"), metered=hash_key("sk-metered"))
+        TENANTS.format(
+            rich=hash_key("sk-rich"),
+            capped=hash_key("sk-capped"),
+            metered=hash_key("sk-metered"),
+            soft=hash_key("sk-soft"),
+        )
     )
+    hooks: list[dict[str, Any]] = []
+
+    async def receive(request: Any) -> Any:
+        from starlette.responses import Response
+
+        hooks.append(await request.json())
+        return Response(status_code=204)
+
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    receiver = LiveServer(Starlette(routes=[Route("/hook", receive, methods=["POST"])]))
     settings = Settings(
+        budget_webhook_url=receiver.base_url + "/hook",
         tenants=str(tenants),
         redis_url=redis_server,
         keep_alive_s=1.0,
@@ -87,10 +112,12 @@ def server(
     )
     live = LiveServer(create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True))
     live.events_file = workdir / "usage.jsonl"  # type: ignore[attr-defined]
+    live.hooks = hooks  # type: ignore[attr-defined]
     try:
         yield live
     finally:
         live.stop()
+        receiver.stop()
         engine.shutdown()
 
 
@@ -238,3 +265,28 @@ def test_usage_event_lines_match_the_ledger_one_to_one(server: Any) -> None:
         if line.startswith('batchgate_spend_micros_total{plan="paid"}')
     ]  # fmt: skip
     assert float(spend[0].split()[-1]) >= got["cost_micros"] > 0
+
+
+def test_crossing_a_soft_threshold_counts_once_and_calls_the_webhook_once(server: Any) -> None:
+    def crossings() -> float:
+        for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+            if line.startswith('batchgate_budget_soft_crossings_total{metric="tokens",plan="paid"}'):
+                return float(line.split()[-1])
+        raise AssertionError("no soft crossings series")
+
+    sdk = client(server, "sk-soft", max_retries=0)
+    sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)
+    deadline = time.monotonic() + 10
+    while not server.hooks:
+        assert time.monotonic() < deadline, "the webhook was not called"
+        time.sleep(0.02)
+    sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)  # past it already: no second call
+    assert crossings() == 1
+    (hook,) = server.hooks
+    assert hook["type"] == "budget.soft_limit" and hook["tenant"] == "soft"
+    assert (hook["metric"], hook["window"], hook["limit"], hook["soft_limit"]) == (
+        "tokens",
+        "monthly",
+        100000,
+        10,
+    )
