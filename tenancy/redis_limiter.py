@@ -376,7 +376,7 @@ class RedisLimiter:
         """Each budget's use and holds now (LimiterUnavailableError when Redis is away)."""
         if not budgets:
             return []
-        keys = [budget_key(tenant, b.name) for b in budgets] + [held_key(tenant)]
+        keys = [budget_key(tenant, b.name) for b in budgets] + [held_key(tenant), leases_key(tenant)]
         args = [self._now_arg(), *(window_code(b.window) for b in budgets)]
         raw = [int(float(_text(v))) for v in await self._call("budgets", self._budgets, keys, args)]
         return [BudgetState(b, raw[1 + 3 * i], raw[2 + 3 * i], raw[3 + 3 * i]) for i, b in enumerate(budgets)]

@@ -233,18 +233,22 @@ return 1
 """
 )
 
-# KEYS: budget_1 .. budget_n, held. ARGV: now_override, then per budget its window code
-# -> {now, then per budget: used, reserved, window}
+# KEYS: budget_1 .. budget_n, held, leases. ARGV: now_override, then per budget its window code
+# -> {now, then per budget: used, reserved (by live leases only), window}
 BUDGETS_SCRIPT = (
     PRELUDE
     + """
 local now = clock(ARGV[1])
-local n = #KEYS - 1
+local n = #KEYS - 2
 local reserved_by = {}
-for _, v in ipairs(redis.call('HVALS', KEYS[n + 1])) do
-  for k, w, a in string.gmatch(v, '(%S+) (%S+) (%S+)') do
-    local id = k .. ' ' .. w
-    reserved_by[id] = (reserved_by[id] or 0) + tonumber(a)
+local held = redis.call('HGETALL', KEYS[n + 1])
+for j = 1, #held, 2 do
+  local expiry = redis.call('ZSCORE', KEYS[n + 2], held[j])
+  if expiry and tonumber(expiry) > now then
+    for k, w, a in string.gmatch(held[j + 1], '(%S+) (%S+) (%S+)') do
+      local id = k .. ' ' .. w
+      reserved_by[id] = (reserved_by[id] or 0) + tonumber(a)
+    end
   end
 end
 local out = {fmt(now)}

@@ -151,6 +151,7 @@ async def test_a_crashed_holder_leaves_no_phantom_reservation(
     assert held.admitted  # ... and its gateway dies: never settled, never renewed
     assert (await admit(limiter, "r2", charge((budget,), 1, 0))).reason is Reason.BUDGET
     clock.advance(31)
+    assert (await limiter.budgets("acme", (budget,)))[0].reserved == 0  # the expired hold counts for nothing
     decision = await admit(limiter, "r3", charge((budget,), 50, 50))
     assert decision.admitted
     assert (await limiter.budgets("acme", (budget,)))[0].reserved == 100  # only r3's hold
