@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.types import Priority
 from gateway.errors import APIError, ErrorKind
@@ -45,6 +46,11 @@ class Caller:
     plan: str = "open"  # metrics label: "paid", "free" or "open" (never a tenant-chosen string)
     internal: bool = False  # admitted by a gateway in front of this replica; do not admit again
     report_usage: bool = False  # that gateway wants a stream's final usage chunk
+    key_id: str = ""  # the API key's ledger id (`key_` + 16 hex digits of its hash), never the key
+    key_budgets: tuple[Any, ...] = ()  # the key's own budgets (tenancy.billing.Budget)
+    # Set by a gateway in front (pool mode), so what runs here never exceeds what it reserved:
+    upstream_request_id: str = ""  # its request id: this replica keeps the usage for it to read
+    max_tokens_cap: int | None = None  # completion tokens per choice it reserved
 
     @property
     def cache_salt(self) -> str:
@@ -63,6 +69,18 @@ PLAN_HEADER = "x-batchgate-plan"
 FAIRNESS_HEADER = "x-batchgate-fairness"
 # A gateway asks for a stream's final usage chunk with this (to settle the exact token count).
 USAGE_HEADER = "x-batchgate-usage"
+# What the gateway reserved, so the replica stays within it, and the id under which the replica
+# keeps the request's final usage (read at /v1/internal/usage/{id} when a stream was cut short).
+REQUEST_ID_HEADER = "x-batchgate-request-id"
+MAX_TOKENS_HEADER = "x-batchgate-max-tokens"
+
+
+def _positive_int(raw: str | None) -> int | None:
+    try:
+        value = int(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
 
 
 def _token_matches(token: str | None, headers: Mapping[str, str]) -> bool:
@@ -76,6 +94,24 @@ def check_internal(token: str | None, headers: Mapping[str, str]) -> None:
     """Internal endpoints: open when no token is configured, else the token is required (401)."""
     if token and not _token_matches(token, headers):
         raise APIError(ErrorKind.INVALID_API_KEY, "This endpoint needs the internal token.")
+
+
+ADMIN_KEY_MISSING = "The admin API needs the admin key (Authorization: Bearer <admin key>)."
+ADMIN_OFF = "The admin API is off: start the gateway with --admin-key-hash."
+
+
+def check_admin(admin_key_hash: str | None, headers: Mapping[str, str]) -> None:
+    """Admin routes: the bearer token must hash to `admin_key_hash` (401 otherwise: a tenant's
+    key is no admin key; no admin key configured, every call is a 401)."""
+    if not admin_key_hash:
+        raise APIError(ErrorKind.INVALID_API_KEY, ADMIN_OFF)
+    scheme, _, token = (headers.get("authorization") or "").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(ErrorKind.INVALID_API_KEY, ADMIN_KEY_MISSING)
+    given = "sha256:" + hashlib.sha256(token.encode("utf-8")).hexdigest()
+    if not hmac.compare_digest(given.encode(), admin_key_hash.encode()):
+        raise APIError(ErrorKind.INVALID_API_KEY, "Incorrect admin key provided.")
 
 
 def internal_caller(token: str | None, headers: Mapping[str, str], user: str | None) -> Caller | None:
@@ -99,6 +135,8 @@ def internal_caller(token: str | None, headers: Mapping[str, str], user: str | N
         plan=plan if plan in ("paid", "free", "open") else "open",
         internal=True,
         report_usage=headers.get(USAGE_HEADER) == "1",
+        upstream_request_id=headers.get(REQUEST_ID_HEADER, "")[:200],
+        max_tokens_cap=_positive_int(headers.get(MAX_TOKENS_HEADER)),
     )
 
 
@@ -110,10 +148,24 @@ class Admission:
         self.headers = dict(headers or {})  # x-ratelimit-* for the response
 
     def record(
-        self, *, num_prompt_tokens: int | None = None, num_completion_tokens: int | None = None
+        self,
+        *,
+        num_prompt_tokens: int | None = None,
+        num_completion_tokens: int | None = None,
+        num_cached_tokens: int | None = None,
     ) -> None:
         if self._holder is not None:
-            self._holder.record(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens)
+            self._holder.record(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=num_completion_tokens,
+                cached_tokens=num_cached_tokens,
+            )
+
+    def cost(self, num_prompt_tokens: int, num_cached_tokens: int, num_completion_tokens: int) -> int:
+        """Micro-dollars these tokens cost at the request's model's price (0 without tenancy)."""
+        if self._holder is None:
+            return 0
+        return self._holder.cost(num_prompt_tokens, num_cached_tokens, num_completion_tokens)
 
     async def close(self) -> None:
         holder, self._holder = self._holder, None
@@ -134,13 +186,14 @@ async def authenticate(tenancy: Tenancy | None, authorization: str | None, user:
         return Caller(name=user or "")
     auth_error, unavailable_error = _tenancy_errors()
     try:
-        tenant = await tenancy.authenticate(authorization)
+        identity = await tenancy.identify(authorization)
     except auth_error as exc:
         raise APIError(ErrorKind.INVALID_API_KEY, str(exc)) from None
     except unavailable_error as exc:
         raise APIError(
             ErrorKind.UNAVAILABLE, f"Authentication is unavailable: {exc}", retry_after_s=1.0
         ) from None
+    tenant = identity.tenant
     plan = tenant.plan
     return Caller(
         name=tenant.name,
@@ -148,22 +201,45 @@ async def authenticate(tenancy: Tenancy | None, authorization: str | None, user:
         queue_deadline_s=plan.queue_deadline_seconds,
         tenant=tenant,
         plan="free" if plan.priority == "free" else "paid",
+        key_id=identity.key_id,
+        key_budgets=identity.key_budgets,
     )
 
 
 async def admit(
-    tenancy: Tenancy | None, caller: Caller, *, num_prompt_tokens: int, max_num_tokens: int, request_id: str
+    tenancy: Tenancy | None,
+    caller: Caller,
+    *,
+    num_prompt_tokens: int,
+    max_num_tokens: int,
+    request_id: str,
+    model: str = "",
 ) -> Admission:
-    """Reserve the request's tokens; APIError 429 (or 503 when the limiter is unavailable) if refused."""
+    """Reserve the request's tokens and its worst-case cost against its budgets; APIError 429
+    (`insufficient_quota` for a budget; 503 when the limiter is unavailable) if refused."""
     if tenancy is None:
         return Admission()
     if caller.tenant is None:
         raise RuntimeError("admit() needs an authenticated caller when tenancy is on")
-    decision = await tenancy.admit(caller.tenant, num_prompt_tokens, max_num_tokens, request_id)
+    decision = await tenancy.admit(
+        caller.tenant,
+        num_prompt_tokens,
+        max_num_tokens,
+        request_id,
+        model=model,
+        key_id=caller.key_id,
+        key_budgets=caller.key_budgets,
+    )
     if not decision.admitted:
-        unavailable = str(getattr(decision.reason, "value", decision.reason)) == "unavailable"
+        reason = str(getattr(decision.reason, "value", decision.reason))
+        unavailable = reason == "unavailable"
+        kind = ErrorKind.RATE_LIMITED
+        if unavailable:
+            kind = ErrorKind.UNAVAILABLE
+        elif reason == "budget":
+            kind = ErrorKind.INSUFFICIENT_QUOTA
         raise APIError(
-            ErrorKind.UNAVAILABLE if unavailable else ErrorKind.RATE_LIMITED,
+            kind,
             decision.message(),
             headers=decision.headers(),
             retry_after_s=(decision.retry_after_s or 1.0) if unavailable else None,
@@ -179,11 +255,20 @@ async def admit(
 async def watching(
     tenancy: Tenancy | None, interval_s: float = LIMITER_PROBE_INTERVAL_S
 ) -> AsyncIterator[None]:
-    """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S);
-    nothing without tenancy or without Redis."""
+    """While inside, ping ``tenancy``'s limiter every ``interval_s`` (see LIMITER_PROBE_INTERVAL_S),
+    and follow the plans and tenants changed at run time (tenancy.admin: a first read before
+    serving, then a poll); nothing without tenancy or without Redis."""
     if tenancy is None or not _uses_redis(tenancy):
         yield
         return
+    followers: list[asyncio.Future[None]] = []
+    admin_store = tenancy.admin
+    if admin_store is not None:
+        from tenancy.admin import ConfigWatcher
+
+        watcher = ConfigWatcher(admin_store, tenancy.reconfigure)
+        await watcher.check()
+        followers.append(asyncio.ensure_future(watcher.run()))
 
     async def probe() -> None:
         while True:
@@ -193,12 +278,13 @@ async def watching(
                 logger.exception("probing the rate limiter failed")
             await asyncio.sleep(interval_s)
 
-    task = asyncio.ensure_future(probe())
+    tasks = [asyncio.ensure_future(probe()), *followers]
     try:
         yield
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _uses_redis(tenancy: Tenancy) -> bool:

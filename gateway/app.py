@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admission, endpoints, responses, telemetry
+from gateway import admin, admission, endpoints, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
@@ -36,6 +36,7 @@ from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
 from gateway.relay import ReplicaBackend
 from gateway.settings import Settings
+from gateway.webhooks import BudgetWebhook
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -87,6 +88,17 @@ class Gateway:
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
+        self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
+        if tenancy is not None:
+            tenancy.on_soft_limit(self._soft_limit_crossed)
+
+    def _soft_limit_crossed(self, tenant_name: str, budget: Any) -> None:
+        tenant = self.tenancy.config.tenant(tenant_name) if self.tenancy is not None else None
+        plan = "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
+        self.metrics.soft_crossed(plan, budget.metric)
+        logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
+        if self.webhook is not None:
+            self.webhook.crossed(tenant_name, budget)
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -113,6 +125,10 @@ class Gateway:
                 await backend.aclose()
             if self.owns_tenancy and self.tenancy is not None:
                 await self.tenancy.aclose()
+            if self.pipeline.events is not None:
+                self.pipeline.events.close()
+            if self.webhook is not None:
+                await self.webhook.aclose()
 
     # -- the model endpoints -----------------------------------------------------------------
 
@@ -201,11 +217,30 @@ class Gateway:
             return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
         return JSONResponse({**self.engines[0].stats(), "tasks": tasks})
 
+    async def internal_usage(self, request: Request) -> Response:
+        """The usage this replica kept for a gateway's request (gateway/reports.py); 404 when none
+        came within the wait."""
+        admission.check_internal(self.settings.internal_token, request.headers)
+        report = await self.pipeline.reports.take(request.path_params["request_id"])
+        if report is None:
+            raise APIError(ErrorKind.NOT_FOUND, "No usage report for this request id.")
+        return JSONResponse(report.body())
+
     async def upstreams(self, request: Request) -> Response:
         admission.check_internal(self.settings.internal_token, request.headers)
         if self.replicas is None:
             return JSONResponse([])
         return JSONResponse(self.replicas.replicas.snapshot())
+
+
+def usage_routes(gateway: Gateway) -> list[Route]:
+    """The usage ledger's routes (gateway/usage.py)."""
+    routes = usage.UsageRoutes(gateway.tenancy, gateway.settings.admin_key_hash)
+    return [
+        Route("/v1/usage", routes.own, methods=["GET"]),
+        Route("/v1/organization/usage/completions", routes.organization, methods=["GET"]),
+        Route("/admin/usage.csv", routes.csv_export, methods=["GET"]),
+    ]
 
 
 def create_app(
@@ -245,6 +280,9 @@ def create_app(
         Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
         Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
+        Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
+        *usage_routes(gateway),
+        *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
     ]
     app = Starlette(
         routes=routes,

@@ -81,6 +81,7 @@ class Usage:
 
     num_prompt_tokens: int
     num_completion_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
     served: bool = False
     response_id: str | None = None
 

@@ -87,7 +87,13 @@ def build_tenancy(settings: Settings) -> Tenancy | None:
         from tenancy import Tenancy
     except ImportError:
         raise ValueError("--tenants/--redis-url need the tenancy package, which is not installed") from None
-    return Tenancy.from_settings(settings.tenants, settings.redis_url, settings.redis_policy)
+    return Tenancy.from_settings(
+        settings.tenants,
+        settings.redis_url,
+        settings.redis_policy,
+        storage_dir=settings.storage_dir,
+        retention_s=settings.ledger_retention_days * 86400.0,
+    )
 
 
 # After the drain, how long uvicorn waits for connections to close (by then no request runs).

@@ -39,6 +39,7 @@ class ErrorKind(enum.Enum):
     REQUEST_TOO_LARGE = "request_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     RATE_LIMITED = "rate_limited"
+    INSUFFICIENT_QUOTA = "insufficient_quota"
     OVERLOADED = "overloaded"
     UNAVAILABLE = "unavailable"
     GENERATION_FAILED = "generation_failed"
@@ -50,6 +51,7 @@ class Refusal(enum.Enum):
     `batchgate_refusals` (gateway/metrics.py)."""
 
     RATE_LIMIT = "rate_limit"  # the tenant's limits (429)
+    BUDGET = "budget"  # a hard budget cannot hold the request (429 insufficient_quota)
     DEADLINE = "deadline"  # it could not start before its queue deadline (503)
     OVERLOAD = "overload"  # a replica answered 502/503/504 (relayed)
     UNAVAILABLE = "unavailable"  # no engine, replica or rate limiter to take it (503)
@@ -73,6 +75,8 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.REQUEST_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "request_too_large"),
     ErrorKind.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
     ErrorKind.RATE_LIMITED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded", Refusal.RATE_LIMIT),
+    # OpenAI's answer for an exhausted quota: waiting does not help (x-should-retry: false).
+    ErrorKind.INSUFFICIENT_QUOTA: ErrorSpec(429, "insufficient_quota", "insufficient_quota", Refusal.BUDGET),
     ErrorKind.OVERLOADED: ErrorSpec(503, "server_error", "server_overloaded", Refusal.DEADLINE),
     ErrorKind.UNAVAILABLE: ErrorSpec(503, "server_error", "engine_unavailable", Refusal.UNAVAILABLE),
     ErrorKind.GENERATION_FAILED: ErrorSpec(500, "server_error", "generation_failed"),

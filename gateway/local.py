@@ -23,6 +23,7 @@ import anyio
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from gateway import generation, protocol, tools
+from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import APIError, ErrorKind, from_engine_error
 from gateway.metrics import Metrics, TimedStream
@@ -151,6 +152,7 @@ class EngineBackend:
                 max_model_len=engine.max_model_len,
                 vocab_size=tokenizer.vocab_size,
             )
+            params = _within_reservation(params, work.caller)
             if output.grammar is not None:
                 await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
                 params = dataclasses.replace(params, grammar=output.grammar)
@@ -168,6 +170,7 @@ class EngineBackend:
             max_model_len=engine.max_model_len,
             vocab_size=tokenizer.vocab_size,
         )
+        params = _within_reservation(params, work.caller)
         job = self._job(work, params, params.n * len(prompts), sum(len(p) for p in prompts), tokenizer)
         if req.echo:
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt]
@@ -221,6 +224,7 @@ class EngineBackend:
         def on_usage(num_completion_tokens: int) -> None:
             usage.served = True
             usage.num_completion_tokens = num_completion_tokens
+            usage.num_cached_tokens = job.num_cached_tokens
 
         job.on_usage = on_usage
         try:
@@ -244,6 +248,7 @@ class EngineBackend:
                 error.refusal = None  # the engine counts its own deadline refusals
             raise
         usage.served = True
+        usage.num_cached_tokens = job.num_cached_tokens
         body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
         return Body(body)
 
@@ -276,6 +281,15 @@ class EngineBackend:
     def stats(self) -> dict[str, object]:
         engine, _ = self._running()
         return dataclasses.asdict(engine.stats())
+
+
+def _within_reservation(params: SamplingParams, caller: Caller) -> SamplingParams:
+    """`params` with max_tokens cut to the completion tokens per choice that a gateway in front
+    reserved (pool mode), so a chat request that names none generates no more than was held."""
+    cap = caller.max_tokens_cap
+    if cap is None or cap >= params.max_tokens:
+        return params
+    return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
 
 def freeze_startup_heap() -> None:

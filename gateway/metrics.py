@@ -19,8 +19,11 @@ any other client-controlled string.
     batchgate_preemptions_total                counter
     batchgate_prefix_cache_queries_total       counter (prompt tokens looked up at admission)
     batchgate_prefix_cache_hits_total          counter (of those, found cached: hit rate = hits / queries)
-    batchgate_refusals_total{reason}           counter (rate_limit, deadline, overload, unavailable)
+    batchgate_refusals_total{reason}           counter (rate_limit, budget, deadline, overload, unavailable)
     batchgate_tokens_total{direction,plan}     counter (direction in|out)
+    batchgate_spend_micros_total{plan}         counter (micro-dollars settled at the configured prices)
+    batchgate_budget_soft_crossings_total{plan,metric} counter (a budget's soft threshold crossed;
+                                               once per window and budget; metric usd|tokens)
     batchgate_requests_total{code}             counter (chat, completions, embeddings; by status class)
     batchgate_engine_up                        gauge (1: the engine loop runs; 0: dead, shut down or loading)
     batchgate_engine_stalled_seconds           gauge (since the engine's last step while work waits; 0 idle)
@@ -56,6 +59,7 @@ from gateway.errors import Refusal
 PRIORITIES = ("paid", "free")
 PLANS = ("paid", "free", "open")
 REFUSAL_REASONS = tuple(r.value for r in Refusal)
+BUDGET_METRICS = ("usd", "tokens")
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 # The endpoints that run a model: counted by status, waited for and refused by a drain.
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/generate", "/v1/embeddings")
@@ -223,6 +227,18 @@ class Metrics:
         self.requests = Counter(
             "batchgate_requests", "Generation requests answered, by status class", ["code"], registry=r
         )
+        self.spend = Counter(
+            "batchgate_spend_micros",
+            "Micro-dollars settled at the configured prices, by plan",
+            ["plan"],
+            registry=r,
+        )
+        self.soft_crossings = Counter(
+            "batchgate_budget_soft_crossings",
+            "Budgets whose soft threshold a settlement crossed (once per window), by plan and metric",
+            ["plan", "metric"],
+            registry=r,
+        )
         self.embedding_batch_inputs = Histogram(
             "batchgate_embedding_batch_inputs",
             "Inputs per embedding model call",
@@ -248,8 +264,11 @@ class Metrics:
             registry=r,
         )
         for plan in PLANS:
+            self.spend.labels(plan)
             for direction in ("in", "out"):
                 self.tokens.labels(direction, plan)
+            for metric in BUDGET_METRICS:
+                self.soft_crossings.labels(plan, metric)
         for code in CODE_CLASSES:
             self.requests.labels(code)
         self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
@@ -266,6 +285,14 @@ class Metrics:
             self.tokens.labels("in", plan).inc(num_in)
         if num_out:
             self.tokens.labels("out", plan).inc(num_out)
+
+    def count_spend(self, plan: str, micros: int) -> None:
+        if micros:
+            self.spend.labels(plan if plan in PLANS else "open").inc(micros)
+
+    def soft_crossed(self, plan: str, metric: str) -> None:
+        if metric in BUDGET_METRICS:
+            self.soft_crossings.labels(plan if plan in PLANS else "open", metric).inc()
 
     def observe_embedding_batch(self, record: BatchRecord) -> None:
         """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""

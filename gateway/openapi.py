@@ -232,6 +232,121 @@ def _paths() -> dict[str, Any]:
                 },
             }
         },
+        **_usage_paths(),
         "/health": _status_op("Liveness: the process answers", "The engine failed or died"),
         "/ready": _status_op("Readiness: model loaded and engine running", "Not ready (yet)"),
+    }
+
+
+_USAGE_RESULT = {
+    "type": "object",
+    "description": "One group's use in one bucket (cost_micros: micro-dollars at the configured prices)",
+    "properties": {
+        "object": {"type": "string"},
+        "input_tokens": {"type": "integer"},
+        "output_tokens": {"type": "integer"},
+        "input_cached_tokens": {"type": "integer"},
+        "num_model_requests": {"type": "integer"},
+        "cost_micros": {"type": "integer"},
+        "project_id": {"type": ["string", "null"], "description": "The tenant (group_by=project_id)"},
+        "user_id": {"type": "null"},
+        "api_key_id": {"type": ["string", "null"]},
+        "model": {"type": ["string", "null"]},
+        "batch": {"type": ["boolean", "null"]},
+    },
+}
+_BUDGET_STATE = {
+    "type": "object",
+    "properties": {
+        name: {"type": kind}
+        for name, kind in (
+            ("scope", "string"),
+            ("metric", "string"),
+            ("window", "string"),
+            ("limit", "integer"),
+            ("used", "integer"),
+            ("reserved", "integer"),
+            ("remaining", "integer"),
+            ("soft_limit", ["integer", "null"]),
+            ("window_start", ["integer", "null"]),
+            ("resets_at", ["integer", "null"]),
+            ("source", "string"),
+        )
+    },
+}
+_USAGE_PAGE = {
+    "type": "object",
+    "properties": {
+        "object": {"const": "page"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "object": {"const": "bucket"},
+                    "start_time": {"type": "integer"},
+                    "end_time": {"type": "integer"},
+                    "results": {"type": "array", "items": _USAGE_RESULT},
+                },
+            },
+        },
+        "has_more": {"type": "boolean"},
+        "next_page": {"type": "null"},
+        "budgets": {"type": "array", "items": _BUDGET_STATE, "description": "GET /v1/usage only"},
+    },
+}
+
+
+def _query(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "description": description, "schema": schema}
+
+
+_USAGE_PARAMS = [
+    _query("start_time", "Unix seconds, inclusive (default: 24 hours ago)", {"type": "integer"}),
+    _query("end_time", "Unix seconds, exclusive (default: now)", {"type": "integer"}),
+    _query("bucket_width", "Bucket width (UTC-aligned)", {"type": "string", "enum": ["1h", "1d"]}),
+    _query("group_by", "Repeated or comma-separated", {"type": "array", "items": {"type": "string"}}),
+    _query("models", "Only these models", {"type": "array", "items": {"type": "string"}}),
+    _query("api_key_ids", "Only these keys (key_<16 hex>)", {"type": "array", "items": {"type": "string"}}),
+]
+
+
+def _usage_paths() -> dict[str, Any]:
+    page = {"description": "OK", "content": {"application/json": {"schema": _USAGE_PAGE}}}
+    errors = {
+        "400": _error("Invalid query; `param` names it"),
+        "401": _error("Missing or invalid key (the admin key for the organization routes)"),
+        "404": _error("No usage ledger: tenancy is off (no --tenants)"),
+        "503": _error("The ledger's store (Redis) is unavailable"),
+    }
+    return {
+        "/v1/usage": {
+            "get": {
+                "summary": "The calling tenant's usage buckets and its budgets' state",
+                "parameters": _USAGE_PARAMS,
+                "responses": {"200": page, **errors},
+            }
+        },
+        "/v1/organization/usage/completions": {
+            "get": {
+                "summary": "Every tenant's usage, in OpenAI's organization Usage API shape (admin key)",
+                "parameters": [
+                    *_USAGE_PARAMS,
+                    _query(
+                        "project_ids", "Only these tenants", {"type": "array", "items": {"type": "string"}}
+                    ),
+                ],
+                "responses": {"200": page, **errors},
+            }
+        },
+        "/admin/usage.csv": {
+            "get": {
+                "summary": "The organization usage buckets as CSV, one row per bucket and group (admin key)",
+                "parameters": _USAGE_PARAMS,
+                "responses": {
+                    "200": {"description": "CSV", "content": {"text/csv": {"schema": {"type": "string"}}}},
+                    **errors,
+                },
+            }
+        },
     }

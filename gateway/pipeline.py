@@ -16,6 +16,7 @@ tenant's hold, settled with the tokens used (none when no answer was produced).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,10 @@ from gateway.backend import Body, Call, Endpoint, Plan, Usage, Work
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError
+from gateway.events import UsageEvent, UsageEvents
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
+from gateway.reports import Report, Reports
 from gateway.settings import Settings
 from gateway.sse import EventStreamResponse
 from gateway.telemetry import ChatSpan
@@ -59,6 +62,8 @@ class Pipeline:
         self.tenancy = tenancy
         self.metrics = metrics
         self.drain = drain
+        self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
+        self.events = UsageEvents(settings.usage_events_file) if settings.usage_events_file else None
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
         """A gateway in front of this replica already authenticated and admitted the request (its
@@ -138,6 +143,7 @@ class _Lifetime:
         self._span = span
         self._held: admission.Admission | None = None
         self._closed = False
+        self._started_at = time.time()
         self.headers: dict[str, str] = {}
         self.call = Call(work, Usage(plan.num_prompt_tokens), span, http, pipeline.settings.keep_alive_s)
 
@@ -151,6 +157,7 @@ class _Lifetime:
                 num_prompt_tokens=self._plan.num_prompt_tokens,
                 max_num_tokens=self._plan.max_num_tokens,
                 request_id=work.request_id,
+                model=work.model,
             )
         except APIError as exc:
             self._pipeline._refused(exc)
@@ -175,10 +182,36 @@ class _Lifetime:
             caller = self.call.work.caller
             num_prompt = usage.num_prompt_tokens if usage.served else 0
             num_completion = usage.num_completion_tokens if usage.served else 0
+            num_cached = min(usage.num_cached_tokens, num_prompt) if usage.served else 0
             if self._held is not None:
                 if usage.served:
-                    self._held.record(num_prompt_tokens=num_prompt, num_completion_tokens=num_completion)
+                    self._held.record(
+                        num_prompt_tokens=num_prompt,
+                        num_completion_tokens=num_completion,
+                        num_cached_tokens=num_cached,
+                    )
+                cost = self._held.cost(num_prompt, num_cached, num_completion)  # before close lets go
                 await self._held.close()
+                self._pipeline.metrics.count_spend(caller.plan, cost)
+                if self._pipeline.events is not None and caller.tenant is not None:
+                    self._pipeline.events.write(
+                        UsageEvent(
+                            request_id=self.call.work.request_id,
+                            tenant=caller.tenant.name,
+                            key_id=caller.key_id,
+                            model=self.call.work.model,
+                            input_tokens=num_prompt,
+                            cached_tokens=num_cached,
+                            output_tokens=num_completion,
+                            cost_micros=cost,
+                            status="served" if usage.served else "not_served",
+                            started_at=self._started_at,
+                            ended_at=time.time(),
+                        )
+                    )
+            if caller.internal and caller.upstream_request_id and self.call.work.stream:
+                report = Report(num_prompt, num_cached, num_completion)
+                self._pipeline.reports.put(caller.upstream_request_id, report)
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)
             self._span.end(
                 response_id=usage.response_id or self.call.work.request_id,

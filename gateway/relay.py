@@ -7,7 +7,12 @@ Tenancy (auth, limits, priority) is enforced by the pipeline in front of this ba
 replica is called with the internal token and takes priority, deadline and plan from
 `x-batchgate-*` headers (gateway/admission.py). Admission needs a token count before the replica
 has seen the prompt: it is estimated here (tiktoken, gateway-side) and settled with the exact
-count the replica reports.
+count the replica reports. The replica is told the completion tokens per choice reserved and
+keeps within them, so a chat request without `max_tokens` generates no more than the gateway held
+for it (the prompt's estimate may still be short of the exact count: budgets then hold a little
+less input than is settled). A stream the client cut before the replica's final usage chunk is
+settled with the usage the replica kept for it (`/v1/internal/usage/{id}`, gateway/reports.py),
+so the ledger is exact in pool mode too.
 
 The request goes to the replica routing picks (gateway/routing.py) among the healthy ones that
 serve its model (gateway/replicas.py). A replica that fails before the client got its first byte
@@ -47,6 +52,8 @@ logger = logging.getLogger("batchgate.pool")
 # Reserved against the tenant when a chat request names no max_tokens (no model here to say how
 # much context is left); settlement refunds what was not used.
 DEFAULT_CHAT_MAX_TOKENS = 1024
+# The replica keeps a cut stream's usage a moment after the cut; it waits up to 2 s for it.
+REPORT_TIMEOUT_S = 3.0
 RETRY_STATUSES = (502, 503, 504)
 TASKS = {t.value for t in Task}
 # Hop-by-hop and recomputed headers not copied from a replica's response.
@@ -150,12 +157,16 @@ class ReplicaBackend:
             num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
             max_tokens = 0
 
+        per_choice = 0 if isinstance(req, protocol.EmbeddingsRequest) else (req.requested_max_tokens or 0)
+        if isinstance(req, protocol.ChatCompletionRequest):
+            per_choice = per_choice or DEFAULT_CHAT_MAX_TOKENS
+
         async def execute(call: Call) -> Reply:
-            return await self._execute(call, num_prompt + max_tokens)
+            return await self._execute(call, num_prompt + max_tokens, per_choice)
 
         return Plan(num_prompt, max_tokens, execute)
 
-    async def _execute(self, call: Call, tokens: int) -> Reply:
+    async def _execute(self, call: Call, tokens: int, max_tokens_per_choice: int = 0) -> Reply:
         work = call.work
         caller = work.caller
         body = work.body
@@ -166,6 +177,10 @@ class ReplicaBackend:
             admission.FAIRNESS_HEADER: caller.name,
             **self.replicas.internal_headers(),
         }
+        if max_tokens_per_choice:
+            headers[admission.MAX_TOKENS_HEADER] = str(max_tokens_per_choice)
+        if work.stream:
+            headers[admission.REQUEST_ID_HEADER] = work.request_id
         if caller.queue_deadline_s is not None:
             headers[admission.DEADLINE_HEADER] = repr(float(caller.queue_deadline_s))
         # Settlement and metrics need the replica's exact token count, which a stream only
@@ -195,6 +210,8 @@ class ReplicaBackend:
                 await _stop(first)  # the relay may never have started (client gone at once)
             await response.aclose()
             sent.release()
+            if isinstance(first, asyncio.Task) and call.usage.served and not observer.reported:
+                await self._read_report(sent.upstream, work.request_id, call.usage)
 
         call.on_close(close)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
@@ -294,6 +311,26 @@ class ReplicaBackend:
             if last is not None:  # an answer kept for failover, not returned
                 last[0].release()
 
+    async def _read_report(self, upstream: Upstream, request_id: str, usage: Usage) -> None:
+        """Settle a stream cut before its usage chunk with what the replica says it sent; the
+        estimate (one token per chunk) stays when the replica cannot say (it died, or is old)."""
+        try:
+            response = await self.replicas.client.get(
+                f"{upstream.url}/v1/internal/usage/{request_id}",
+                headers=self.replicas.internal_headers(),
+                timeout=REPORT_TIMEOUT_S,
+            )
+            if response.status_code != 200:
+                raise ValueError(f"status {response.status_code}")
+            report = response.json()
+            usage.num_prompt_tokens = int(report["prompt_tokens"])
+            usage.num_cached_tokens = int(report.get("cached_tokens", 0))
+            usage.num_completion_tokens = int(report["completion_tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.warning(
+                "%s: no usage report from %s (%s); settled with the estimate", request_id, upstream.url, exc
+            )
+
     async def _relay(
         self,
         response: httpx.Response,
@@ -382,7 +419,7 @@ class _Observer:
     def __init__(self, usage: Usage, span: ChatSpan) -> None:
         self.usage = usage
         self.span = span
-        self._reported = False
+        self.reported = False  # the replica's usage chunk came: the counts are exact
         self.usage_only = False  # the last frame observed carried usage and no choices
 
     def observe_body(self, payload: bytes) -> None:
@@ -395,6 +432,9 @@ class _Observer:
             u = body["usage"]
             self.usage.num_prompt_tokens = int(u["prompt_tokens"])
             self.usage.num_completion_tokens = int(u.get("completion_tokens", 0))  # embeddings have none
+            details = u.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                self.usage.num_cached_tokens = int(details["cached_tokens"])
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
 
@@ -415,7 +455,10 @@ class _Observer:
             self.usage.num_completion_tokens = int(
                 u.get("completion_tokens", self.usage.num_completion_tokens)
             )
-            self._reported = True
+            self.reported = True
+            details = u.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                self.usage.num_cached_tokens = int(details["cached_tokens"])
         carried = False
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
@@ -425,7 +468,7 @@ class _Observer:
             delta = choice.get("delta") or {}
             if delta.get("content") or delta.get("tool_calls") or choice.get("text"):  # tool calls count too
                 carried = True
-                if not self._reported:
+                if not self.reported:
                     self.usage.num_completion_tokens += 1  # one per chunk: an estimate, corrected by usage
         return carried
 

@@ -202,6 +202,32 @@ class Settings:
         "when Redis is unreachable: refuse (fail_closed) or admit (fail_open)",
         choices=("fail_closed", "fail_open"),
     )
+    storage_dir: str | None = _opt(
+        None,
+        _str,
+        "directory for the state kept without Redis (an SQLite file: budgets' use and the usage "
+        "ledger), so a restart keeps it (default: in memory only)",
+    )
+    ledger_retention_days: int = _opt(
+        90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"
+    )
+    usage_events_file: str | None = _opt(
+        None,
+        _str,
+        "append one JSON line per settled request (tenant, model, key id, tokens, cost, times) to this "
+        "file, for a billing pipeline (default: none)",
+    )
+    budget_webhook_url: str | None = _opt(
+        None,
+        _str,
+        "POST here when a settlement crosses a budget's soft threshold (once per window; retried)",
+    )
+    admin_key_hash: str | None = _opt(
+        None,
+        _str,
+        "sha256:<hex> of the admin key that opens /admin/... and the all-tenant usage API "
+        "(`batchgate keys hash`); without it those routes answer 401",
+    )
     keep_alive_s: float = _opt(15.0, _float, "seconds between SSE keep-alive comments", flag="--keep-alive")
     upstreams: tuple[str, ...] = _opt(
         (),
@@ -298,6 +324,14 @@ class Settings:
             raise ValueError(f"route_affinity_tokens must be >= 0, got {self.route_affinity_tokens}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.ledger_retention_days < 1:
+            raise ValueError(f"ledger_retention_days must be >= 1, got {self.ledger_retention_days}")
+        if self.admin_key_hash is not None and not re.match(r"^sha256:[0-9a-f]{64}$", self.admin_key_hash):
+            # Never echo it: a raw key may have been pasted here by mistake.
+            raise ValueError(
+                "admin_key_hash must be 'sha256:' and 64 lowercase hex digits (from `batchgate keys hash`), "
+                "not the raw key"
+            )
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         if not self.engine_stall_timeout_s > 0:

@@ -36,6 +36,7 @@ class Reason(enum.StrEnum):
     CONCURRENCY = "concurrency"  # max_concurrent_requests leases already held
     TOO_LARGE = "too_large"  # reservation exceeds the token bucket's capacity: never admissible
     UNAVAILABLE = "unavailable"  # the limiter's store (Redis) could not be reached
+    BUDGET = "budget"  # a hard budget cannot hold the request's worst case until it resets
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,29 @@ go to stdout once and nowhere else; everything else goes to stderr, so
 from __future__ import annotations
 
 import argparse
+import asyncio
+import csv
 import json
 import os
 import sys
-from typing import TextIO
+import time
+from pathlib import Path
+from typing import Any, TextIO
 
 from tenancy.config import load_config
 from tenancy.errors import TenancyError, UnknownTenantError
 from tenancy.keys import IssuedKey, Revocation, hash_key, issue_key, new_key, revoke_key
-from tenancy.keyspace import open_sync
+from tenancy.keyspace import open_async, open_sync
+from tenancy.ledger import GROUPS, LEDGER_FILE, LedgerRow, MemoryStore, buckets, read_redis_ledger
 from tenancy.usage import TenantUsage, read_redis_usage_sync
 
 REDIS_URL_ENV = "BATCHGATE_REDIS_URL"
+STORAGE_DIR_ENV = "BATCHGATE_STORAGE_DIR"
+WIDTHS = {"1h": 3600, "1d": 86400}
+CSV_COLUMNS = (
+    "start_time", "end_time", "project_id", "model", "api_key_id", "batch",
+    "num_model_requests", "input_tokens", "input_cached_tokens", "output_tokens", "cost_micros",
+)  # fmt: skip
 TENANTS_ENV = "BATCHGATE_TENANTS"
 _HANDLER = "tenancy_handler"
 
@@ -122,6 +133,75 @@ def usage(redis_url: str, *, as_json: bool = False, out: TextIO | None = None) -
     return totals
 
 
+def usage_buckets(
+    *,
+    tenants: list[str],
+    start_time: int,
+    end_time: int,
+    bucket_width: str = "1d",
+    group_by: list[str] | None = None,
+    redis_url: str | None = None,
+    storage_dir: str | None = None,
+    as_csv: bool = False,
+    out: TextIO | None = None,
+) -> list[dict[str, Any]]:
+    """Print the ledger's buckets (the organization Usage API's shape, as JSON, or CSV) for
+    ``tenants`` (all with usage in Redis when empty), from Redis or the storage directory."""
+    out = out or sys.stdout
+    if bucket_width not in WIDTHS:
+        raise TenancyError(f"--bucket-width must be 1h or 1d, got {bucket_width!r}")
+    for group in group_by or []:
+        if group not in GROUPS:
+            raise TenancyError(f"--group-by must be among {', '.join(GROUPS)}, got {group!r}")
+    width = WIDTHS[bucket_width]
+    start_hour, end_hour = (start_time - start_time % width) // 3600, -(-end_time // 3600)
+    rows: list[LedgerRow]
+    if redis_url:
+        if not tenants:
+            client = open_sync(redis_url)
+            try:
+                tenants = list(read_redis_usage_sync(client))
+            finally:
+                client.close()
+        rows = asyncio.run(_redis_rows(redis_url, tenants, start_hour, end_hour))
+    elif storage_dir:
+        path = Path(storage_dir) / LEDGER_FILE
+        if not path.exists():
+            raise TenancyError(f"no ledger at {path}")
+        store = MemoryStore(path)
+        try:
+            if not tenants:
+                tenants = sorted({r.tenant for r in store.ledger_all(start_hour, end_hour)})
+            rows = store.ledger(tenants, start_hour, end_hour)
+        finally:
+            store.close()
+    else:
+        raise TenancyError(
+            f"--redis-url (or ${REDIS_URL_ENV}) or --storage-dir (or ${STORAGE_DIR_ENV}) is needed"
+        )
+    data = buckets(
+        rows, start_time=start_time, end_time=end_time, bucket_width_s=width, group_by=group_by or []
+    )
+    if as_csv:
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(CSV_COLUMNS)
+        for bucket in data:
+            for result in bucket["results"]:
+                row = {**result, "start_time": bucket["start_time"], "end_time": bucket["end_time"]}
+                writer.writerow(["" if row.get(c) is None else row[c] for c in CSV_COLUMNS])
+    else:
+        print(json.dumps({"object": "page", "data": data, "has_more": False}, indent=2), file=out)
+    return data
+
+
+async def _redis_rows(url: str, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
+    client = open_async(url, operation_timeout_s=10.0)
+    try:
+        return await read_redis_ledger(client, tenants, start_hour, end_hour)
+    finally:
+        await client.aclose()
+
+
 def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``keys`` and ``usage`` to the ``add_subparsers()`` object of the gateway's parser."""
     redis_default = os.environ.get(REDIS_URL_ENV)
@@ -150,10 +230,133 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     hash_parser = keys_sub.add_parser("hash", help="print the sha256:<hex> of a raw key read from stdin")
     hash_parser.set_defaults(**{_HANDLER: _run_keys_hash})
 
-    usage_parser = subparsers.add_parser("usage", help="show prompt/completion tokens per tenant")
+    usage_parser = subparsers.add_parser(
+        "usage",
+        help="show usage: lifetime totals per tenant, or the ledger's buckets (with --bucket-width, "
+        "--start-time, --tenant or --group-by)",
+    )
     usage_parser.add_argument("--redis-url", default=redis_default, help=redis_help)
+    usage_parser.add_argument(
+        "--storage-dir",
+        default=os.environ.get(STORAGE_DIR_ENV),
+        help=f"the gateway's storage directory: read its ledger without Redis (default: ${STORAGE_DIR_ENV})",
+    )
     usage_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    usage_parser.add_argument("--csv", action="store_true", help="the ledger's buckets as CSV")
+    usage_parser.add_argument("--tenant", action="append", default=[], help="only this tenant (repeatable)")
+    usage_parser.add_argument("--start-time", type=int, help="Unix seconds (default: 24 hours ago)")
+    usage_parser.add_argument("--end-time", type=int, help="Unix seconds, exclusive (default: now)")
+    usage_parser.add_argument("--bucket-width", choices=tuple(WIDTHS), help="1h or 1d (default 1d)")
+    usage_parser.add_argument("--group-by", action="append", default=[], choices=GROUPS, help="repeatable")
     usage_parser.set_defaults(**{_HANDLER: _run_usage})
+    _add_admin(subparsers, redis_default)
+
+
+def _add_admin(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], redis_default: str | None
+) -> None:
+    """``batchgate admin ...``: the admin API's verbs over the same code (tenancy.admin)."""
+    admin = subparsers.add_parser("admin", help="plans, tenants, keys and the audit log at run time (Redis)")
+    admin.add_argument("--redis-url", default=redis_default, help=f"Redis URL (default: ${REDIS_URL_ENV})")
+    admin.add_argument(
+        "--tenants", default=os.environ.get(TENANTS_ENV), help=f"the tenants file (default: ${TENANTS_ENV})"
+    )
+    what = admin.add_subparsers(dest="admin_what", required=True)
+    for noun in ("plans", "tenants"):
+        sub = what.add_parser(noun, help=f"list, get, put or delete {noun}").add_subparsers(
+            dest="admin_verb", required=True
+        )
+        sub.add_parser("list")
+        for verb in ("get", "delete"):
+            sub.add_parser(verb).add_argument("name")
+        put = sub.add_parser("put", help="create or replace, from the table's fields as JSON")
+        put.add_argument("name")
+        put.add_argument(
+            "--json", required=True, dest="table", help='e.g. \'{"plan": "paid", "budget_usd": 5}\''
+        )
+    keys = what.add_parser("keys", help="list, issue, rotate or revoke keys").add_subparsers(
+        dest="admin_verb", required=True
+    )
+    keys.add_parser("list").add_argument("--tenant", required=True)
+    issue = keys.add_parser("issue", help="a new key, printed once")
+    issue.add_argument("--tenant", required=True)
+    issue.add_argument("--name", default="")
+    issue.add_argument("--expires-in-days", type=float)
+    keys.add_parser("rotate", help="a new key for the same tenant; the old one revoked").add_argument("key")
+    keys.add_parser("revoke").add_argument("key")
+    audit = what.add_parser("audit", help="the newest changes")
+    audit.add_argument("--limit", type=int, default=100)
+    admin.set_defaults(**{_HANDLER: _run_admin})
+
+
+def admin(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> Any:
+    """Run one ``batchgate admin`` verb; JSON (or a raw key, once) to ``out``."""
+    import getpass
+
+    from tenancy.admin import AdminStore
+
+    out, err = out or sys.stdout, err or sys.stderr
+    if not args.tenants:
+        raise TenancyError(f"--tenants (or ${TENANTS_ENV}) is required: run-time changes merge over it")
+    redis_url = _require_redis(args)
+    actor = f"cli:{getpass.getuser()}"
+
+    async def run() -> Any:
+        store = AdminStore(open_async(redis_url, operation_timeout_s=5.0), load_config(args.tenants))
+        try:
+            return await _admin_verb(store, args, actor)
+        finally:
+            await store.client.aclose()
+
+    result = asyncio.run(run())
+    if hasattr(result, "raw_key"):
+        print(result.raw_key, file=out)
+        print(f"issued {result.key_hash} for tenant {result.tenant!r}; shown only this once", file=err)
+    else:
+        print(json.dumps(result, indent=2, sort_keys=True), file=out)
+    return result
+
+
+async def _admin_verb(store: Any, args: argparse.Namespace, actor: str) -> Any:
+    what, verb = args.admin_what, getattr(args, "admin_verb", None)
+    now = time.time()
+    if what in ("plans", "tenants"):
+        if verb == "put":
+            try:
+                table = json.loads(args.table)
+            except ValueError as exc:
+                raise TenancyError(f"--json: not JSON: {exc}") from None
+            put = store.put_plan if what == "plans" else store.put_tenant
+            await put(args.name, table, actor)
+        elif verb == "delete":
+            await (store.delete_plan if what == "plans" else store.delete_tenant)(args.name, actor)
+            return {"deleted": args.name}
+        source = (await store.config()).source[what]
+        if verb == "list":
+            return source
+        if args.name not in source:
+            raise UnknownTenantError(f"no {what[:-1]} named {args.name!r}")
+        return source[args.name]
+    if what == "keys":
+        if verb == "list":
+            return [k.body(now) for k in await store.keys(args.tenant)]
+        if verb == "issue":
+            expires = None if args.expires_in_days is None else now + args.expires_in_days * 86400
+            return await store.issue_key(args.tenant, actor, name=args.name, expires_at=expires)
+        if verb == "rotate":
+            return await store.rotate_key(args.key, actor)
+        info = await store.revoke_key(args.key, actor)
+        return {"revoked": info.key_id, "tenant": info.tenant}
+    return await store.audit(args.limit)
+
+
+def _run_admin(args: argparse.Namespace) -> None:
+    from tenancy.admin import NotFoundError
+
+    try:
+        admin(args)
+    except NotFoundError as exc:
+        raise TenancyError(str(exc)) from None
 
 
 def handles(args: argparse.Namespace) -> bool:
@@ -193,7 +396,22 @@ def _run_keys_hash(args: argparse.Namespace) -> None:
 
 
 def _run_usage(args: argparse.Namespace) -> None:
-    usage(_require_redis(args), as_json=args.json)
+    ledger = any((args.csv, args.tenant, args.group_by, args.bucket_width))
+    ledger = ledger or args.start_time is not None or args.end_time is not None
+    if not ledger and (args.redis_url or not args.storage_dir):  # lifetime totals live in Redis only
+        usage(_require_redis(args), as_json=args.json)
+        return
+    end = args.end_time if args.end_time is not None else int(time.time()) + 1
+    usage_buckets(
+        tenants=args.tenant,
+        start_time=args.start_time if args.start_time is not None else end - 86400,
+        end_time=end,
+        bucket_width=args.bucket_width or "1d",
+        group_by=args.group_by,
+        redis_url=args.redis_url,
+        storage_dir=args.storage_dir,
+        as_csv=args.csv,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,22 @@ The file looks like::
     max_concurrent_requests = 32
     queue_deadline_seconds = 10
 
+    budget_usd = 500.0                # optional: or budget_tokens = 2000000 (or both)
+    budget_window = "monthly"         # "daily", "monthly" or "none"; UTC calendar windows
+    budget_soft_ratio = 0.8           # optional: report crossing 80% of the budget
+
     [tenants.acme]
     plan = "paid"
     keys = ["sha256:<64 hex digits: SHA-256 of the raw key>"]
+    budget_usd = 2000.0               # optional: the same budget_* fields override the plan's
+
+    [prices."SmolLM2-135M-Instruct"]  # USD per 1M tokens (see tenancy.billing)
+    input = 0.10
+    cached_input = 0.05               # default: input
+    output = 0.40
+    batch_multiplier = 0.5            # default: 1.0
+
+A plan's budget is a default for each of its tenants, not a pool they share.
 
 Every mistake is a :class:`TenancyConfigError` whose message starts with the dotted path of
 the bad field, so a bad file fails at start-up with a line an operator can act on.
@@ -19,6 +32,7 @@ the bad field, so a bad file fails at start-up with a line an operator can act o
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -26,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from tenancy.billing import FREE, WINDOWS, Budget, Metric, Price, WindowName, micros_of
 from tenancy.errors import TenancyConfigError
 
 PriorityName = Literal["paid", "free"]
@@ -39,8 +54,11 @@ KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 DEFAULT_TENANT = "default"
 
 _PLAN_INT_FIELDS = ("tokens_per_minute", "requests_per_minute", "max_concurrent_requests")
-_PLAN_FIELDS = {"priority", *_PLAN_INT_FIELDS, "queue_deadline_seconds"}
-_TENANT_FIELDS = {"plan", "keys"}
+_BUDGET_FIELDS = {"budget_usd", "budget_tokens", "budget_window", "budget_soft_ratio"}
+_PLAN_REQUIRED = {"priority", *_PLAN_INT_FIELDS, "queue_deadline_seconds"}
+_PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS
+_TENANT_FIELDS = {"plan", "keys"} | _BUDGET_FIELDS
+_PRICE_FIELDS = {"input", "cached_input", "output", "batch_multiplier"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,7 @@ class Plan:
     requests_per_minute: int | None
     max_concurrent_requests: int | None
     queue_deadline_seconds: float | None
+    budgets: tuple[Budget, ...] = ()  # a default for each tenant of the plan
 
     @property
     def unlimited(self) -> bool:
@@ -70,23 +89,33 @@ class Plan:
 
 @dataclass(frozen=True)
 class Tenant:
-    """A customer: its name, its resolved plan, and the hashes of its static API keys."""
+    """A customer: its name, its resolved plan, the hashes of its static API keys, and its
+    budgets (the plan's, each overridden by the tenant's own of the same metric)."""
 
     name: str
     plan: Plan
     key_hashes: tuple[str, ...] = ()
+    budgets: tuple[Budget, ...] = ()
 
 
 @dataclass(frozen=True)
 class TenancyConfig:
-    """All plans and tenants, keyed by name. Cross-references are already resolved."""
+    """All plans, tenants and model prices, keyed by name. Cross-references are already resolved."""
 
     plans: Mapping[str, Plan] = field(default_factory=dict)
     tenants: Mapping[str, Tenant] = field(default_factory=dict)
+    prices: Mapping[str, Price] = field(default_factory=dict)
+    # The validated document it was built from (tables by section), so that run-time changes
+    # (tenancy.admin) can be merged over it and validated by the same rules.
+    source: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def tenant(self, name: str) -> Tenant | None:
         """The tenant called ``name``, or None."""
         return self.tenants.get(name)
+
+    def price(self, model: str) -> Price:
+        """The price of ``model``; a model without one costs nothing (token budgets still count)."""
+        return self.prices.get(model, FREE)
 
 
 OPEN_PLAN = Plan(
@@ -130,9 +159,14 @@ def parse_config(text: str, *, source: str = "<tenants>") -> TenancyConfig:
 
 def config_from_dict(raw: Mapping[str, Any]) -> TenancyConfig:
     """Validate an already-parsed mapping (the TOML document) into a :class:`TenancyConfig`."""
-    unknown = set(raw) - {"plans", "tenants"}
+    unknown = set(raw) - {"plans", "tenants", "prices"}
     if unknown:
-        raise TenancyConfigError(f"{sorted(unknown)[0]}: unknown section (expected 'plans' or 'tenants')")
+        raise TenancyConfigError(
+            f"{sorted(unknown)[0]}: unknown section (expected 'plans', 'tenants' or 'prices')"
+        )
+    prices = {
+        model: _parse_price(model, body) for model, body in _table(raw.get("prices", {}), "prices").items()
+    }
     plans_raw = _table(raw.get("plans", {}), "plans")
     tenants_raw = _table(raw.get("tenants", {}), "tenants")
     if not plans_raw:
@@ -141,10 +175,13 @@ def config_from_dict(raw: Mapping[str, Any]) -> TenancyConfig:
         raise TenancyConfigError("tenants: at least one tenant is required")
 
     plans = {name: _parse_plan(name, body) for name, body in plans_raw.items()}
+    plan_fields = {
+        name: _budget_fields(body, f"plans.{name}", f"plan {name}") for name, body in plans_raw.items()
+    }
     tenants: dict[str, Tenant] = {}
     owner_of: dict[str, str] = {}
     for name, body in tenants_raw.items():
-        tenant = _parse_tenant(name, body, plans)
+        tenant = _parse_tenant(name, body, plans, plan_fields)
         for key_hash in tenant.key_hashes:
             if key_hash in owner_of:
                 raise TenancyConfigError(
@@ -153,7 +190,10 @@ def config_from_dict(raw: Mapping[str, Any]) -> TenancyConfig:
                 )
             owner_of[key_hash] = name
         tenants[name] = tenant
-    return TenancyConfig(plans=plans, tenants=tenants)
+    source = {
+        section: dict(_table(raw.get(section, {}), section)) for section in ("plans", "tenants", "prices")
+    }
+    return TenancyConfig(plans=plans, tenants=tenants, prices=prices, source=source)
 
 
 def _table(value: object, path: str) -> dict[str, Any]:
@@ -176,7 +216,7 @@ def _parse_plan(name: str, body: object) -> Plan:
     unknown = set(table) - _PLAN_FIELDS
     if unknown:
         raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field")
-    for key in sorted(_PLAN_FIELDS):
+    for key in sorted(_PLAN_REQUIRED):
         if key not in table:
             raise TenancyConfigError(f"{path}.{key}: missing")
 
@@ -200,10 +240,13 @@ def _parse_plan(name: str, body: object) -> Plan:
         requests_per_minute=limits["requests_per_minute"],
         max_concurrent_requests=limits["max_concurrent_requests"],
         queue_deadline_seconds=float(deadline),
+        budgets=_budgets(_budget_fields(table, path, f"plan {name}"), path, _both(f"plan {name}")),
     )
 
 
-def _parse_tenant(name: str, body: object, plans: Mapping[str, Plan]) -> Tenant:
+def _parse_tenant(
+    name: str, body: object, plans: Mapping[str, Plan], plan_fields: Mapping[str, _BudgetFields]
+) -> Tenant:
     path = f"tenants.{name}"
     _check_name(name, path)
     table = _table(body, path)
@@ -232,4 +275,130 @@ def _parse_tenant(name: str, body: object, plans: Mapping[str, Plan]) -> Tenant:
         if key in seen:
             raise TenancyConfigError(f"{path}.keys[{index}]: duplicate key")
         seen.add(key)
-    return Tenant(name=name, plan=plans[plan_name], key_hashes=tuple(keys))
+    plan = plans[plan_name]
+    own = _budget_fields(table, path, f"tenant {name}")
+    base = plan_fields[plan_name]
+    sources = {
+        "usd": own.source if own.usd is not None else base.source,
+        "tokens": own.source if own.tokens is not None else base.source,
+    }
+    budgets = _budgets(own.over(base), path, sources)
+    return Tenant(name=name, plan=plan, key_hashes=tuple(keys), budgets=budgets)
+
+
+def _both(source: str) -> dict[str, str]:
+    return {"usd": source, "tokens": source}
+
+
+def _number(table: Mapping[str, Any], key: str, path: str) -> float:
+    value = table[key]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise TenancyConfigError(f"{path}.{key}: must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class _BudgetFields:
+    """The ``budget_*`` fields one table sets, validated; None: not set there."""
+
+    usd: int | None = None
+    tokens: int | None = None
+    window: str | None = None
+    soft_ratio: float | None = None
+    source: str = ""
+
+    def over(self, base: _BudgetFields) -> _BudgetFields:
+        """These fields, each falling back to ``base``'s (a tenant's over its plan's)."""
+        return _BudgetFields(
+            self.usd if self.usd is not None else base.usd,
+            self.tokens if self.tokens is not None else base.tokens,
+            self.window or base.window,
+            self.soft_ratio if self.soft_ratio is not None else base.soft_ratio,
+            self.source,
+        )
+
+
+def _budget_fields(table: Mapping[str, Any], path: str, source: str) -> _BudgetFields:
+    usd: int | None = None
+    tokens: int | None = None
+    soft: float | None = None
+    window = table.get("budget_window")
+    if window is not None and window not in WINDOWS:
+        raise TenancyConfigError(
+            f"{path}.budget_window: must be 'daily', 'monthly' or 'none', got {window!r}"
+        )
+    if "budget_soft_ratio" in table:
+        soft = _number(table, "budget_soft_ratio", path)
+        if not 0 < soft <= 1:
+            raise TenancyConfigError(f"{path}.budget_soft_ratio: must be in (0, 1], got {soft!r}")
+    if "budget_usd" in table:
+        try:
+            usd = micros_of(_number(table, "budget_usd", path), f"{path}.budget_usd")
+        except ValueError as exc:
+            raise TenancyConfigError(str(exc)) from None
+    if "budget_tokens" in table:
+        value = table["budget_tokens"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TenancyConfigError(f"{path}.budget_tokens: must be an integer >= 0, got {value!r}")
+        tokens = value
+    return _BudgetFields(usd, tokens, window, soft, source)
+
+
+def _budgets(fields: _BudgetFields, path: str, sources: Mapping[str, str]) -> tuple[Budget, ...]:
+    """The budgets ``fields`` define; ``sources`` names where each metric was set."""
+    if fields.usd is None and fields.tokens is None:
+        if fields.window is not None or fields.soft_ratio is not None:
+            raise TenancyConfigError(
+                f"{path}: budget_window/budget_soft_ratio need budget_usd or budget_tokens"
+            )
+        return ()
+    if fields.window is None:
+        raise TenancyConfigError(f"{path}.budget_window: missing ('daily', 'monthly' or 'none')")
+    window = cast(WindowName, fields.window)
+    budgets = []
+    for metric, limit in (("usd", fields.usd), ("tokens", fields.tokens)):
+        if limit is not None:
+            budgets.append(
+                Budget(cast(Metric, metric), limit, window, fields.soft_ratio, source=sources[metric])
+            )
+    return tuple(budgets)
+
+
+def key_budgets(table: Mapping[str, Any], key_id: str) -> tuple[Budget, ...]:
+    """The budgets of one API key, from its ``budget_*`` fields (as a tenant's); scope
+    ``key:<key id>``. Raises TenancyConfigError naming the field."""
+    path = f"keys.{key_id}"
+    unknown = set(table) - _BUDGET_FIELDS
+    if unknown:
+        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field (budget_* fields only)")
+    fields = _budget_fields(table, path, f"key {key_id}")
+    budgets = _budgets(fields, path, _both(f"key {key_id}"))
+    return tuple(
+        Budget(b.metric, b.limit, b.window, b.soft_ratio, scope=f"key:{key_id}", source=b.source)
+        for b in budgets
+    )
+
+
+def _parse_price(model: str, body: object) -> Price:
+    path = f'prices."{model}"'
+    table = _table(body, path)
+    unknown = set(table) - _PRICE_FIELDS
+    if unknown:
+        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field")
+    for key in ("input", "output"):
+        if key not in table:
+            raise TenancyConfigError(f"{path}.{key}: missing (USD per 1M tokens)")
+    try:
+        values = {
+            key: micros_of(_number(table, key, path), f"{path}.{key}")
+            for key in ("input", "cached_input", "output", "batch_multiplier")
+            if key in table
+        }
+    except ValueError as exc:
+        raise TenancyConfigError(str(exc)) from None
+    return Price(
+        input=values["input"],
+        cached_input=values.get("cached_input", values["input"]),
+        output=values["output"],
+        batch_multiplier_ppm=values.get("batch_multiplier", 1_000_000),
+    )

@@ -13,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
 from tenancy.config import KEY_HASH_PATTERN, TenancyConfig, Tenant
 from tenancy.errors import LimiterUnavailableError, UnknownTenantError
-from tenancy.keyspace import ISSUED_KEYS, REVOKED_KEYS, UNAVAILABLE_ERRORS
+from tenancy.keyspace import ISSUED_KEYS, KEY_META, REVOKED_KEYS, UNAVAILABLE_ERRORS
 from tenancy.limiter import FailurePolicy
 
 logger = logging.getLogger("batchgate.tenancy")
@@ -45,6 +48,11 @@ def new_key() -> str:
 def key_hash_of(key_or_hash: str) -> str:
     """``key_or_hash`` as a hash: returned as is if already ``sha256:<hex>``, else hashed."""
     return key_or_hash if KEY_HASH_PATTERN.match(key_or_hash) else hash_key(key_or_hash)
+
+
+def key_id_of(key_hash: str) -> str:
+    """The name of a key in the ledger and the admin API (``key_`` and 16 hex digits of its hash)."""
+    return "key_" + key_hash.removeprefix("sha256:")[:16]
 
 
 def find_owner(key_hash: str, owners: Mapping[str, str]) -> str | None:
@@ -87,33 +95,45 @@ class KeyStore:
         self._config = config
         self._owners = static_owners(config)
         self._client = client
+        self._wall = time.time
         self._policy = FailurePolicy.parse(policy)
         self._deadline_s = deadline_s
 
+    def reconfigure(self, config: TenancyConfig) -> None:
+        """Resolve against ``config`` from now on (tenants and static keys changed at run time)."""
+        self._config = config
+        self._owners = static_owners(config)
+
     async def resolve(self, raw_key: str) -> Tenant | None:
         """The tenant owning ``raw_key``, or None if the key is unknown or revoked."""
+        return (await self.resolve_key(raw_key))[0]
+
+    async def resolve_key(self, raw_key: str) -> tuple[Tenant | None, dict[str, Any]]:
+        """:meth:`resolve`, with the key's stored metadata (``{}`` for a static key)."""
         key_hash = hash_key(raw_key)
         static_owner = find_owner(key_hash, self._owners)
         if self._client is None:
-            return self._tenant(static_owner)
+            return self._tenant(static_owner), {}
         try:
             async with asyncio.timeout(self._deadline_s):
                 pipe = self._client.pipeline(transaction=False)
                 pipe.sismember(REVOKED_KEYS, key_hash)
                 pipe.hget(ISSUED_KEYS, key_hash)
-                revoked, issued_owner = await pipe.execute()
+                pipe.hget(KEY_META, key_hash)
+                revoked, issued_owner, meta = await pipe.execute()
         except UNAVAILABLE_ERRORS as exc:
             if self._policy is FailurePolicy.FAIL_OPEN:
                 logger.warning("tenancy: Redis unavailable for key lookup; static keys only (fail_open)")
-                return self._tenant(static_owner)
+                return self._tenant(static_owner), {}
             raise LimiterUnavailableError(f"Redis unavailable during key lookup: {exc!r}") from exc
-        if revoked:
-            return None
+        if revoked or key_expired(meta, self._wall()):
+            return None, {}
+        parsed = _meta(meta)
         if static_owner is not None:
-            return self._tenant(static_owner)
+            return self._tenant(static_owner), parsed
         if isinstance(issued_owner, bytes):
             issued_owner = issued_owner.decode()
-        return self._tenant(issued_owner)
+        return self._tenant(issued_owner), parsed
 
     def _tenant(self, name: str | None) -> Tenant | None:
         if name is None:
@@ -123,6 +143,27 @@ class KeyStore:
             # Issued for a tenant since removed from the file: the key is dead, not an error.
             logger.warning("tenancy: an issued key belongs to tenant %r, which is not configured", name)
         return tenant
+
+
+def _meta(meta: str | bytes | None) -> dict[str, Any]:
+    if not meta:
+        return {}
+    try:
+        parsed = json.loads(meta)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def key_expired(meta: str | bytes | None, now: float) -> bool:
+    """Whether a key's metadata (JSON, from ``batchgate:keys:meta``) says it has expired."""
+    if not meta:
+        return False
+    try:
+        expires_at = json.loads(meta).get("expires_at")
+    except (ValueError, AttributeError):
+        return False
+    return expires_at is not None and float(expires_at) <= now
 
 
 @dataclass(frozen=True)

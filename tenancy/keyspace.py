@@ -7,11 +7,26 @@ Redis Cluster (they live in the same slot)::
     {tenant:acme}:requests  hash  level, ts      request bucket
     {tenant:acme}:leases    zset  lease_id -> expiry (Redis-clock seconds)
     {tenant:acme}:usage     hash  prompt_tokens, completion_tokens, requests
+    {tenant:acme}:held      hash  lease_id -> budget holds of a live lease ("<key> <window> <amount>" lines)
+    {tenant:acme}:budget:tenant.usd     hash  w (window index), used, soft (window whose soft
+                                              threshold was crossed); also .tokens, key:<id>.usd ...
+    {tenant:acme}:ledger:<hour>         hash  "<model>\t<key id>\t<batch 0|1>\t<counter>" -> count
+                                              (hours since the epoch; expires after the retention)
+    {tenant:acme}:ledger:hours          zset  the hours that have a ledger hash
+    {tenant:acme}:settled:<request id>  string  a settlement made (idempotency), for a while
 
 Run-time API keys are global (not per tenant) because a lookup starts from the key::
 
     batchgate:keys          hash  "sha256:<hex>" -> tenant name   (issued at run time)
     batchgate:keys:revoked  set   "sha256:<hex>"                   (revoked, static ones too)
+    batchgate:keys:meta     hash  "sha256:<hex>" -> JSON {tenant, name, created_at, expires_at}
+
+Plans and tenants changed at run time (``tenancy.admin``), merged over the tenants file::
+
+    batchgate:admin:plans    hash    name -> JSON table (as in the file), or "null" (deleted)
+    batchgate:admin:tenants  hash    name -> JSON table, or "null"
+    batchgate:admin:version  string  bumped by every change; gateways poll it and reload
+    batchgate:admin:audit    stream  who, what, when (bounded)
 """
 
 from __future__ import annotations
@@ -29,6 +44,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 ISSUED_KEYS = "batchgate:keys"
 REVOKED_KEYS = "batchgate:keys:revoked"
+KEY_META = "batchgate:keys:meta"
+ADMIN_PLANS = "batchgate:admin:plans"
+ADMIN_TENANTS = "batchgate:admin:tenants"
+ADMIN_VERSION = "batchgate:admin:version"
+ADMIN_AUDIT = "batchgate:admin:audit"
 USAGE_PATTERN = "{tenant:*}:usage"
 
 # Short on purpose: a request must never hang on Redis. On localhost a refused connection fails
@@ -56,6 +76,28 @@ def leases_key(tenant: str) -> str:
 
 def usage_key(tenant: str) -> str:
     return tenant_tag(tenant) + ":usage"
+
+
+def held_key(tenant: str) -> str:
+    return tenant_tag(tenant) + ":held"
+
+
+def budget_key(tenant: str, budget_name: str) -> str:
+    """``budget_name``: ``tenancy.billing.Budget.name`` (``tenant.usd``, ``key:ab12.tokens``)."""
+    return tenant_tag(tenant) + ":budget:" + budget_name
+
+
+def ledger_prefix(tenant: str) -> str:
+    """The ledger's hourly hashes are this plus the hour index."""
+    return tenant_tag(tenant) + ":ledger:"
+
+
+def ledger_hours_key(tenant: str) -> str:
+    return tenant_tag(tenant) + ":ledger:hours"
+
+
+def settled_key(tenant: str, request_id: str) -> str:
+    return tenant_tag(tenant) + ":settled:" + request_id
 
 
 def tenant_of_usage_key(key: str) -> str | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from tenancy.billing import NO_CHARGE, Budget, BudgetRefusal, BudgetState, Charge, window_index
 from tenancy.bucket import (
     BucketState,
     Limits,
@@ -29,6 +30,7 @@ from tenancy.bucket import (
     seconds_to_full,
 )
 from tenancy.config import Plan
+from tenancy.ledger import HOUR_S, BudgetUpdate, LedgerRow, MemoryStore
 from tenancy.usage import MemoryUsage, TenantUsage
 
 DEFAULT_LEASE_TTL_S = 60.0
@@ -56,7 +58,8 @@ class Lease:
     ``expires_at`` is in the store's clock (Redis ``TIME`` for Redis). ``limits`` are those
     the lease was admitted under (the refund is capped at that capacity). An untracked lease
     (``limits`` None: open mode, or admitted by ``fail_open`` during an outage) holds nothing
-    in the store: settling it only counts usage, renewing it is a no-op.
+    in the store: settling it only counts usage (and charges budgets and the ledger), renewing
+    it is a no-op. ``charge`` says what the request costs and which budgets hold its worst case.
     """
 
     lease_id: str
@@ -66,6 +69,7 @@ class Lease:
     ttl_s: float
     expires_at: float
     limits: Limits | None = None
+    charge: Charge = NO_CHARGE
 
     @property
     def tracked(self) -> bool:
@@ -94,6 +98,7 @@ class Decision:
     reset_tokens_s: float | None = None
     lease: Lease | None = None
     requested_tokens: int = 0
+    budget: BudgetRefusal | None = None  # set for Reason.BUDGET
 
     def __post_init__(self) -> None:
         assert self.admitted == (self.lease is not None), "a lease is held exactly when admitted"
@@ -109,7 +114,10 @@ class Decision:
             headers["x-ratelimit-remaining-tokens"] = str(self.remaining_tokens)
             headers["x-ratelimit-reset-requests"] = format_duration(self.reset_requests_s or 0.0)
             headers["x-ratelimit-reset-tokens"] = format_duration(self.reset_tokens_s or 0.0)
-        if not self.admitted and self.retry_after_s > 0:
+        if self.reason is Reason.BUDGET:
+            # Waiting seconds does not help: the openai SDK would otherwise retry a 429 twice.
+            headers["x-should-retry"] = "false"
+        elif not self.admitted and self.retry_after_s > 0:
             headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
             headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
         return headers
@@ -119,6 +127,8 @@ class Decision:
         if self.admitted:
             return ""
         wait = f" Please try again in {format_duration(self.retry_after_s)}."
+        if self.reason is Reason.BUDGET and self.budget is not None:
+            return self.budget.message()
         if self.reason is Reason.TOO_LARGE:
             return (
                 f"Request too large: it needs {self.requested_tokens} tokens (prompt + max_tokens), "
@@ -165,16 +175,25 @@ def new_lease_id() -> str:
 
 
 def untracked_decision(
-    tenant: str, tokens: int, request_id: str, ttl_s: float, now: float, reason: Reason = Reason.OK
+    tenant: str,
+    tokens: int,
+    request_id: str,
+    ttl_s: float,
+    now: float,
+    reason: Reason = Reason.OK,
+    charge: Charge = NO_CHARGE,
 ) -> Decision:
     """An admission that holds nothing in the store (open mode, or fail_open)."""
-    lease = Lease(new_lease_id(), tenant, request_id, 0, ttl_s, now + ttl_s, limits=None)
+    lease = Lease(new_lease_id(), tenant, request_id, 0, ttl_s, now + ttl_s, limits=None, charge=charge)
     return Decision(admitted=True, reason=reason, lease=lease, requested_tokens=tokens)
 
 
-def decision_from_step(step: Step, limits: Limits, tokens: int, lease: Lease | None) -> Decision:
+def decision_from_step(
+    step: Step, limits: Limits, tokens: int, lease: Lease | None, budget: BudgetRefusal | None = None
+) -> Decision:
     """Turn an admission step (and the lease taken, if admitted) into a :class:`Decision`."""
     return Decision(
+        budget=budget,
         admitted=step.admitted,
         reason=step.reason,
         retry_after_s=step.retry_after_s,
@@ -194,24 +213,41 @@ def decision_from_step(step: Step, limits: Limits, tokens: int, lease: Lease | N
 class Limiter(Protocol):
     """Admission control for tenants; one implementation per store.
 
-    Contract: ``admit`` is atomic per tenant (no interleaving can over-admit); a refusal
-    changes no state except pruning expired leases. ``settle`` is called once per admitted
-    lease, refunds ``reserved - used`` tokens (capped at capacity) only while the lease is
-    still live, releases it, and counts usage; it returns whether the lease was still live.
+    Contract: ``admit`` is atomic per tenant (no interleaving can over-admit), and reserves the
+    charge's worst case against each of its budgets in the same step (``Reason.BUDGET`` when
+    one cannot hold it); a refusal changes no state except pruning expired leases (and their
+    budget holds). ``settle`` is called once per admitted lease, refunds ``reserved - used``
+    tokens (capped at capacity) only while the lease is still live, releases it and its budget
+    holds, and in the same step charges the real cost to the budgets and the hourly ledger and
+    counts usage; it is idempotent on the lease's request id, and returns whether the lease
+    was still live.
     ``renew`` pushes a live lease's expiry to ``now + ttl`` and returns False for a lease that
     is gone (settled or expired). ``settle``/``renew`` never raise for an unreachable store:
     they log and return False (the lease then expires by itself).
     """
 
     lease_ttl_s: float
+    on_soft_limit: Callable[[str, Budget], None]  # called when a settle crosses a soft threshold
 
-    async def admit(self, tenant: str, plan: Plan, tokens: int, request_id: str) -> Decision: ...
+    async def admit(
+        self, tenant: str, plan: Plan, tokens: int, request_id: str, charge: Charge = NO_CHARGE
+    ) -> Decision: ...
 
-    async def settle(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> bool: ...
+    async def settle(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> bool: ...
 
     async def renew(self, lease: Lease) -> bool: ...
 
     async def usage(self) -> dict[str, TenantUsage]: ...
+
+    async def budgets(self, tenant: str, budgets: tuple[Budget, ...]) -> list[BudgetState]:
+        """Each budget's use and holds in its current window."""
+        ...
+
+    async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
+        """The ledger's rows of ``tenants`` for hours in ``[start_hour, end_hour)``."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -221,35 +257,79 @@ class _TenantState:
     tokens: BucketState | None = None
     requests: BucketState | None = None
     leases: dict[str, float] | None = None  # lease_id -> expiry
+    holds: dict[str, list[tuple[str, int, int]]] | None = None  # lease_id -> (budget, window, amount)
+
+
+def budget_store_key(tenant: str, budget: Budget) -> str:
+    return f"{tenant}/{budget.name}"
+
+
+def soft_threshold(budget: Budget) -> int | None:
+    return None if budget.soft_ratio is None else math.floor(budget.limit * budget.soft_ratio)
 
 
 class MemoryLimiter:
-    """The :class:`Limiter` for a single process: state in dicts, time from ``now``.
+    """The :class:`Limiter` for a single process: rate limits and budget holds in dicts,
+    budgets' use and the ledger in a :class:`~tenancy.ledger.MemoryStore` (SQLite: a file in the
+    storage directory survives a restart), time from ``now``.
 
     Safe for one asyncio event loop (no await between check and reserve). ``now`` is
-    injectable so tests move time by hand instead of sleeping.
+    injectable so tests move time by hand instead of sleeping; ``wall`` (Unix seconds) names
+    budget windows and ledger hours (default: ``now`` when injected, else ``time.time``).
     """
 
     def __init__(
-        self, *, now: Callable[[], float] = time.monotonic, lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+        self,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        store: MemoryStore | None = None,
+        wall: Callable[[], float] | None = None,
     ) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self._now = now
+        self._wall = wall or (time.time if now is time.monotonic else now)
         self.lease_ttl_s = lease_ttl_s
         self._tenants: dict[str, _TenantState] = {}
         self._usage = MemoryUsage()
+        self.store = store or MemoryStore()
+        self.on_soft_limit: Callable[[str, Budget], None] = lambda tenant, budget: None
 
     def _live_leases(self, state: _TenantState, now: float) -> dict[str, float]:
         leases = {lid: exp for lid, exp in (state.leases or {}).items() if exp > now}
         state.leases = leases
+        if state.holds:
+            state.holds = {lid: h for lid, h in state.holds.items() if lid in leases}
         return leases
 
-    async def admit(self, tenant: str, plan: Plan, tokens: int, request_id: str) -> Decision:
+    def _reserved(self, state: _TenantState, key: str, window: int) -> int:
+        return sum(
+            a for holds in (state.holds or {}).values() for k, w, a in holds if k == key and w == window
+        )
+
+    def _check_budgets(
+        self, tenant: str, state: _TenantState, charge: Charge
+    ) -> tuple[list[tuple[str, int, int]], BudgetRefusal | None]:
+        wall = self._wall()
+        holds = []
+        for budget, amount in zip(charge.budgets, charge.reserved, strict=True):
+            key = budget_store_key(tenant, budget)
+            window = window_index(budget.window, wall)
+            used = self.store.budget_used(key, window)
+            reserved = self._reserved(state, key, window)
+            if used + reserved + amount > budget.limit:
+                return [], BudgetRefusal(budget, used, reserved, amount, window)
+            holds.append((key, window, amount))
+        return holds, None
+
+    async def admit(
+        self, tenant: str, plan: Plan, tokens: int, request_id: str, charge: Charge = NO_CHARGE
+    ) -> Decision:
         now = self._now()
         limits = limits_of(plan)
         if limits is None:
-            return untracked_decision(tenant, tokens, request_id, self.lease_ttl_s, now)
+            return untracked_decision(tenant, tokens, request_id, self.lease_ttl_s, now, charge=charge)
         state = self._tenants.setdefault(tenant, _TenantState())
         leases = self._live_leases(state, now)
         step = admission_step(
@@ -260,24 +340,78 @@ class MemoryLimiter:
             request_bucket=state.requests,
             num_leases=len(leases),
         )
+        holds, refusal = self._check_budgets(tenant, state, charge)
+        if refusal is not None:
+            budget_step = Step(False, Reason.BUDGET, 0.0, step.token_level, step.request_level)
+            if step.admitted:  # the levels after the step include this request: report them before
+                budget_step = Step(
+                    False, Reason.BUDGET, 0.0, step.token_level + tokens, step.request_level + 1
+                )
+            return decision_from_step(budget_step, limits, tokens, None, refusal)
         if not step.admitted:
             return decision_from_step(step, limits, tokens, None)
         state.tokens = BucketState(step.token_level, now)
         state.requests = BucketState(step.request_level, now)
         lease = Lease(
-            new_lease_id(), tenant, request_id, tokens, self.lease_ttl_s, now + self.lease_ttl_s, limits
+            new_lease_id(),
+            tenant,
+            request_id,
+            tokens,
+            self.lease_ttl_s,
+            now + self.lease_ttl_s,
+            limits,
+            charge,
         )
         leases[lease.lease_id] = lease.expires_at
+        if holds:
+            state.holds = state.holds or {}
+            state.holds[lease.lease_id] = holds
         return decision_from_step(step, limits, tokens, lease)
 
-    async def settle(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> bool:
+    async def settle(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> bool:
+        now = self._now()
+        wall = self._wall()
+        state = self._tenants.get(lease.tenant)
+        live = False
+        holds: list[tuple[str, int, int]] = []
+        if state is not None and lease.limits is not None:
+            live = self._live_leases(state, now).pop(lease.lease_id, None) is not None
+            holds = (state.holds or {}).pop(lease.lease_id, [])
+        charge = lease.charge
+        admitted_in = {key: window for key, window, _ in holds}
+        updates = []
+        amounts = charge.amounts(prompt_tokens, cached_tokens, completion_tokens)
+        for budget, amount in zip(charge.budgets, amounts, strict=True):
+            key = budget_store_key(lease.tenant, budget)
+            window = window_index(budget.window, wall)
+            if admitted_in.get(key, window) == window:
+                updates.append(BudgetUpdate(key, window, amount, soft_threshold(budget)))
+        row = LedgerRow(
+            lease.tenant,
+            int(wall // HOUR_S),
+            charge.model,
+            charge.key_id,
+            charge.batch,
+            1,
+            prompt_tokens,
+            min(cached_tokens, prompt_tokens),
+            completion_tokens,
+            charge.cost(prompt_tokens, cached_tokens, completion_tokens),
+        )
+        duplicate, crossed = self.store.settle(lease.request_id, wall, row, updates)
+        if duplicate:
+            return False
+        for index in crossed:
+            budget = next(
+                b for b in charge.budgets if budget_store_key(lease.tenant, b) == updates[index].key
+            )
+            self.on_soft_limit(lease.tenant, budget)
         self._usage.add(lease.tenant, prompt_tokens, completion_tokens)
         limits = lease.limits
-        state = self._tenants.get(lease.tenant)
         if limits is None or state is None:
             return False
-        now = self._now()
-        live = self._live_leases(state, now).pop(lease.lease_id, None) is not None
         if live:
             level = refilled(state.tokens, now, limits.tokens_per_minute, limits.tokens_per_second)
             unused = lease.reserved_tokens - (prompt_tokens + completion_tokens)
@@ -300,8 +434,24 @@ class MemoryLimiter:
     async def usage(self) -> dict[str, TenantUsage]:
         return self._usage.snapshot()
 
+    async def budgets(self, tenant: str, budgets: tuple[Budget, ...]) -> list[BudgetState]:
+        wall = self._wall()
+        state = self._tenants.get(tenant)
+        if state is not None:
+            self._live_leases(state, self._now())
+        out = []
+        for budget in budgets:
+            key = budget_store_key(tenant, budget)
+            window = window_index(budget.window, wall)
+            reserved = 0 if state is None else self._reserved(state, key, window)
+            out.append(BudgetState(budget, self.store.budget_used(key, window), reserved, window))
+        return out
+
+    async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
+        return self.store.ledger(tenants, start_hour, end_hour)
+
     async def aclose(self) -> None:
-        return None
+        self.store.close()
 
     def num_leases(self, tenant: str) -> int:
         """Live leases of ``tenant`` now (for tests and metrics)."""

@@ -10,12 +10,13 @@ Redis unreachable (refused, timed out): ``admit`` answers by the configured
 reconnects on the next call, and ``EVALSHA`` reloads a script a restarted Redis has forgotten,
 so service resumes by itself when Redis returns.
 
-A settlement (lease release and token refund) that fails while Redis is away is not lost: it
-waits in a bounded in-process queue and is retried with backoff by a background task, and at
-once after the next call that reaches Redis. A persistent Redis keeps the leases across its
-restart, so without the retry a tenant would stay locked out until the leases' TTL. An entry
-older than the lease TTL is dropped: by then the TTL has released the lease (its usage count is
-lost, and logged).
+A settlement (lease release, token refund, budget charge, ledger) that fails while Redis is
+away is not lost: it waits in a bounded in-process queue and is retried with backoff by a
+background task, and at once after the next call that reaches Redis. A persistent Redis keeps
+the leases across its restart, so without the retry a tenant would stay locked out until the
+leases' TTL. Each settlement is idempotent on its request id (a marker kept ``settle_keep_s``),
+so a retry of an attempt that did run (its answer lost) changes nothing; an entry older than
+``settle_keep_s`` is dropped, and logged (its usage is then lost).
 """
 
 from __future__ import annotations
@@ -30,17 +31,24 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tenancy.billing import NO_CHARGE, Budget, BudgetRefusal, BudgetState, Charge, window_code
 from tenancy.bucket import CONCURRENCY_RETRY_S, Limits, Reason, Step
 from tenancy.config import Plan
 from tenancy.errors import LimiterUnavailableError
 from tenancy.keyspace import (
     UNAVAILABLE_ERRORS,
+    budget_key,
+    held_key,
     leases_key,
+    ledger_hours_key,
+    ledger_prefix,
     open_async,
     requests_key,
+    settled_key,
     tokens_key,
     usage_key,
 )
+from tenancy.ledger import DEFAULT_RETENTION_S, LedgerRow, field_prefix, read_redis_ledger
 from tenancy.limiter import (
     DEFAULT_LEASE_TTL_S,
     Decision,
@@ -49,8 +57,10 @@ from tenancy.limiter import (
     decision_from_step,
     limits_of,
     new_lease_id,
+    soft_threshold,
     untracked_decision,
 )
+from tenancy.scripts import ADMIT_SCRIPT, BUDGETS_SCRIPT, RENEW_SCRIPT, SETTLE_SCRIPT
 from tenancy.usage import TenantUsage, read_redis_usage
 
 logger = logging.getLogger("batchgate.tenancy")
@@ -64,131 +74,9 @@ MAX_PENDING_SETTLES = 10_000
 # so that a returning Redis is noticed within about a second.
 SETTLE_RETRY_FIRST_S = 0.05
 SETTLE_RETRY_MAX_S = 1.0
-
-# Shared by every script. `now` comes from Redis TIME unless the caller passes a clock override
-# (tests only; production passes ''). Numbers are written with %.17g so they round-trip exactly,
-# and returned as strings because Redis truncates Lua numbers to integers.
-_PRELUDE = """
-if redis.replicate_commands then redis.replicate_commands() end
-local function clock(override)
-  if override ~= '' then return tonumber(override) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-local function fmt(x) return string.format('%.17g', x) end
--- tenancy.bucket.refilled
-local function refilled(key, now, cap, rate)
-  local v = redis.call('HMGET', key, 'level', 'ts')
-  if not v[1] then return cap end
-  local elapsed = now - tonumber(v[2])
-  if elapsed < 0 then elapsed = 0 end
-  return math.min(cap, tonumber(v[1]) + elapsed * rate)
-end
--- tenancy.bucket.wait_for
-local function wait_for(level, amount, rate)
-  if level >= amount then return 0 end
-  return (amount - level) / rate
-end
--- A missing bucket reads as full, so Redis may drop it once it would be full again.
-local function store(key, now, level, cap, rate)
-  redis.call('HSET', key, 'level', fmt(level), 'ts', fmt(now))
-  redis.call('PEXPIRE', key, math.ceil((cap - level) / rate * 1000) + 1000)
-end
--- Keep the lease set as long as its latest lease.
-local function keep_leases(key, now)
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if last[2] then
-    redis.call('PEXPIRE', key, math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
-  end
-end
-"""
-
-# KEYS: tokens, requests, leases
-# ARGV: tokens, tokens_per_minute, requests_per_minute, max_concurrent, lease_id, ttl_s, now_override,
-#       concurrency_retry_s
-# -> {admitted '0'|'1', reason, retry_after_s, token_level, request_level, now}
-ADMIT_SCRIPT = (
-    _PRELUDE
-    + """
-local tokens = tonumber(ARGV[1])
-local tok_cap, req_cap = tonumber(ARGV[2]), tonumber(ARGV[3])
-local max_leases, lease_id, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local now = clock(ARGV[7])
-local tok_rate, req_rate = tok_cap / 60, req_cap / 60
-
--- tenancy.bucket.admission_step
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', fmt(now))
-local num_leases = redis.call('ZCARD', KEYS[3])
-local tok = refilled(KEYS[1], now, tok_cap, tok_rate)
-local req = refilled(KEYS[2], now, req_cap, req_rate)
-if tokens > tok_cap then
-  return {'0', 'too_large', '0', fmt(tok), fmt(req), fmt(now)}
-end
-local reason, retry = 'ok', 0
-local checks = {
-  {'tokens', tok < tokens, wait_for(tok, tokens, tok_rate)},
-  {'requests', req < 1, wait_for(req, 1, req_rate)},
-  {'concurrency', num_leases >= max_leases, tonumber(ARGV[8])},
-}
-for _, c in ipairs(checks) do
-  if c[2] and (reason == 'ok' or c[3] > retry) then
-    reason, retry = c[1], c[3]
-  end
-end
-if reason ~= 'ok' then
-  return {'0', reason, fmt(retry), fmt(tok), fmt(req), fmt(now)}
-end
-tok, req = tok - tokens, req - 1
-store(KEYS[1], now, tok, tok_cap, tok_rate)
-store(KEYS[2], now, req, req_cap, req_rate)
-redis.call('ZADD', KEYS[3], fmt(now + ttl), lease_id)
-keep_leases(KEYS[3], now)
-return {'1', 'ok', '0', fmt(tok), fmt(req), fmt(now)}
-"""
-)
-
-# KEYS: tokens, leases, usage
-# ARGV: lease_id, unused_tokens (reserved - used; may be < 0), tokens_per_minute,
-#       prompt_tokens, completion_tokens, now_override, retry ('1' for a kept settlement retried)
-# -> 1 if the lease was live (and the refund made), else 0
-# A retry counts usage only if its lease is still there: an attempt that timed out may have run.
-SETTLE_SCRIPT = (
-    _PRELUDE
-    + """
-local now = clock(ARGV[6])
-local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-local live = 0
-if score and tonumber(score) > now then live = 1 end
-redis.call('ZREM', KEYS[2], ARGV[1])
-local unused = tonumber(ARGV[2])
-if live == 1 and unused > 0 then
-  local cap = tonumber(ARGV[3])
-  local rate = cap / 60
-  -- tenancy.bucket.refund
-  local level = math.min(cap, refilled(KEYS[1], now, cap, rate) + unused)
-  store(KEYS[1], now, level, cap, rate)
-end
-if ARGV[7] ~= '1' or score or ARGV[1] == '' then
-  redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[4])
-  redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[5])
-  redis.call('HINCRBY', KEYS[3], 'requests', 1)
-end
-return live
-"""
-)
-
-# KEYS: leases. ARGV: lease_id, ttl_s, now_override -> 1 if renewed, 0 if the lease is gone
-RENEW_SCRIPT = (
-    _PRELUDE
-    + """
-local now = clock(ARGV[3])
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) <= now then return 0 end
-redis.call('ZADD', KEYS[1], fmt(now + tonumber(ARGV[2])), ARGV[1])
-keep_leases(KEYS[1], now)
-return 1
-"""
-)
+# How long a settlement kept in an outage is retried, and how long its request id is remembered
+# in Redis so that a repeated settlement is a no-op.
+SETTLE_KEEP_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -198,6 +86,7 @@ class _PendingSettle:
     lease: Lease
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int
     drop_at: float
 
 
@@ -218,6 +107,8 @@ class RedisLimiter:
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         clock: Callable[[], float] | None = None,
         call_deadline_s: float = CALL_DEADLINE_S,
+        settle_keep_s: float = SETTLE_KEEP_S,
+        retention_s: float = DEFAULT_RETENTION_S,
     ) -> None:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
@@ -229,6 +120,10 @@ class RedisLimiter:
         self._admit = client.register_script(ADMIT_SCRIPT)
         self._settle = client.register_script(SETTLE_SCRIPT)
         self._renew = client.register_script(RENEW_SCRIPT)
+        self._budgets = client.register_script(BUDGETS_SCRIPT)
+        self.settle_keep_s = settle_keep_s
+        self.retention_s = retention_s
+        self.on_soft_limit: Callable[[str, Budget], None] = lambda tenant, budget: None
         self._outage = False
         self._contacted = False  # whether any call has reached (or failed to reach) Redis yet
         self._pending: deque[_PendingSettle] = deque()
@@ -301,15 +196,20 @@ class RedisLimiter:
         self._came_back()
         return result
 
-    async def admit(self, tenant: str, plan: Plan, tokens: int, request_id: str) -> Decision:
+    async def admit(
+        self, tenant: str, plan: Plan, tokens: int, request_id: str, charge: Charge = NO_CHARGE
+    ) -> Decision:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         limits = limits_of(plan)
         if limits is None:
-            return untracked_decision(tenant, tokens, request_id, self.lease_ttl_s, time.time())
+            return untracked_decision(
+                tenant, tokens, request_id, self.lease_ttl_s, time.time(), charge=charge
+            )
         lease_id = new_lease_id()
-        keys = (tokens_key(tenant), requests_key(tenant), leases_key(tenant))
-        args = (
+        keys = [tokens_key(tenant), requests_key(tenant), leases_key(tenant), held_key(tenant)]
+        keys += [budget_key(tenant, b.name) for b in charge.budgets]
+        args: list[Any] = [
             tokens,
             limits.tokens_per_minute,
             limits.requests_per_minute,
@@ -318,57 +218,99 @@ class RedisLimiter:
             repr(float(self.lease_ttl_s)),
             self._now_arg(),
             repr(CONCURRENCY_RETRY_S),
-        )
+            len(charge.budgets),
+        ]
+        for budget, amount in zip(charge.budgets, charge.reserved, strict=True):
+            args += [budget.limit, window_code(budget.window), amount]
         try:
             raw = await self._call("admit", self._admit, keys, args)
         except LimiterUnavailableError:
-            return self._unavailable(tenant, tokens, request_id)
+            return self._unavailable(tenant, tokens, request_id, charge)
         step, now = _parse_step(raw)
+        refusal = None
+        if step.reason is Reason.BUDGET:
+            index, used, reserved, window = (int(float(_text(v))) for v in raw[6:10])
+            budget = charge.budgets[index - 1]
+            refusal = BudgetRefusal(budget, used, reserved, charge.reserved[index - 1], window)
         lease = None
         if step.admitted:
             lease = Lease(
-                lease_id, tenant, request_id, tokens, self.lease_ttl_s, now + self.lease_ttl_s, limits
+                lease_id, tenant, request_id, tokens, self.lease_ttl_s, now + self.lease_ttl_s, limits, charge
             )
-        return decision_from_step(step, limits, tokens, lease)
+        return decision_from_step(step, limits, tokens, lease, refusal)
 
-    def _unavailable(self, tenant: str, tokens: int, request_id: str) -> Decision:
+    def _unavailable(self, tenant: str, tokens: int, request_id: str, charge: Charge = NO_CHARGE) -> Decision:
         if self.policy is FailurePolicy.FAIL_OPEN:
             logger.debug("tenancy: admitting %s without limits (fail_open)", request_id)
             return untracked_decision(
-                tenant, tokens, request_id, self.lease_ttl_s, time.time(), Reason.UNAVAILABLE
+                tenant, tokens, request_id, self.lease_ttl_s, time.time(), Reason.UNAVAILABLE, charge
             )
         return Decision(admitted=False, reason=Reason.UNAVAILABLE, retry_after_s=1.0, requested_tokens=tokens)
 
-    async def settle(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> bool:
-        """Release the lease and refund; False if the lease had expired, or if Redis is away (the
-        settlement is then kept and retried when Redis answers again)."""
+    async def settle(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> bool:
+        """Release the lease, refund, charge budgets and the ledger; False if the lease had
+        expired, if this request was already settled, or if Redis is away (the settlement is
+        then kept and retried when Redis answers again)."""
         try:
-            return await self._settle_now(lease, prompt_tokens, completion_tokens)
+            return await self._settle_now(lease, prompt_tokens, completion_tokens, cached_tokens)
         except LimiterUnavailableError as exc:
             logger.warning(
                 "tenancy: could not settle %s (%s); retrying when Redis returns", lease.request_id, exc
             )
             self._keep(
-                _PendingSettle(lease, prompt_tokens, completion_tokens, time.monotonic() + lease.ttl_s)
+                _PendingSettle(
+                    lease,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                    time.monotonic() + self.settle_keep_s,
+                )
             )
             return False
 
     async def _settle_now(
-        self, lease: Lease, prompt_tokens: int, completion_tokens: int, *, retry: bool = False
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> bool:
         limits: Limits | None = lease.limits
-        keys = (tokens_key(lease.tenant), leases_key(lease.tenant), usage_key(lease.tenant))
+        tenant = lease.tenant
+        charge = lease.charge
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        keys = [
+            tokens_key(tenant),
+            leases_key(tenant),
+            usage_key(tenant),
+            held_key(tenant),
+            settled_key(tenant, lease.request_id),
+            ledger_hours_key(tenant),
+        ]
+        keys += [budget_key(tenant, b.name) for b in charge.budgets]
         unused = lease.reserved_tokens - (prompt_tokens + completion_tokens) if limits else 0
-        args = (
+        args: list[Any] = [
             lease.lease_id if limits else "",
             unused,
             limits.tokens_per_minute if limits else 1,
             prompt_tokens,
             completion_tokens,
             self._now_arg(),
-            "1" if retry else "",
-        )
-        return bool(await self._call("settle", self._settle, keys, args))
+            cached,
+            charge.cost(prompt_tokens, cached, completion_tokens),
+            field_prefix(charge.model, charge.key_id, charge.batch),
+            ledger_prefix(tenant),
+            int(self.retention_s),
+            max(1, int(self.settle_keep_s)),
+            len(charge.budgets),
+        ]
+        amounts = charge.amounts(prompt_tokens, cached, completion_tokens)
+        for budget, amount in zip(charge.budgets, amounts, strict=True):
+            soft = soft_threshold(budget)
+            args += [budget.limit, window_code(budget.window), amount, "" if soft is None else soft]
+        raw = await self._call("settle", self._settle, keys, args)
+        live, _duplicate, *crossed = (_text(v) for v in raw)
+        for index in crossed:
+            self.on_soft_limit(tenant, charge.budgets[int(index) - 1])
+        return live == "1"
 
     def _keep(self, pending: _PendingSettle) -> None:
         if len(self._pending) >= MAX_PENDING_SETTLES:
@@ -393,13 +335,14 @@ class RedisLimiter:
             if time.monotonic() >= pending.drop_at:
                 self._pending.popleft()
                 logger.warning(
-                    "tenancy: gave up settling %s: its lease TTL has released it (usage not counted)",
+                    "tenancy: gave up settling %s after %.0f s of Redis outage (usage not counted)",
                     pending.lease.request_id,
+                    self.settle_keep_s,
                 )
                 continue
             try:
                 await self._settle_now(
-                    pending.lease, pending.prompt_tokens, pending.completion_tokens, retry=True
+                    pending.lease, pending.prompt_tokens, pending.completion_tokens, pending.cached_tokens
                 )
             except LimiterUnavailableError:
                 await asyncio.sleep(delay)
@@ -415,7 +358,8 @@ class RedisLimiter:
             return True
         args = (lease.lease_id, repr(float(lease.ttl_s)), self._now_arg())
         try:
-            return bool(await self._call("renew", self._renew, (leases_key(lease.tenant),), args))
+            keys = (leases_key(lease.tenant), held_key(lease.tenant))
+            return bool(await self._call("renew", self._renew, keys, args))
         except LimiterUnavailableError as exc:
             logger.warning("tenancy: could not renew the lease of %s (%s)", lease.request_id, exc)
             return False
@@ -427,6 +371,23 @@ class RedisLimiter:
                 return await read_redis_usage(self._client)
         except TimeoutError as exc:
             raise LimiterUnavailableError("Redis did not answer in time while reading usage") from exc
+
+    async def budgets(self, tenant: str, budgets: tuple[Budget, ...]) -> list[BudgetState]:
+        """Each budget's use and holds now (LimiterUnavailableError when Redis is away)."""
+        if not budgets:
+            return []
+        keys = [budget_key(tenant, b.name) for b in budgets] + [held_key(tenant), leases_key(tenant)]
+        args = [self._now_arg(), *(window_code(b.window) for b in budgets)]
+        raw = [int(float(_text(v))) for v in await self._call("budgets", self._budgets, keys, args)]
+        return [BudgetState(b, raw[1 + 3 * i], raw[2 + 3 * i], raw[3 + 3 * i]) for i, b in enumerate(budgets)]
+
+    async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
+        """The ledger's rows (LimiterUnavailableError when Redis is away)."""
+        try:
+            async with asyncio.timeout(self._deadline_s * 4):
+                return await read_redis_ledger(self._client, tenants, start_hour, end_hour)
+        except UNAVAILABLE_ERRORS as exc:
+            raise LimiterUnavailableError(f"Redis unavailable while reading the ledger: {exc!r}") from exc
 
     async def num_leases(self, tenant: str) -> int:
         """Leases of ``tenant`` not yet expired by Redis's clock (for tests and metrics)."""
@@ -450,7 +411,11 @@ class RedisLimiter:
         await self._client.aclose()
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _parse_step(raw: list[Any]) -> tuple[Step, float]:
-    admitted, reason, retry, tok, req, now = (v.decode() if isinstance(v, bytes) else str(v) for v in raw)
+    admitted, reason, retry, tok, req, now = (_text(v) for v in raw[:6])
     step = Step(admitted == "1", Reason(reason), float(retry), float(tok), float(req))
     return step, float(now)

@@ -1,6 +1,7 @@
 """Redis killed and restarted under load (with persistence, as production runs it): every accepted
 request ends exactly once, and the leases of requests that ended during the outage are released
-when Redis returns, by the retried settlements, long before their TTL."""
+when Redis returns, by the retried settlements, long before their TTL; the usage ledger then holds
+exactly what the responses reported, each settlement once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from tenancy.ledger import rows_of_hash
 from tests.chaos.conftest import AUTH, answered, live_leases, metric, start_replica, wait_ready
 from tests.chaos.helpers import chat_body, stream_chat
 from tests.conftest_redis import RedisProcess
@@ -28,6 +30,7 @@ def test_redis_killed_and_restarted_under_load(
     )
     observer = redis.Redis.from_url(redis_process.url, socket_timeout=2)
     statuses: list[int] = []
+    reported: list[dict[str, int]] = []
     stop_load = threading.Event()
 
     def load() -> None:
@@ -36,6 +39,8 @@ def test_redis_killed_and_restarted_under_load(
             while not stop_load.is_set():
                 r = http.post("/v1/chat/completions", json=chat_body(model, f"load {i}", 8), headers=AUTH)
                 statuses.append(r.status_code)
+                if r.status_code == 200:
+                    reported.append(r.json()["usage"])
                 i += 1
 
     try:
@@ -47,7 +52,11 @@ def test_redis_killed_and_restarted_under_load(
         for t in loaders:
             t.start()
         # Streams in flight when Redis dies: they finish during the outage and cannot settle then.
-        streams = [stream_chat(server.url, chat_body(model, f"long {i}", 300), AUTH) for i in range(4)]
+        long = [
+            {**chat_body(model, f"long {i}", 300), "stream_options": {"include_usage": True}}
+            for i in range(4)
+        ]
+        streams = [stream_chat(server.url, body, AUTH) for body in long]
         for s in streams:
             assert s.first_event.wait(60)
 
@@ -79,6 +88,17 @@ def test_redis_killed_and_restarted_under_load(
         assert answered(server.url) - before == len(statuses) + len(
             streams
         )  # each request answered exactly once
+        # The ledger: exactly what the responses reported, the retried settlements included, once.
+        reported += [[p for p in s.payloads if p.get("usage")][-1]["usage"] for s in streams]
+        rows = [
+            row
+            for name in observer.scan_iter(match="{tenant:acme}:ledger:*")
+            if not name.endswith(b":hours")
+            for row in rows_of_hash("acme", int(name.rsplit(b":", 1)[1]), observer.hgetall(name))
+        ]
+        assert sum(r.requests for r in rows) == len(reported)
+        assert sum(r.input for r in rows) == sum(u["prompt_tokens"] for u in reported)
+        assert sum(r.output for r in rows) == sum(u["completion_tokens"] for u in reported)
     finally:
         stop_load.set()
         observer.close()

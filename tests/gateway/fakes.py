@@ -241,11 +241,20 @@ class FakeHolder:
     async def __aenter__(self) -> FakeHolder:
         return self
 
-    def record(self, *, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
+    def record(
+        self,
+        *,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
         if prompt_tokens is not None:
             self.prompt_tokens = prompt_tokens
         if completion_tokens is not None:
             self.completion_tokens = completion_tokens
+
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        return 0
 
     async def close(self) -> None:
         self.tenancy.settled.append((self.lease, self.prompt_tokens, self.completion_tokens))
@@ -266,8 +275,16 @@ class FakeTenancy:
             raise AuthError("Incorrect API key provided.")
         return FakeTenant("acme")
 
+    async def identify(self, authorization: str | None) -> Any:
+        from tenancy.service import Identity
+
+        return Identity(await self.authenticate(authorization), "key_fake")  # type: ignore[arg-type]
+
+    def on_soft_limit(self, callback: Any) -> None:
+        return None
+
     async def admit(
-        self, tenant: FakeTenant, prompt_tokens: int, max_tokens: int, request_id: str
+        self, tenant: FakeTenant, prompt_tokens: int, max_tokens: int, request_id: str, **charge: Any
     ) -> FakeDecision:
         if self.refuse is not None:
             return self.refuse

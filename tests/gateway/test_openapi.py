@@ -49,6 +49,9 @@ def test_schemathesis_loads_every_operation() -> None:
         "GET /v1/models/{model}",
         "GET /health",
         "GET /ready",
+        "GET /v1/usage",
+        "GET /v1/organization/usage/completions",
+        "GET /admin/usage.csv",
     }
 
 

@@ -615,6 +615,47 @@ def test_toml_rendering_quotes_dotted_names_and_keeps_number_types(rendered, tmp
     assert parsed["tenants"]["acme.corp"]["plan"] == "trial.v2"
 
 
+def test_prices_budgets_and_the_admin_key_hash_render_for_the_server(rendered, tmp_path):
+    values = tmp_path / "values.yaml"
+    free = {
+        "priority": "free",
+        "tokens_per_minute": 1000,
+        "requests_per_minute": 10,
+        "max_concurrent_requests": 1,
+        "queue_deadline_seconds": 2,
+        "budget_usd": 5.0,
+        "budget_window": "monthly",
+        "budget_soft_ratio": 0.8,
+    }
+    admin_hash = "sha256:" + "d" * 64
+    tenancy = {
+        "enabled": True,
+        "plans": {"free": free},
+        "tenants": {"acme": {"plan": "free", "budget_tokens": 2000000}},
+        "prices": {"SmolLM2-135M-Instruct": {"input": 0.1, "cached_input": 0.05, "output": 0.4}},
+        "adminKeyHash": {"value": admin_hash},
+    }
+    values.write_text(yaml.safe_dump({"tenancy": tenancy}))
+    docs = rendered((values,))
+    plans = one(docs, "ConfigMap", f"{FULLNAME}-plans")["data"]["plans.toml"]
+    secret = one(docs, "Secret", FULLNAME)["stringData"]
+    from tenancy.config import parse_config
+
+    config = parse_config(plans + "\n" + secret["tenants.toml"])
+    assert [(b.metric, b.window) for b in config.tenant("acme").budgets] == [
+        ("usd", "monthly"),
+        ("tokens", "monthly"),
+    ]
+    assert config.price("SmolLM2-135M-Instruct").output == 400_000
+    assert secret["admin-key-hash"] == admin_hash
+    env = env_of(container(one(docs, "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert env["BATCHGATE_ADMIN_KEY_HASH"]["valueFrom"]["secretKeyRef"] == {
+        "name": FULLNAME,
+        "key": "admin-key-hash",
+    }
+    assert env["BATCHGATE_LEDGER_RETENTION_DAYS"]["value"] == "90"
+
+
 def test_gateway_upstreams_point_at_the_engine_service(rendered):
     docs = rendered()
     engine = one(docs, "Deployment", f"{FULLNAME}-engine")

@@ -292,3 +292,66 @@ def test_a_stream_settles_the_replicas_exact_usage_without_showing_it(cluster: P
     assert payloads and not any(p.get("usage") for p in payloads), payloads
     assert all(p["choices"] for p in payloads)
     assert tokens_out(scrape(cluster.gateway.url)) - before == 5
+
+
+def alive(cluster: PoolCluster) -> list[Any]:
+    """The replicas still running (an earlier test kills one)."""
+    return [r for r in cluster.replicas if r.proc.poll() is None]
+
+
+def test_a_replica_keeps_within_what_its_gateway_reserved(cluster: PoolCluster) -> None:
+    """A chat request without max_tokens reserves DEFAULT_CHAT_MAX_TOKENS at the gateway: the
+    replica is told, and generates no more."""
+    url = alive(cluster)[0].url + "/v1/chat/completions"
+    body = {"model": cluster.model, "messages": [{"role": "user", "content": "go on"}], "ignore_eos": True}
+    internal = {"x-batchgate-internal": INTERNAL_TOKEN}
+    capped = httpx.post(url, json=body, headers={**internal, "x-batchgate-max-tokens": "3"}, timeout=60)
+    assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 3
+    below = httpx.post(
+        url, json={**body, "max_tokens": 2}, headers={**internal, "x-batchgate-max-tokens": "50"}
+    )
+    assert below.json()["usage"]["completion_tokens"] == 2  # a cap above max_tokens changes nothing
+    # Without the internal token the headers mean nothing.
+    open_call = httpx.post(url, json={**body, "max_tokens": 6}, headers={"x-batchgate-max-tokens": "1"})
+    assert open_call.json()["usage"]["completion_tokens"] == 6
+
+
+def test_a_stream_the_client_cut_is_settled_with_what_the_replica_sent(cluster: PoolCluster) -> None:
+    """Cut before the replica's usage chunk, a stream is settled with the usage the replica kept
+    for it (not one token per chunk seen): the gateway's count equals the replicas' own."""
+
+    def tokens_out(url: str) -> float:
+        values = scrape(url)
+        return sum(v for (name, labels), v in values.items() if name == "batchgate_tokens_total" and
+                   ("direction", "out") in labels)  # fmt: skip
+
+    urls = [cluster.gateway.url, *(r.url for r in alive(cluster))]
+    before = [tokens_out(u) for u in urls]
+    body = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": "a long answer please"}],
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=cluster.gateway.url, timeout=60) as http:
+        with http.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {PAID_KEY}"}
+        ) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = 0
+            while seen < 3:
+                seen += next(lines).startswith("data: ")
+    # The replica notices the cut, keeps the usage; the gateway reads it and settles (bounded wait).
+    deadline = time.monotonic() + 20
+    while True:
+        after = [tokens_out(u) for u in urls]
+        gateway_delta = after[0] - before[0]
+        replica_delta = sum(after[1:]) - sum(before[1:])
+        if gateway_delta and replica_delta:
+            break
+        assert time.monotonic() < deadline, (gateway_delta, replica_delta)
+        time.sleep(0.05)
+    assert 3 <= gateway_delta < 300
+    assert gateway_delta == replica_delta

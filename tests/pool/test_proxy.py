@@ -199,6 +199,12 @@ def test_streams_through_with_internal_headers(proxy: LiveServer, replicas: list
     assert headers["x-batchgate-internal"] == TOKEN
     assert headers["x-batchgate-priority"] == "paid"
     assert headers["x-batchgate-plan"] == "open"
+    # What the gateway reserved: the replica keeps within it, and keeps the stream's usage for it.
+    assert headers["x-batchgate-max-tokens"] == "2"
+    assert headers["x-batchgate-request-id"].startswith("chatcmpl-")
+    unbounded = {k: v for k, v in body().items() if k != "max_tokens"}
+    assert post(proxy, unbounded).status_code == 200
+    assert [c for rep in replicas for c in rep.calls][-1]["x-batchgate-max-tokens"] == "1024"
 
 
 def test_replica_dying_mid_stream_gives_an_error_event_then_done(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,8 +63,8 @@ def test_unreachable_redis_is_a_clean_error(capsys: pytest.CaptureFixture[str]) 
 async def test_usage_lists_tenants_from_redis(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     limiter = RedisLimiter.from_url(redis_url)
     try:
-        for tenant, prompt, completion in [("acme", 10, 3), ("acme", 5, 1), ("globex", 7, 7)]:
-            lease = (await limiter.admit(tenant, make_plan(), prompt + 10, "r")).lease
+        for i, (tenant, prompt, completion) in enumerate([("acme", 10, 3), ("acme", 5, 1), ("globex", 7, 7)]):
+            lease = (await limiter.admit(tenant, make_plan(), prompt + 10, f"r{i}")).lease
             assert lease is not None
             await limiter.settle(lease, prompt, completion)
     finally:
@@ -82,3 +84,90 @@ async def test_memory_usage_is_per_process() -> None:
     assert lease is not None
     await limiter.settle(lease, 2, 3)
     assert (await limiter.usage())["acme"].total_tokens == 5
+
+
+def test_usage_reads_the_ledgers_buckets_from_redis_and_the_storage_dir(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tenancy.billing import Charge, Price
+    from tenancy.ledger import LEDGER_FILE, MemoryStore
+    from tenancy.limiter import MemoryLimiter
+
+    price = Price(1_000_000, 500_000, 2_000_000)
+
+    async def fill() -> None:
+        redis_limiter = RedisLimiter.from_url(redis_url)
+        memory_limiter = MemoryLimiter(store=MemoryStore(tmp_path / LEDGER_FILE))
+        try:
+            for limiter in (redis_limiter, memory_limiter):
+                for i, model in enumerate(("m1", "m2", "m1")):
+                    charge = Charge(model=model, key_id="key_x", price=price)
+                    lease = (await limiter.admit("acme", make_plan(), 20, f"r{i}", charge)).lease
+                    assert lease is not None
+                    await limiter.settle(lease, 10, 5)
+        finally:
+            await redis_limiter.aclose()
+            await memory_limiter.aclose()
+
+    asyncio.run(fill())
+    for source in (["--redis-url", redis_url], ["--storage-dir", str(tmp_path)]):
+        argv = ["usage", *source, "--bucket-width", "1h", "--group-by", "model", "--tenant", "acme"]
+        assert cli.run(parser().parse_args(argv)) == 0
+        page = json.loads(capsys.readouterr().out)
+        results = [r for bucket in page["data"] for r in bucket["results"]]
+        assert {
+            (r["model"], r["num_model_requests"], r["output_tokens"], r["cost_micros"]) for r in results
+        } == {
+            ("m1", 2, 10, 40),
+            ("m2", 1, 5, 20),
+        }
+        assert cli.run(parser().parse_args([*argv, "--csv"])) == 0
+        header, *lines = capsys.readouterr().out.splitlines()
+        assert header.startswith("start_time,end_time,project_id,model") and len(lines) == 2
+
+
+def test_admin_verbs_change_what_the_gateway_serves(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tenancy.service import Tenancy
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[plans.paid]\npriority = "paid"\ntokens_per_minute = 1000\nrequests_per_minute = 10\n'
+        'max_concurrent_requests = 2\nqueue_deadline_seconds = 5\n\n[tenants.seed]\nplan = "paid"\n'
+    )
+    base = ["admin", "--redis-url", redis_url, "--tenants", str(tenants)]
+
+    def run(*argv: str) -> str:
+        assert cli.run(parser().parse_args([*base, *argv])) == 0
+        return capsys.readouterr().out
+
+    run(
+        "tenants", "put", "newco", "--json", '{"plan": "paid", "budget_usd": 2.5, "budget_window": "monthly"}'
+    )
+    assert json.loads(run("tenants", "get", "newco"))["budget_usd"] == 2.5
+    raw = run("keys", "issue", "--tenant", "newco", "--name", "ci").strip()
+    assert raw.startswith("bg-")
+    (listed,) = json.loads(run("keys", "list", "--tenant", "newco"))
+    assert listed["key_hash"] == hash_key(raw) and listed["name"] == "ci" and raw not in json.dumps(listed)
+
+    async def resolve(key: str) -> str | None:
+        tenancy = Tenancy.from_settings(str(tenants), redis_url)
+        try:
+            assert tenancy.admin is not None
+            tenancy.reconfigure(await tenancy.admin.config())  # what the gateway's watcher does
+            identity = await tenancy.identify(f"Bearer {key}")
+            return f"{identity.tenant.name}:{identity.tenant.budgets[0].limit}"
+        except Exception:  # noqa: BLE001 - AuthError: the key does not resolve
+            return None
+        finally:
+            await tenancy.aclose()
+
+    assert asyncio.run(resolve(raw)) == "newco:2500000"
+    run("keys", "revoke", hash_key(raw))
+    assert asyncio.run(resolve(raw)) is None
+    audit = json.loads(run("audit"))
+    assert [e["action"] for e in reversed(audit)] == ["tenant.put", "key.issue", "key.revoke"]
+    assert all(e["actor"].startswith("cli:") for e in audit) and raw not in json.dumps(audit)
+    assert cli.run(parser().parse_args([*base, "plans", "delete", "paid"])) == 1  # the only plan: refused
+    assert "plans: at least one plan is required" in capsys.readouterr().err

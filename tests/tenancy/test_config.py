@@ -124,3 +124,68 @@ def test_toml_syntax_error_keeps_line_and_column(tmp_path: Path) -> None:
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(TenancyConfigError, match="cannot read tenants file"):
         load_config(tmp_path / "nope.toml")
+
+
+BUDGETS = (
+    GOOD.replace(
+        "queue_deadline_seconds = 2.5\n",
+        'queue_deadline_seconds = 2.5\nbudget_usd = 5.0\nbudget_window = "monthly"\n'
+        "budget_soft_ratio = 0.8\n",
+    )
+    + """
+[tenants.big]
+plan = "free"
+budget_usd = 50.25
+budget_tokens = 2000000
+
+[prices."SmolLM2-135M-Instruct"]
+input = 0.10
+cached_input = 0.05
+output = 0.40
+batch_multiplier = 0.5
+"""
+)
+
+
+def test_prices_and_budgets_parse_with_the_issue_field_names() -> None:
+    config = parse_config(BUDGETS)
+    price = config.price("SmolLM2-135M-Instruct")
+    assert (price.input, price.cached_input, price.output, price.batch_multiplier_ppm) == (
+        100_000,
+        50_000,
+        400_000,
+        500_000,
+    )
+    assert config.price("unpriced").cost(10**6, 0, 10**6) == 0
+    (plan_budget,) = config.tenants["hobbyist"].budgets
+    assert (plan_budget.metric, plan_budget.limit, plan_budget.window) == ("usd", 5_000_000, "monthly")
+    assert plan_budget.soft_ratio == 0.8 and plan_budget.source == "plan free"
+    usd, tokens = config.tenants["big"].budgets  # the tenant's own override the plan's, per metric
+    assert (usd.limit, usd.source, usd.window) == (50_250_000, "tenant big", "monthly")
+    assert (tokens.metric, tokens.limit) == ("tokens", 2_000_000)
+    assert config.tenants["acme"].budgets == ()
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        (
+            ("[tenants.big]\n", "[tenants.big]\nbudget_window = 'weekly'\n"),
+            "tenants.big.budget_window: must be",
+        ),
+        (("budget_usd = 50.25", "budget_usd = -1"), "tenants.big.budget_usd: must be a number >= 0"),
+        (("budget_usd = 50.25", "budget_usd = 0.0000001"), "at most 6 decimals"),
+        (("budget_tokens = 2000000", "budget_tokens = 1.5"), "tenants.big.budget_tokens: must be an integer"),
+        (
+            ("budget_soft_ratio = 0.8", "budget_soft_ratio = 1.5"),
+            "plans.free.budget_soft_ratio: must be in (0, 1]",
+        ),
+        (('budget_window = "monthly"\n', ""), "plans.free.budget_window: missing"),
+        (("output = 0.40\n", ""), 'prices."SmolLM2-135M-Instruct".output: missing'),
+        (("batch_multiplier", "multiplier"), 'prices."SmolLM2-135M-Instruct".multiplier: unknown field'),
+    ],
+)
+def test_bad_budgets_and_prices_name_the_field(patch: tuple[str, str], message: str) -> None:
+    with pytest.raises(TenancyConfigError, match=None) as info:
+        parse_config(BUDGETS.replace(*patch, 1))
+    assert message in str(info.value)

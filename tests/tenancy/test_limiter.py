@@ -166,7 +166,7 @@ async def test_tenants_are_independent(make_limiter: MakeLimiter) -> None:
 async def test_usage_counts_prompt_and_completion_tokens(make_limiter: MakeLimiter) -> None:
     limiter = make_limiter()
     for prompt, completion in [(10, 5), (20, 7)]:
-        lease = (await limiter.admit("acme", PLAN, prompt + 50, "r")).lease
+        lease = (await limiter.admit("acme", PLAN, prompt + 50, f"r{prompt}")).lease
         assert lease is not None
         await limiter.settle(lease, prompt, completion)
     assert (await limiter.usage())["acme"] == TenantUsage(

@@ -193,16 +193,19 @@ async def test_a_settle_failed_in_an_outage_is_retried_when_redis_returns(
         assert level >= 10 + 35  # the 35 unused tokens were refunded (refill alone: ~10 + seconds)
         assert int(await observer.hget(usage_key("acme"), "completion_tokens") or 0) == 5
         assert limiter.num_pending_settles == 0
+        hour = int(time.time() // 3600)
+        (row,) = await limiter.ledger(["acme"], hour - 1, hour + 2)  # the ledger has it, once
+        assert (row.requests, row.input, row.output) == (1, 10, 5)
     finally:
         await observer.aclose()
         await limiter.aclose()
 
 
-async def test_kept_settlements_are_bounded_and_dropped_after_the_lease_ttl(
+async def test_kept_settlements_are_bounded_and_dropped_after_settle_keep_s(
     redis_process: RedisProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("tenancy.redis_limiter.MAX_PENDING_SETTLES", 3)
-    limiter = RedisLimiter(open_async(redis_process.url), lease_ttl_s=0.5)
+    limiter = RedisLimiter(open_async(redis_process.url), lease_ttl_s=0.5, settle_keep_s=0.5)
     plan = make_plan()
     try:
         leases = []
@@ -215,10 +218,10 @@ async def test_kept_settlements_are_bounded_and_dropped_after_the_lease_ttl(
             assert not await limiter.settle(lease, 1, 1)
         assert limiter.num_pending_settles == 3  # the oldest two dropped
         assert limiter.reachable is False
-        # Redis stays away past the lease TTL: the TTL has released the leases; nothing is kept.
+        # Redis stays away past settle_keep_s: the entries are given up.
         deadline = time.monotonic() + 5.0
         while limiter.num_pending_settles:
-            assert time.monotonic() < deadline, "kept settlements outlived their lease TTL"
+            assert time.monotonic() < deadline, "kept settlements outlived settle_keep_s"
             await asyncio.sleep(0.05)
     finally:
         await limiter.aclose()
@@ -231,8 +234,11 @@ async def test_a_retried_settlement_that_already_ran_counts_usage_once(redis_url
         decision = await limiter.admit("acme", make_plan(), 50, "r1")
         assert decision.lease is not None
         assert await limiter.settle(decision.lease, 10, 5)
-        assert not await limiter._settle_now(decision.lease, 10, 5, retry=True)
+        assert not await limiter._settle_now(decision.lease, 10, 5)
         usage = (await limiter.usage())["acme"]
         assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (10, 5, 1)
+        hour = int(time.time() // 3600)
+        (row,) = await limiter.ledger(["acme"], hour - 1, hour + 2)
+        assert (row.requests, row.input, row.output) == (1, 10, 5)
     finally:
         await limiter.aclose()

@@ -124,7 +124,7 @@ generated values survive upgrades; "" under `helm template` or on first install.
 
 {{/* Does the chart render its own Secret? (some value is not supplied by an existing Secret) */}}
 {{- define "batchgate.ownSecret" -}}
-{{- if or (not .Values.internalToken.existingSecret) (and .Values.tenancy.enabled (not .Values.tenancy.existingSecret)) .Values.redis.enabled (and .Values.redis.externalUrl (not .Values.redis.existingSecret)) }}true{{ end }}
+{{- if or (not .Values.internalToken.existingSecret) (and .Values.tenancy.enabled (not .Values.tenancy.existingSecret)) (and .Values.tenancy.enabled .Values.tenancy.adminKeyHash.value (not .Values.tenancy.adminKeyHash.existingSecret)) .Values.redis.enabled (and .Values.redis.externalUrl (not .Values.redis.existingSecret)) }}true{{ end }}
 {{- end }}
 
 {{/* Default upstream list for the gateways: the engine Service, then each models entry's. */}}
