@@ -42,15 +42,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend
-from engine.loader import LoadedModel, load_model
-from engine.native import qmatmul_available
-from engine.platform import resolve_device, resolve_dtype
-from engine.quant import resolve_weight_format
-from engine.runner import (
-    ModelRunner,
-    StepResult,
-    plan_num_blocks,
-)
+from engine.loader import LoadedModel
+from engine.runner import ModelRunner, StepResult, plan_num_blocks
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.types import (
@@ -71,6 +64,7 @@ from engine.types import (
     StepStage,
     TokenLogprob,
 )
+from engine.worker import load_engine_model
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +93,7 @@ class LLMEngine:
         self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        weight_format = resolve_weight_format(
-            config, device, dtype, qmatmul_available(config.kernels, device)
-        )
-        # Quantized weights are recovered from float32 ones (exact for a GGUF's groups); the model
-        # casts the rest to `dtype`.
-        load_dtype = torch.float32 if weight_format.layers or weight_format.int4_max_rows else dtype
-        loaded = (
-            model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
-        )
+        loaded, device, dtype, weight_format = load_engine_model(config, model)
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
