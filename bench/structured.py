@@ -34,7 +34,7 @@ from typing import Any
 import jsonschema
 
 from bench.schemas import SCHEMAS
-from engine import runner as runner_module
+from engine import grammar as grammar_module
 from engine.config import EngineConfig
 from engine.grammar import LLGuidanceBackend, closing_reserve
 from engine.llm_engine import LLMEngine
@@ -149,7 +149,7 @@ def _closed_loop(
 def throughput(args: argparse.Namespace) -> None:
     engine = _engine(args)
     if args.overlap is not None:  # else the engine's default for the device
-        engine.runner.overlap_masks = args.overlap
+        engine.masks.overlap = args.overlap
     first_use = []
     backend = LLGuidanceBackend(engine.tokenizer, engine.spec.vocab_size, tuple(engine.spec.eos_token_ids))
     backend.compile(GrammarSpec.json_object())  # builds the tokenizer once, outside the timing
@@ -159,7 +159,7 @@ def throughput(args: argparse.Namespace) -> None:
         first_use.append(time.perf_counter() - t0)
         engine.grammar(GrammarSpec.json_schema(case.schema)).result()  # cached for the run
     mask_s: list[float] = []
-    fill = runner_module.fill_bitmask
+    fill = grammar_module.fill_bitmask
 
     def timed_fill(*a: Any) -> Any:
         t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def throughput(args: argparse.Namespace) -> None:
             mask_s.append(time.perf_counter() - t0)
         return bitmask
 
-    runner_module.fill_bitmask = timed_fill  # type: ignore[assignment]
+    grammar_module.fill_bitmask = timed_fill  # type: ignore[assignment]
     # Warm-up, not measured: each grammar's first masks build its lexer states, and new step
     # shapes warm oneDNN (measured first, the constrained run read 10% of the other).
     warm = argparse.Namespace(**{**vars(args), "steps": max(10, args.steps // 4)})
@@ -180,13 +180,13 @@ def throughput(args: argparse.Namespace) -> None:
         results[True].append(tokens / elapsed)
         elapsed, tokens, _ = _closed_loop(engine, args, lengths)
         results[False].append(tokens / elapsed)
-    runner_module.fill_bitmask = fill  # type: ignore[assignment]
+    grammar_module.fill_bitmask = fill  # type: ignore[assignment]
     free, bound = statistics.fmean(results[False]), statistics.fmean(results[True])
     ordered = sorted(first_use)
     masks = [m for m in mask_s if m > 0]
     print(
         f"{args.concurrency} concurrent, {args.steps} steps x{args.rounds} each, "
-        f"overlap={engine.runner.overlap_masks}: "
+        f"overlap={engine.masks.overlap}: "
         f"unconstrained {free:.0f} tok/s, constrained {bound:.0f} tok/s ({bound / free:.1%})"
     )
     print(

@@ -19,16 +19,22 @@ triton_attention.py); the torch path sizes its gather by the longest context and
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from engine.model import ForwardBatch, LlamaModel
-
-if TYPE_CHECKING:
-    from engine.runner import StepInputs
+from engine.model import LlamaModel
+from engine.step import ForwardBatch, StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+def triton_decode_attention() -> Callable[..., torch.Tensor]:
+    """The Triton decode-attention kernel (engine/triton_attention.py), imported only when a CUDA
+    runner asks for it: a CPU engine never loads triton."""
+    from engine.triton_attention import paged_decode_attention
+
+    return paged_decode_attention
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -38,14 +38,13 @@ from engine.admission import (
     ServiceMeter,
     estimate_wait_s,
 )
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend
+from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend, MaskFiller, MaskRow, closing_due
 from engine.loader import LoadedModel
-from engine.runner import ModelRunner, StepResult, plan_num_blocks
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import SchedulerOutput, StepResult
 from engine.types import (
     DuplicateRequestError,
     EngineDeadError,
@@ -64,7 +63,7 @@ from engine.types import (
     StepStage,
     TokenLogprob,
 )
-from engine.worker import load_engine_model
+from engine.worker import build_engine_runner, load_engine_model
 
 logger = logging.getLogger(__name__)
 
@@ -98,27 +97,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
         self.dtype, self.device = dtype, device
-        num_blocks = plan_num_blocks(config, loaded, dtype, device)
-        max_len = min(
-            config.max_model_len or loaded.spec.max_position_embeddings, num_blocks * config.block_size
-        )
-        self.max_model_len = max_len
-        self.runner = ModelRunner(config, loaded, num_blocks, device, dtype, max_len, weight_format)
+        self.runner = build_engine_runner(config, loaded, device, dtype, weight_format)
         del loaded.weights  # the runner holds (fused) copies
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                length_buckets=config.length_buckets,
-                long_prefill_share=config.long_prefill_share,
-                max_preemptions_per_seq=config.max_preemptions_per_seq,
-                batching=config.batching,
-                target_itl_ms=config.target_itl_ms,
-            ),
-            self.block_manager,
-            clock,
-        )
+        num_blocks, max_len = self.runner.num_blocks, self.runner.max_model_len
+        self.max_model_len = max_len
+        self.scheduler = Scheduler.for_engine(config, num_blocks, clock)
+        self.block_manager = self.scheduler.blocks
+        # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar.py).
+        self.masks = MaskFiller(self.spec.vocab_size, overlap=device.type == "cuda")
         self._seqs: dict[str, list[Sequence]] = {}
         self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._recent: deque[tuple[float, int]] = deque()
@@ -311,9 +297,10 @@ class LLMEngine:
             self._num_steps += 1
             self._last_batch_size = len(out.chunks)
             stage = StepStage.FORWARD
+            mask = self.masks.start([self._mask_row(s) for s in out.sampled])
             logits = self.runner.forward(out)
             stage = StepStage.SAMPLING
-            result = self.runner.sample(out, logits)
+            result = self.runner.sample(out, logits, mask.result())
             stage = StepStage.SCHEDULE
             self.scheduler.update(out)
             stage = StepStage.OUTPUT
@@ -328,6 +315,13 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - rates are bookkeeping that concerns no sequence
             self._contain(StepStage.SCHEDULE, exc, [])
         return outputs
+
+    @staticmethod
+    def _mask_row(seq: Sequence) -> MaskRow:
+        """`seq`'s row of the step's grammar mask: its grammar, and whether to close the output."""
+        if seq.grammar is None:
+            return None
+        return seq.grammar, closing_due(seq.sampling.max_tokens, seq.num_output_tokens)
 
     def _record_step(self, start: float, out: SchedulerOutput, result: StepResult) -> None:
         now = self.clock()
@@ -355,7 +349,7 @@ class LLMEngine:
         p = seq.sampling
         detok = self._detok[seq.seq_id]
         status = None
-        stop_ids = p.stop_token_ids if p.ignore_eos else self.spec.eos_token_ids + p.stop_token_ids
+        stop_ids = p.stop_ids(self.spec.eos_token_ids)
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             # The mask allowed only what the grammar accepts; reaching here is a bug, not input: it
             # ends this sequence through the one failure path (_guarded: logged, counted, generic).

@@ -26,32 +26,10 @@ import torch.nn.functional as F
 
 from engine.loader import ModelSpec
 from engine.quant import Linear, WeightFormat
+from engine.step import ForwardBatch
 
 if TYPE_CHECKING:
     from engine.parallel import TensorParallel
-
-
-@dataclass
-class PrefillSlice:
-    """One sequence's prefill chunk: tokens [start, end) of the packed batch, attending to `slots`."""
-
-    start: int
-    end: int
-    slots: torch.Tensor  # [context_len] slots of the whole context, the chunk's own tokens last
-
-
-@dataclass
-class ForwardBatch:
-    """Everything one forward pass needs; built by the runner, read-only here."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    num_decode: int  # the first D tokens are single decode tokens
-    decode_tables: torch.Tensor | None  # [D, B] int64 block ids of each decode sequence (padded)
-    decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
-    prefills: list[PrefillSlice]
-    logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,10 +50,8 @@ import torch.nn.functional as F
 from engine.config import EngineConfig
 from engine.loader import ModelSpec
 from engine.quant import Linear
+from engine.step import StepInputs
 from engine.types import EngineDeadError
-
-if TYPE_CHECKING:
-    from engine.runner import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +214,9 @@ def _free_port() -> int:
 
 
 @dataclass(frozen=True)
-class _WorkerArgs:
+class RankArgs:
+    """What a rank > 0 is started with (pickled into its process)."""
+
     config: EngineConfig
     rank: int
     init_method: str
@@ -266,9 +266,11 @@ class ParallelExecutor:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        rank_main: Callable[[RankArgs, Connection], None],
     ) -> ParallelExecutor:
-        """Spawn ranks 1..N-1, join them, and wait until each has loaded its shard (rank 0 loads
-        its own after this returns). Raises RuntimeError naming the rank that failed to start."""
+        """Spawn ranks 1..N-1, each running `rank_main` (a module-level function: `serve_rank` with
+        what the rank runs), join them, and wait until each has loaded its shard (rank 0 loads its
+        own after this returns). Raises RuntimeError naming the rank that failed to start."""
         world = config.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(
@@ -281,11 +283,9 @@ class ParallelExecutor:
         procs, pipes = [], []
         for rank in range(1, world):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            args = _WorkerArgs(
-                config, rank, init_method, num_blocks, max_model_len, dtype, str(device), threads
-            )
+            args = RankArgs(config, rank, init_method, num_blocks, max_model_len, dtype, str(device), threads)
             proc = ctx.Process(
-                target=_worker_main, args=(args, child_end), name=f"batchgate-tp{rank}", daemon=True
+                target=rank_main, args=(args, child_end), name=f"batchgate-tp{rank}", daemon=True
             )
             proc.start()
             child_end.close()
@@ -404,12 +404,18 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(3)
 
 
-def _worker_main(args: _WorkerArgs, ready: Connection) -> None:
-    """A rank > 0: join, load the shard, then run every step rank 0 broadcasts until told to stop."""
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+class RankForward(Protocol):
+    """What a rank > 0 runs for each step rank 0 broadcasts (engine/runner.py's ModelRunner)."""
 
+    def forward_inputs(self, inputs: StepInputs) -> torch.Tensor: ...
+
+
+def serve_rank(
+    args: RankArgs, ready: Connection, build: Callable[[RankArgs, torch.device, Any], RankForward]
+) -> None:
+    """A rank > 0: join, `build(args, device, group of the step's collectives)` its shard's runner,
+    then run every step rank 0 broadcasts until told to stop."""
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     config, rank = args.config, args.rank
     torch.set_num_threads(args.num_threads)
     device = _rank_device(torch.device(args.device), rank)
@@ -417,10 +423,7 @@ def _worker_main(args: _WorkerArgs, ready: Connection) -> None:
         torch.cuda.set_device(device)
     control, compute = _init_groups(config, rank, args.init_method, device)
     try:
-        loaded = load_model(config.model, config.cache_dir, args.dtype, device)
-        tp = TensorParallel(rank, config.tensor_parallel_size, loaded.spec.vocab_size, compute)
-        runner = ModelRunner(config, loaded, args.num_blocks, device, args.dtype, args.max_model_len, tp=tp)
-        del loaded
+        runner = build(args, device, compute)
     except BaseException as exc:
         ready.send(f"{type(exc).__name__}: {exc}")
         raise

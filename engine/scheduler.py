@@ -56,10 +56,9 @@ from engine.block_manager import BlockManager
 from engine.config import BATCHING_MODES, EngineConfig
 from engine.policy import WaitingQueue, validate_boundaries
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import ScheduledChunk, SchedulerOutput
 from engine.step_cost import StepCostModel
 from engine.types import Priority
-
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "WaitingQueue"]
 
 
 @dataclass(frozen=True)
@@ -102,46 +101,22 @@ class SchedulerConfig:
                 f"max_long_prefill_stall_steps must be >= 1, got {self.max_long_prefill_stall_steps}"
             )
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        """The scheduling settings of `config` (validated there; the rest keep their defaults)."""
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            length_buckets=config.length_buckets,
+            long_prefill_share=config.long_prefill_share,
+            max_preemptions_per_seq=config.max_preemptions_per_seq,
+            batching=config.batching,
+            target_itl_ms=config.target_itl_ms,
+        )
+
     @property
     def long_prefill_budget(self) -> int:
         return max(1, int(self.long_prefill_share * self.max_num_batched_tokens))
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """`seq` computes tokens [num_computed_tokens, num_computed_tokens + num_tokens) this step."""
-
-    seq: Sequence
-    num_tokens: int
-
-    @property
-    def completes(self) -> bool:
-        """After this chunk every known token is computed, so the step samples a new one."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    decodes: tuple[ScheduledChunk, ...]  # one token each
-    prefills: tuple[ScheduledChunk, ...]
-    preempted: tuple[Sequence, ...]
-    expired: tuple[Sequence, ...]  # waited past their queue deadline; the engine fails them
-
-    @property
-    def chunks(self) -> tuple[ScheduledChunk, ...]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 @dataclass
@@ -234,6 +209,12 @@ class Scheduler:
         self.step_cost = StepCostModel()
         self._num_steps = 0
         self._long_progress: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, num_blocks: int, clock: Callable[[], float]) -> Scheduler:
+        """The engine's scheduler, over a block manager of `num_blocks` of its own."""
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return cls(SchedulerConfig.from_engine_config(config), blocks, clock)
 
     # ---- queue operations -------------------------------------------------------------------
 

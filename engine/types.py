@@ -106,6 +106,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
+    def stop_ids(self, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The token ids that end the output: the model's EOS (unless `ignore_eos`) and `stop_token_ids`."""
+        return (() if self.ignore_eos else eos_token_ids) + self.stop_token_ids
+
 
 @dataclass
 class GenerationRequest:

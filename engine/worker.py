@@ -1,14 +1,33 @@
-"""The engine's device side, assembled: the model loaded on its device in its dtype."""
+"""The engine's device side, assembled: the model loaded on its device in its dtype, the KV cache
+sized, the tensor-parallel ranks started, and each rank's ModelRunner built (kernels, weight shard,
+KV cache, CUDA graphs). Rank 0 is built by `build_engine_runner`; a rank > 0 by `_rank_main`, the
+entry point of its process."""
 
 from __future__ import annotations
+
+import importlib.util
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import LoadedModel, load_model
-from engine.native import qmatmul_available
+from engine.cuda_graphs import DecodeGraphs, triton_decode_attention
+from engine.kv_cache import allocate_kv_caches, num_kv_blocks
+from engine.loader import LoadedModel, ModelSpec, load_model
+from engine.model import LlamaModel
+from engine.native import qmatmul_available, resolve_kernels
+from engine.parallel import (
+    ParallelExecutor,
+    RankArgs,
+    TensorParallel,
+    check_divisible,
+    serve_rank,
+    shard_weights,
+)
 from engine.platform import resolve_device, resolve_dtype
 from engine.quant import WeightFormat, resolve_weight_format
+from engine.runner import ModelRunner
 
 
 def load_engine_model(
@@ -27,3 +46,109 @@ def load_engine_model(
         model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
     )
     return loaded, device, dtype, weight_format
+
+
+def build_engine_runner(
+    config: EngineConfig,
+    model: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_format: WeightFormat | None = None,
+) -> ModelRunner:
+    """Rank 0's runner: the KV cache sized to its memory, the model's context bounded by the cache,
+    and on a tensor-parallel replica the other ranks started first (the runner sends them each step)."""
+    num_blocks = num_kv_blocks(config, model, dtype, device)
+    max_len = min(config.max_model_len or model.spec.max_position_embeddings, num_blocks * config.block_size)
+    executor = None
+    if config.tensor_parallel_size > 1:
+        _check_parallel(config, model.spec)
+        executor = ParallelExecutor.start(
+            config, model.spec.vocab_size, num_blocks, max_len, dtype, device, _rank_main
+        )
+    try:
+        return build_runner(
+            config, model, num_blocks, device, dtype, max_len, weight_format, executor=executor
+        )
+    except BaseException:
+        if executor is not None:
+            executor.shutdown()
+        raise
+
+
+def build_runner(
+    config: EngineConfig,
+    model: LoadedModel,
+    num_blocks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    weight_format: WeightFormat | None = None,
+    tp: TensorParallel | None = None,
+    executor: ParallelExecutor | None = None,
+) -> ModelRunner:
+    """One rank's runner. With `config.tensor_parallel_size` > 1: `tp` is this rank's share (rank 0:
+    its `executor`'s), and the model is this rank's shard of the weights."""
+    spec, weights = model.spec, model.weights
+    if config.tensor_parallel_size > 1:
+        _check_parallel(config, spec)
+        tp = executor.tp if executor is not None else tp
+        if tp is None:
+            raise RuntimeError(
+                "a tensor-parallel runner needs its rank's TensorParallel or rank 0's executor"
+            )
+        # The C++ kernels and int4 are single-rank CPU paths; a TP replica runs plain torch ops.
+        weight_format, kernels = WeightFormat(), None
+        spec, weights = shard_weights(spec, weights, tp.rank, tp.world_size)
+    else:
+        kernels = resolve_kernels(config.kernels, device)
+    # On CUDA: decode attention by our Triton kernel, straight from the block table, and the
+    # decode step replayed from CUDA graphs (one rank; engine/cuda_graphs.py).
+    use_triton = (
+        device.type == "cuda" and config.kernels != "torch" and importlib.util.find_spec("triton") is not None
+    )
+    use_graphs = use_triton and config.tensor_parallel_size == 1
+    llama = LlamaModel(
+        spec,
+        weights,
+        max_model_len,
+        dtype=dtype,
+        weight_format=weight_format or WeightFormat(),
+        kernels=kernels,
+        tp=tp,
+        paged_decode=triton_decode_attention() if use_triton else None,
+    )
+    # With graphs, one block more than the block manager hands out: padding rows write there.
+    kv_caches = allocate_kv_caches(spec, num_blocks + int(use_graphs), config.block_size, dtype, device)
+    graphs = None
+    if use_graphs:
+        graphs = DecodeGraphs(
+            llama,
+            kv_caches,
+            config.max_num_seqs,
+            config.block_size,
+            max_blocks_per_seq=-(-max_model_len // config.block_size),
+            pad_slot=num_blocks * config.block_size,
+            device=device,
+        )
+    backend = "native" if kernels is not None else "triton" if use_triton else "torch"
+    return ModelRunner(
+        llama, kv_caches, num_blocks, config.block_size, max_model_len, device, graphs, executor, backend
+    )
+
+
+def _check_parallel(config: EngineConfig, spec: ModelSpec) -> None:
+    check_divisible(spec, config.tensor_parallel_size)
+    if config.kernels == "native":
+        raise ValueError("kernels native needs tensor_parallel_size 1")
+
+
+def _rank_main(args: RankArgs, ready: Connection) -> None:
+    """The process of a rank > 0: serve steps with this rank's shard of the model."""
+    serve_rank(args, ready, _build_rank_runner)
+
+
+def _build_rank_runner(args: RankArgs, device: torch.device, group: Any) -> ModelRunner:
+    config = args.config
+    loaded = load_model(config.model, config.cache_dir, args.dtype, device)
+    tp = TensorParallel(args.rank, config.tensor_parallel_size, loaded.spec.vocab_size, group)
+    return build_runner(config, loaded, args.num_blocks, device, args.dtype, args.max_model_len, tp=tp)

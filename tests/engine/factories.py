@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import SchedulerOutput
 from engine.types import Priority, SamplingParams
 
 FAKE_TOKEN = 7

@@ -23,8 +23,9 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import batch_buckets
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, ModelSpec
-from engine.runner import ModelRunner, StepInputs
+from engine.step import StepInputs
 from engine.types import SamplingParams
+from engine.worker import build_runner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,7 +185,7 @@ def _config(**overrides: Any) -> EngineConfig:
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_graph_replay_equals_the_eager_step(dtype: torch.dtype) -> None:
-    runner = ModelRunner(_config(), _random_model(dtype, "cuda"), 64, torch.device("cuda"), dtype, 512)
+    runner = build_runner(_config(), _random_model(dtype, "cuda"), 64, torch.device("cuda"), dtype, 512)
     assert runner.graphs is not None and runner.attention_backend == "triton"
     gen = torch.Generator().manual_seed(1)
     for k_cache, v_cache in runner.kv_caches:  # a context already in the cache

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
-from engine import runner as runner_module
+from engine import grammar as grammar_module
 from engine.grammar import (
     CLOSE_RESERVE,
     ClosingTokens,
@@ -414,14 +414,14 @@ def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_e
     case = SCHEMAS[0]
     params = SamplingParams(max_tokens=60, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
     prompt = chat_ids(engine.tokenizer, case.prompt)
-    default = engine.runner.overlap_masks
+    default = engine.masks.overlap
     try:
-        engine.runner.overlap_masks = False
+        engine.masks.overlap = False
         serial = run_all(engine, [GenerationRequest("serial", prompt, params)])
-        engine.runner.overlap_masks = True
+        engine.masks.overlap = True
         overlapped = run_all(engine, [GenerationRequest("overlap", prompt, params)])
     finally:
-        engine.runner.overlap_masks = default
+        engine.masks.overlap = default
     for i in range(2):
         assert tokens_of(overlapped[("overlap", i)]) == tokens_of(serial[("serial", i)])
         jsonschema.validate(json.loads(text_of(overlapped[("overlap", i)])), case.schema)
@@ -431,7 +431,7 @@ def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
     llguidance_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A torch op on the filler thread gave it an OpenMP team of its own, which slowed every later
-    # step of the process by ~30% on 2 cores (engine/runner.py): it gets its bitmask ready-made.
+    # step of the process by ~30% on 2 cores (engine/grammar.py): it gets its bitmask ready-made.
     engine = llguidance_engine
     allocated_on: list[threading.Thread] = []
 
@@ -439,8 +439,8 @@ def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
         allocated_on.append(threading.current_thread())
         return allocate_bitmask(num_rows, vocab_size)
 
-    monkeypatch.setattr(runner_module, "allocate_bitmask", recording)
-    monkeypatch.setattr(engine.runner, "overlap_masks", True)
+    monkeypatch.setattr(grammar_module, "allocate_bitmask", recording)
+    monkeypatch.setattr(engine.masks, "overlap", True)
     case = SCHEMAS[1]
     params = SamplingParams(max_tokens=20, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))
     run_all(engine, [GenerationRequest("alloc", chat_ids(engine.tokenizer, case.prompt), params)])

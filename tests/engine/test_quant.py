@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import engine.quant as quant
 from engine.platform import cpu_has_bf16
 from engine.quant import Linear, padded_rows, quantize_int4
+from engine.step import pack
 from engine.types import GenerationRequest
 from tests.engine.helpers import greedy, run_all, tiny_engine, tokens_of
 from tests.tiny_model import make_tiny_model, snap_to_q4_1
@@ -77,7 +78,7 @@ def test_decode_logits_on_int4_match_bf16_on_q4_1_weights(
     assert int4_calls["n"] == 0
     out = engine.scheduler.schedule()
     assert len(out.decodes) == 2
-    batch = engine.runner.build_batch(out)
+    batch = engine.runner.forward_batch(pack(out))
     layers = engine.runner.model.layers
     with torch.inference_mode():
         on_int4 = engine.runner.model.forward(batch, engine.runner.kv_caches)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine import runner
+from engine import kv_cache
 
 
 def resident_bytes(tensor: torch.Tensor) -> tuple[int, int]:
@@ -30,7 +30,7 @@ def resident_bytes(tensor: torch.Tensor) -> tuple[int, int]:
 def test_cpu_kv_cache_is_zeroed_and_committed_when_built() -> None:
     # Committed as blocks were first written, the cache made RSS climb for as long as new prompts
     # came (issue 15); now all of it is resident from the start.
-    cache = runner.zeroed_cache((2, 256, 16, 128), torch.float32, torch.device("cpu"))  # 4 MiB
+    cache = kv_cache.zeroed_cache((2, 256, 16, 128), torch.float32, torch.device("cpu"))  # 4 MiB
     size, resident = resident_bytes(cache)
     assert size >= cache.numel() * cache.element_size() == 4 << 20
     assert resident == size

@@ -12,8 +12,9 @@ import random
 
 import pytest
 
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import SchedulerOutput
 from engine.step_cost import StepCost
 from engine.types import FinishReason, Priority
 from tests.engine.factories import (

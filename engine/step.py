@@ -1,0 +1,169 @@
+"""The records one engine step passes down, and their packing: nothing here imports the runner.
+
+    Scheduler.schedule() --> SchedulerOutput       which chunks of which sequences run
+    pack(output)          --> StepInputs            the batch as plain lists (what TP rank 0 sends)
+    forward_batch(inputs) --> ForwardBatch          the same on one rank's device (the model reads it)
+    ModelRunner.sample()  --> StepResult            the token each sampled sequence drew
+
+Rows are the decodes first, then the prefill chunks, in the scheduler's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+from engine.types import TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`seq` computes tokens [num_computed_tokens, num_computed_tokens + num_tokens) this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk every known token is computed, so the step samples a new one."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[ScheduledChunk, ...]  # one token each
+    prefills: tuple[ScheduledChunk, ...]
+    preempted: tuple[Sequence, ...]
+    expired: tuple[Sequence, ...]  # waited past their queue deadline; the engine fails them
+
+    @property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        return self.decodes + self.prefills
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences whose chunk completes this step (they sample), in logits order."""
+        return [c.seq for c in self.decodes] + [c.seq for c in self.prefills if c.completes]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass
+class StepInputs:
+    """One step's batch as plain lists: everything a forward pass needs, and what rank 0 sends the
+    other ranks of a tensor-parallel replica (engine/parallel.py). Rows: decodes, then prefills."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]  # one row per sequence, zero-padded to one width
+    num_decode: int  # the first D tokens (and rows) are single decode tokens
+    prefill_ranges: list[tuple[int, int, int]]  # (start, end, context length) of each prefill chunk
+    logits_rows: list[int]  # token rows whose next-token logits are wanted
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence's prefill chunk: tokens [start, end) of the packed batch, attending to `slots`."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [context_len] slots of the whole context, the chunk's own tokens last
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs, on the device; built by `forward_batch`, read-only after."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    num_decode: int  # the first D tokens are single decode tokens
+    decode_tables: torch.Tensor | None  # [D, B] int64 block ids of each decode sequence (padded)
+    decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
+    prefills: list[PrefillSlice]
+    logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
+
+
+@dataclass
+class StepResult:
+    """Sequences that sampled a token this step, with the token and its logprob (if asked)."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def pack(out: SchedulerOutput) -> StepInputs:
+    """The step's batch as lists: each decode's next token, then each prefill chunk's tokens."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    decode_seqs = [c.seq for c in out.decodes]
+    for seq in decode_seqs:
+        input_ids.append(seq.token_ids[seq.num_computed_tokens])
+        positions.append(seq.num_computed_tokens)
+    logits_rows = list(range(len(decode_seqs)))
+    prefill_ranges = []
+    for chunk in out.prefills:
+        start = len(input_ids)
+        first = chunk.seq.num_computed_tokens
+        input_ids.extend(chunk.seq.token_ids[first : first + chunk.num_tokens])
+        positions.extend(range(first, first + chunk.num_tokens))
+        prefill_ranges.append((start, len(input_ids), first + chunk.num_tokens))
+        if chunk.completes:
+            logits_rows.append(len(input_ids) - 1)
+    all_seqs = decode_seqs + [c.seq for c in out.prefills]
+    width = max(len(s.block_table) for s in all_seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in all_seqs]
+    return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows)
+
+
+def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
+    """Slots of positions 0..num_positions-1 for each row of `block_tables` [R, max_blocks]."""
+    pos = torch.arange(num_positions, device=block_tables.device)
+    return block_tables[:, pos // block_size] * block_size + pos % block_size
+
+
+def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> ForwardBatch:
+    """The step's tensors on `device`."""
+    num_decode, prefill_ranges = inputs.num_decode, inputs.prefill_ranges
+    tables = torch.tensor(inputs.block_tables, dtype=torch.long, device=device)
+    pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=device)
+    # Each token's slot: its sequence's block at pos // block_size, offset pos % block_size.
+    row_of_token = torch.tensor(
+        [i for i in range(num_decode)]
+        + [num_decode + j for j, (s, e, _) in enumerate(prefill_ranges) for _ in range(e - s)],
+        dtype=torch.long,
+        device=device,
+    )
+    slot_mapping = tables[row_of_token, pos_t // block_size] * block_size + pos_t % block_size
+    decode_tables = decode_lens = None
+    if num_decode:
+        lens = [p + 1 for p in inputs.positions[:num_decode]]
+        decode_lens = torch.tensor(lens, device=device)
+        decode_tables = tables[:num_decode, : -(-max(lens) // block_size)].contiguous()
+    prefills = [
+        PrefillSlice(start, end, _slots(tables[num_decode + j : num_decode + j + 1], ctx, block_size)[0])
+        for j, (start, end, ctx) in enumerate(prefill_ranges)
+    ]
+    return ForwardBatch(
+        input_ids=torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
+        positions=pos_t,
+        slot_mapping=slot_mapping,
+        num_decode=num_decode,
+        decode_tables=decode_tables,
+        decode_lens=decode_lens,
+        prefills=prefills,
+        logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
+    )
