@@ -4,8 +4,8 @@ Not thread-safe: AsyncEngine drives it from one thread. Every accepted request e
 one finished output per choice (stop, length, abort or error), and every terminal path frees its
 blocks through `Scheduler.finish`.
 
-Constrained requests (`SamplingParams.grammar`) wait beside the scheduler, not in it, until their
-grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
+Constrained requests (`SamplingParams.grammar`) wait in the scheduler (WAITING_FOR_GRAMMAR) until
+their grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
 grammar that fails to compile fails only its request.
 
 Faults. A step has four stages (`StepStage`): scheduling, the forward pass, sampling, and output
@@ -24,8 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend, MaskFiller, MaskRow, closing_due
 from engine.loader import LoadedModel
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, compile_failure
 from engine.step import SchedulerOutput, StepResult
 from engine.types import (
     DuplicateRequestError,
@@ -70,13 +69,6 @@ logger = logging.getLogger(__name__)
 _THROUGHPUT_WINDOW_S = 10.0
 # With nothing to run but compiles in flight, the step waits this long for one (not a busy loop).
 _GRAMMAR_WAIT_S = 0.005
-
-
-def _compile_error(future: Future[CompiledGrammar]) -> BaseException | None:
-    """A done compile's failure (None if it succeeded); a cancelled one (engine shutdown) fails too."""
-    if future.cancelled():
-        return GrammarError("the grammar's compile was cancelled")
-    return future.exception()
 
 
 class LLMEngine:
@@ -118,8 +110,6 @@ class LLMEngine:
         self.grammars = GrammarCache(
             LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
         )
-        # Constrained sequences whose grammar is still compiling, by request (not yet scheduled).
-        self._compiling: dict[str, tuple[Future[CompiledGrammar], list[Sequence]]] = {}
         logger.info(
             "engine ready: %s, %s on %s%s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
             "max_model_len %d, prefix caching %s",
@@ -217,52 +207,27 @@ class LLMEngine:
             )
             seqs.append(seq)
         future = self.grammars.get(p.grammar) if p.grammar is not None else None
-        failed = _compile_error(future) if future is not None and future.done() else None
+        failed = compile_failure(future) if future is not None and future.done() else None
         if failed is not None:
             raise failed  # a schema known to be bad: refused before it is accepted
         detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
         self._seqs[request.request_id] = seqs
         for seq, detok in zip(seqs, detoks, strict=True):
             self._detok[seq.seq_id] = detok
-            if future is None:
-                self.scheduler.add(seq)
-        if future is not None:
-            self._compiling[request.request_id] = (future, seqs)  # step() schedules it when ready
+            seq.grammar_compile = future  # the scheduler holds it back until its grammar is ready
+            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` as aborted; unknown ids are ignored."""
         outputs = []
         for seq in list(self._seqs.get(request_id, [])):
-            if not self._ended(seq):
+            if not seq.ended:
                 end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ABORTED)
                 outputs += self._guarded(StepStage.OUTPUT, seq, end)
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
-
-    def _start_compiled(self) -> list[RequestOutput]:
-        """Schedule the sequences whose grammar is ready (each with its own parser state); fail
-        those whose grammar failed to compile."""
-        outputs: list[RequestOutput] = []
-        for request_id, (future, seqs) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            exc = _compile_error(future)
-            if exc is not None:  # _finish drops the entry once every choice has ended
-                error = exc if isinstance(exc, GrammarError) else GrammarError(f"grammar: {exc}")
-                for seq in seqs:
-                    if not self._ended(seq):
-                        end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
-                        outputs += self._guarded(StepStage.SCHEDULE, seq, end)
-                continue
-            del self._compiling[request_id]
-            compiled = future.result()
-            for seq in seqs:
-                if not self._ended(seq):
-                    seq.grammar = compiled.new_grammar()
-                    self.scheduler.add(seq)
-        return outputs
+        return self.scheduler.has_unfinished()
 
     @property
     def failure(self) -> str | None:
@@ -284,15 +249,16 @@ class LLMEngine:
         """One iteration: schedule, forward, sample, advance, process outputs. Never raises for a
         fault in a stage: what it concerns ends with an error (see the module docstring)."""
         start = self.clock()
-        outputs: list[RequestOutput] = self._start_compiled() if self._compiling else []
+        outputs: list[RequestOutput] = []
         stage = StepStage.SCHEDULE
         out: SchedulerOutput | None = None
         try:
             out = self.scheduler.schedule()
+            outputs.extend(self._grammar_failed_outputs(out.grammar_failed))
             outputs.extend(self._expired_outputs(out.expired))
             if out.is_empty:
-                if self._compiling and not outputs:  # nothing to run but compiles: wait for one
-                    wait_futures([f for f, _ in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                if self.scheduler.compiling and not outputs:  # nothing to run but compiles
+                    self.scheduler.wait_for_grammar(_GRAMMAR_WAIT_S)
                 return outputs
             self._num_steps += 1
             self._last_batch_size = len(out.chunks)
@@ -308,7 +274,7 @@ class LLMEngine:
         except EngineDeadError:
             raise  # a tensor-parallel rank is gone (engine/parallel.py): this engine cannot go on
         except Exception as exc:  # noqa: BLE001 - a failed stage fails what it concerns, not the engine
-            batch = None if out is None else [c.seq for c in out.chunks] + list(out.expired)
+            batch = None if out is None else [c.seq for c in out.chunks] + list(out.ended)
             return outputs + self._contain(stage, exc, batch)
         try:
             self._record_step(start, out, result)
@@ -345,7 +311,7 @@ class LLMEngine:
         return outputs
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq.append_token(token, logprob)
+        seq.append_token(token)
         p = seq.sampling
         detok = self._detok[seq.seq_id]
         status = None
@@ -380,14 +346,14 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """The one place a failure in a step is handled: count it, log it with its details, and end
         the `concerned` sequences with a generic error each (None: the scheduler failed before it had
-        a batch, so every sequence whose state it may have left half-done). Any choice that had
-        already ended but whose final output was not yet built (the failure came in between) gets
-        its error output here too, so every choice still ends exactly once."""
+        a batch, so every sequence whose state it may have left half-done). Any choice that the
+        scheduler had finished but whose final output was not yet built (`ended` still False: the
+        failure came in between) gets its error output here too, so every choice ends exactly once."""
         self._step_failures[stage] += 1
         if concerned is None:
             concerned = self._unsettled()
         half_ended = (s for seqs in self._seqs.values() for s in seqs if s.finished)
-        ending = [s for s in dict.fromkeys([*concerned, *half_ended]) if not self._ended(s)]
+        ending = [s for s in dict.fromkeys([*concerned, *half_ended]) if not s.ended]
         logger.error(
             "engine step failed in stage %s; ending %d sequence(s) with an error: %s",
             stage.value,
@@ -409,20 +375,16 @@ class LLMEngine:
         through admission). Clean waiting ones stay queued."""
         sched = self.scheduler
         unsettled = []
-        for request_id, seqs in self._seqs.items():
-            if request_id in self._compiling:  # not in the scheduler yet: untouched by it
-                continue
+        for seqs in self._seqs.values():
             for seq in seqs:
                 if seq.finished:
                     continue
-                clean = seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0
+                clean = seq in sched.compiling or (
+                    seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0
+                )
                 if seq in sched.running or not clean:
                     unsettled.append(seq)
         return unsettled
-
-    def _ended(self, seq: Sequence) -> bool:
-        """Whether `seq`'s final output was built (it then has no detokenizer any more)."""
-        return seq.seq_id not in self._detok
 
     def _output(
         self,
@@ -455,23 +417,30 @@ class LLMEngine:
     ) -> RequestOutput:
         """The one place a choice ends: blocks freed, bookkeeping dropped, final output built.
 
-        An error ends it without its held-back text (the detokenizer may be what failed). The
-        detokenizer is dropped last: until then the choice counts as not ended (`_ended`), so a
-        failure part-way leaves it for `_contain` to end with an error."""
+        An error ends it without its held-back text (the detokenizer may be what failed). `ended`
+        is set last: a failure part-way leaves the choice for `_contain` to end with an error."""
         detok = self._detok[seq.seq_id]
         text = detok.take(final=True) if error is None else ""
-        self.scheduler.finish(seq, status)  # also one still compiling its grammar (in no queue)
-        compiling = self._compiling.get(seq.request_id)
-        if compiling is not None and all(s.finished for s in compiling[1]):
-            del self._compiling[seq.request_id]
+        self.scheduler.finish(seq, status)
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
         out = self._output(seq, new_ids, text, logprob, error)
         del self._detok[seq.seq_id]
+        seq.ended = True
         siblings = self._seqs.get(seq.request_id, [])
-        if all(self._ended(s) for s in siblings):
+        if all(s.ended for s in siblings):
             self._seqs.pop(seq.request_id, None)
         return out
+
+    def _grammar_failed_outputs(
+        self, failed: tuple[tuple[Sequence, GrammarError], ...]
+    ) -> list[RequestOutput]:
+        """Fail the sequences whose grammar failed to compile, each with its GrammarError."""
+        outputs = []
+        for seq, error in failed:
+            end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
+            outputs += self._guarded(StepStage.SCHEDULE, seq, end)
+        return outputs
 
     def _expired_outputs(self, expired: tuple[Sequence, ...]) -> list[RequestOutput]:
         """Fail sequences that waited past their queue deadline, with a Retry-After hint: how much

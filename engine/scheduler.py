@@ -50,6 +50,8 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -58,7 +60,7 @@ from engine.policy import WaitingQueue, validate_boundaries
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import ScheduledChunk, SchedulerOutput
 from engine.step_cost import StepCostModel
-from engine.types import Priority
+from engine.types import GrammarError, Priority
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,9 @@ class Scheduler:
         self.clock = clock
         self.waiting = WaitingQueue(config.length_buckets)
         self.running: list[Sequence] = []
+        # Constrained sequences whose grammar still compiles (WAITING_FOR_GRAMMAR), in arrival
+        # order: they join `waiting` at the first step after their compile is done.
+        self.compiling: list[Sequence] = []
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_fairness_preemptions = 0
@@ -219,17 +224,30 @@ class Scheduler:
     # ---- queue operations -------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`; one whose grammar is compiling (`grammar_compile`) waits for it first."""
+        if seq.grammar_compile is not None:
+            seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+            self.compiling.append(seq)
+            return
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
         if seq.deadline is not None and not seq.started:
             heapq.heappush(self._deadlines, (seq.deadline, next(self._deadline_order), seq))
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
 
     def sequences(self) -> Iterable[Sequence]:
         yield from self.running
         yield from self.waiting
+        yield from self.compiling
+
+    def wait_for_grammar(self, timeout_s: float) -> None:
+        """Block until a compile that a sequence waits for is done, or `timeout_s` passed (for a
+        step with nothing else to do: not a busy loop)."""
+        futures = [s.grammar_compile for s in self.compiling if s.grammar_compile is not None]
+        if futures:
+            wait_futures(futures, timeout_s, FIRST_COMPLETED)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` with a terminal status: out of every queue, all its blocks freed (one place).
@@ -242,6 +260,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.compiling:
+            self.compiling.remove(seq)
         self.blocks.free(seq)
         self._long_progress.pop(seq.seq_id, None)
         seq.status = status
@@ -254,6 +274,7 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        grammar_failed = self._start_compiled()
         expired = self._expire_waiting()
         self._num_steps += 1
         step = _Step(self.config.max_num_batched_tokens, self.config.long_prefill_budget)
@@ -279,7 +300,7 @@ class Scheduler:
         if self.static and step.budget > 0:
             self._batch_open = False  # it stopped taking members for want of room or of requests
         return SchedulerOutput(
-            tuple(step.decodes), tuple(step.prefills), tuple(step.preempted), tuple(expired)
+            tuple(step.decodes), tuple(step.prefills), tuple(step.preempted), tuple(expired), grammar_failed
         )
 
     def _schedule_decodes(self, step: _Step, ranked: list[Sequence]) -> None:
@@ -570,7 +591,21 @@ class Scheduler:
             if self._batch_size >= self.config.max_num_seqs:
                 self._batch_open = False
 
-    # ---- deadlines and progress ----------------------------------------------------------------------
+    # ---- grammars, deadlines and progress ------------------------------------------------------------
+
+    def _start_compiled(self) -> tuple[tuple[Sequence, GrammarError], ...]:
+        """Queue the sequences whose grammar is compiled, each with its own parser state; take out
+        those whose compile failed (FINISHED_ERROR), returned with the failure."""
+        failed = []
+        for seq in [s for s in self.compiling if s.grammar_compile is None or s.grammar_compile.done()]:
+            self.compiling.remove(seq)
+            error = seq.start_grammar()
+            if error is not None:
+                seq.status = SequenceStatus.FINISHED_ERROR
+                failed.append((seq, error))
+            else:
+                self.add(seq)
+        return tuple(failed)
 
     def _expire_waiting(self) -> list[Sequence]:
         """Take out the waiting sequences past their deadline that never started (a preempted one

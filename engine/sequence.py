@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import enum
 import itertools
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.types import FinishReason, Priority, SamplingParams, TokenLogprob
+from engine.types import FinishReason, GrammarError, Priority, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import Grammar
+    from engine.grammar import CompiledGrammar, Grammar
 
 
 class SequenceStatus(enum.IntEnum):
     """Ordered: every status above PREEMPTED is finished (as in vLLM v1)."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 1  # queued in the scheduler, not schedulable until its grammar compiled
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -38,6 +40,13 @@ FINISH_REASONS = {
 }
 
 _admission_counter = itertools.count()
+
+
+def compile_failure(future: Future[CompiledGrammar]) -> BaseException | None:
+    """A done compile's failure (None if it succeeded); a cancelled one (engine shutdown) fails too."""
+    if future.cancelled():
+        return GrammarError("the grammar's compile was cancelled")
+    return future.exception()
 
 
 class Sequence:
@@ -85,11 +94,13 @@ class Sequence:
         self.admission_order = -1  # set each time it is (re)admitted to running
         self.num_preemptions = 0
         self.started = False  # first prefill chunk has been scheduled (deadline met)
-        self.output_logprobs: list[TokenLogprob] = []
-        self.error: Exception | None = None
-        # The parser state of its grammar (sampling.grammar), set when the compiled grammar is ready:
-        # a constrained sequence enters the scheduler only then (engine/llm_engine.py).
+        # A constrained sequence (sampling.grammar) waits for its grammar's compile
+        # (WAITING_FOR_GRAMMAR), then has its own parser state of it (`start_grammar`).
+        self.grammar_compile: Future[CompiledGrammar] | None = None
         self.grammar: Grammar | None = None
+        # Its final output was built: the choice is over for its caller. (`finished` says the
+        # scheduler is done with it; the two differ only until the engine builds that output.)
+        self.ended = False
 
     def __repr__(self) -> str:
         return (
@@ -135,7 +146,16 @@ class Sequence:
         self.admission_order = next(_admission_counter)
         self.started = True
 
-    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+    def start_grammar(self) -> GrammarError | None:
+        """Once its grammar's compile is done: its own parser state of it, or (returned) why
+        there is none."""
+        future, self.grammar_compile = self.grammar_compile, None
+        assert future is not None and future.done()
+        exc = compile_failure(future)
+        if exc is not None:
+            return exc if isinstance(exc, GrammarError) else GrammarError(f"grammar: {exc}")
+        self.grammar = future.result().new_grammar()
+        return None
+
+    def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        if logprob is not None:
-            self.output_logprobs.append(logprob)

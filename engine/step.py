@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
-from engine.types import TokenLogprob
+from engine.types import GrammarError, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,17 @@ class SchedulerOutput:
     prefills: tuple[ScheduledChunk, ...]
     preempted: tuple[Sequence, ...]
     expired: tuple[Sequence, ...]  # waited past their queue deadline; the engine fails them
+    # Their grammar failed to compile, each with the error; the engine fails them.
+    grammar_failed: tuple[tuple[Sequence, GrammarError], ...] = ()
 
     @property
     def chunks(self) -> tuple[ScheduledChunk, ...]:
         return self.decodes + self.prefills
+
+    @property
+    def ended(self) -> list[Sequence]:
+        """The sequences the scheduler took out for the engine to fail (expired, grammar failed)."""
+        return list(self.expired) + [seq for seq, _ in self.grammar_failed]
 
     @property
     def sampled(self) -> list[Sequence]:

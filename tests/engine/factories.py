@@ -95,7 +95,7 @@ def run_step(sched: Scheduler, check: bool = True) -> SchedulerOutput:
     for seq in completing:
         if seq.finished:  # finished (e.g. aborted) between scheduling and now
             continue
-        seq.append_token(FAKE_TOKEN, None)
+        seq.append_token(FAKE_TOKEN)
         if seq.num_output_tokens >= seq.sampling.max_tokens:
             sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
     if check:

@@ -147,7 +147,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_only_at_the_end() -> N
         completes.append(chunk.completes)
         sched.update(out)
         if completes[-1]:
-            seq.append_token(FAKE_TOKEN, None)
+            seq.append_token(FAKE_TOKEN)
         outputs.append(seq.num_output_tokens)
     assert chunks == [16, 16, 16, 2]
     assert sum(chunks) == seq.num_prompt_tokens
@@ -420,7 +420,7 @@ def test_abort_between_schedule_and_update() -> None:
     assert {c.seq.request_id for c in out.chunks} == {a.request_id, b.request_id}
     sched.finish(a, SequenceStatus.FINISHED_ABORTED)
     sched.update(out)
-    b.append_token(FAKE_TOKEN, None)  # the runner's result for `a` is dropped
+    b.append_token(FAKE_TOKEN)  # the runner's result for `a` is dropped
     check_blocks(sched)
     assert all(c.seq is not a for o in run_until_done(sched) for c in o.chunks)
     assert_all_done(sched, [b])
