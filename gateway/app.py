@@ -39,7 +39,7 @@ from gateway.settings import Settings
 from gateway.webhooks import BudgetWebhook
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.client import EngineClient
     from tenancy.service import Tenancy
 
 logger = logging.getLogger("batchgate.gateway")
@@ -55,7 +55,7 @@ class Gateway:
         tenancy: Tenancy | None,
         *,
         owns_tenancy: bool,
-        engine: AsyncEngine | None = None,
+        engine: EngineClient | None = None,
         engine_factory: EngineFactory = default_engine_factory,
         embedder: EmbeddingService | None = None,
     ) -> None:
@@ -87,7 +87,7 @@ class Gateway:
         self.drain = Drain()
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain)
         self.metrics.state.draining = lambda: self.drain.draining
-        self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
+        self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
         if tenancy is not None:
             tenancy.on_soft_limit(self._soft_limit_crossed)
@@ -101,7 +101,7 @@ class Gateway:
             self.webhook.crossed(tenant_name, budget)
 
     @property
-    def engine(self) -> AsyncEngine | None:
+    def engine(self) -> EngineClient | None:
         """The first in-process chat engine (metrics and /v1/internal/stats report it)."""
         return self.engines[0].engine if self.engines else None
 
@@ -157,8 +157,7 @@ class Gateway:
             not_ready = await backend.not_ready()
             if not_ready is not None:
                 return JSONResponse({"status": not_ready.status, "detail": not_ready.detail}, 503)
-        check = getattr(self.tenancy, "ready", None)
-        if check is not None and not await check():
+        if self.tenancy is not None and not await self.tenancy.ready():
             return JSONResponse({"status": "unavailable", "detail": "the rate limiter is unreachable"}, 503)
         names = [card.id for card in self.registry.cards()]
         body: dict[str, Any] = {"status": "ready", "model": names[0] if names else None, "models": names}
@@ -245,7 +244,7 @@ def usage_routes(gateway: Gateway) -> list[Route]:
 
 def create_app(
     settings: Settings,
-    engine: AsyncEngine | None = None,
+    engine: EngineClient | None = None,
     tenancy: Tenancy | None = None,
     *,
     engine_factory: EngineFactory = default_engine_factory,
@@ -254,7 +253,7 @@ def create_app(
 ) -> Starlette:
     """Build the app.
 
-    `engine`: a started AsyncEngine (the caller owns it and shuts it down), or None to have the app
+    `engine`: a started EngineClient (the caller owns it and shuts it down), or None to have the app
     build one with `engine_factory(settings)` in a worker thread at start-up (the app owns it; /ready
     is 503 until it is loaded; /health answers at once). `tenancy`: a `tenancy.Tenancy`, or None for
     open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`. `embedder`: a

@@ -103,7 +103,7 @@ SHUTDOWN_GRACE_S = 5
 ENGINE_DEATH_GRACE_S = 15.0
 
 
-def _stop_when_engine_fails(engine: Any, stop: Callable[[], None], poll_s: float = 0.5) -> None:
+def _stop_when_engine_fails(engine: AsyncEngine, stop: Callable[[], None], poll_s: float = 0.5) -> None:
     """Watch a tensor-parallel engine; once it stops on its own (not by shutdown), call `stop` (the
     server's graceful shutdown), and exit hard if that has not ended the process within the grace
     period. A replica without all its ranks cannot serve again: its supervisor restarts it."""

@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import anyio
 
@@ -25,6 +25,9 @@ from gateway import responses, schemas, tools
 from gateway.errors import APIError, ErrorKind, from_engine_error, sse_error_event
 from gateway.sse import DONE, encode_event
 from gateway.tokens import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.client import EngineStream
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class Outputs:
     A stream that raises instead of reporting an error output surfaces here as that exception.
     """
 
-    def __init__(self, streams: Sequence[tuple[int, Any]]) -> None:
+    def __init__(self, streams: Sequence[tuple[int, EngineStream]]) -> None:
         self._streams = [s for _, s in streams]
         self._items: deque[Item | BaseException] = deque()
         self._changed = asyncio.Event()
@@ -49,7 +52,7 @@ class Outputs:
         self._closed = False
         self._tasks = [asyncio.ensure_future(self._pump(offset, s)) for offset, s in streams]
 
-    async def _pump(self, offset: int, stream: Any) -> None:
+    async def _pump(self, offset: int, stream: EngineStream) -> None:
         try:
             async for out in stream:
                 self._items.append((offset + out.index, out))

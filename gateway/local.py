@@ -32,13 +32,15 @@ from gateway.tokens import Tokenizer, inline_or_thread
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from engine.client import EngineClient
 
 logger = logging.getLogger("batchgate.gateway")
 
-EngineFactory = Callable[[Settings], "AsyncEngine"]
+EngineFactory = Callable[[Settings], "EngineClient"]
 
 
 def default_engine_factory(settings: Settings) -> AsyncEngine:
+    """The in-process engine of `settings`' model (blocking: it loads the model)."""
     from engine.async_engine import AsyncEngine
 
     return AsyncEngine.from_config(settings.engine_config())
@@ -51,14 +53,14 @@ class EngineBackend:
         self,
         settings: Settings,
         metrics: Metrics,
-        engine: AsyncEngine | None = None,
+        engine: EngineClient | None = None,
         engine_factory: EngineFactory = default_engine_factory,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.engine_factory = engine_factory
         self.owns_engine = engine is None
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -94,7 +96,7 @@ class EngineBackend:
     def name(self) -> str | None:
         if self.engine is None:
             return self.settings.served_model_name
-        return self.settings.served_model_name or str(self.engine.model_name)
+        return self.settings.served_model_name or self.engine.model_name
 
     def models(self) -> list[ModelCard]:
         name = self.name
@@ -130,7 +132,7 @@ class EngineBackend:
             return NotReady("unavailable", "the engine is not running", "The engine is not running.")
         return None
 
-    def _running(self) -> tuple[AsyncEngine, Tokenizer]:
+    def _running(self) -> tuple[EngineClient, Tokenizer]:
         if self.engine is None or self.tokenizer is None or not self.engine.ready:
             raise APIError(ErrorKind.UNAVAILABLE, "The engine is not running.", retry_after_s=5.0)
         return self.engine, self.tokenizer

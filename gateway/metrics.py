@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -53,8 +53,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.embeddings.batcher import BatchRecord
-from engine.types import StepStage
+from engine.types import EngineStats, RequestOutput, StepStage
 from gateway.errors import Refusal
+from gateway.telemetry import ChatSpan
+
+if TYPE_CHECKING:
+    from engine.client import EngineClient, EngineStream
 
 PRIORITIES = ("paid", "free")
 PLANS = ("paid", "free", "open")
@@ -75,7 +79,7 @@ class _EngineCollector(Collector):
     """Gauges and engine-side counters read from `engine.stats()` and `engine.health()` at scrape
     time; `engine_of` None: no local engine (gateway-only mode), so no liveness series."""
 
-    def __init__(self, metrics: Metrics, engine_of: Callable[[], Any] | None) -> None:
+    def __init__(self, metrics: Metrics, engine_of: Callable[[], EngineClient | None] | None) -> None:
         self._metrics = metrics
         self._engine_of = engine_of
 
@@ -124,7 +128,7 @@ class _EngineCollector(Collector):
         return families
 
 
-def _liveness(engine: Any, stats: Any) -> list[Metric]:
+def _liveness(engine: EngineClient | None, stats: EngineStats | None) -> list[Metric]:
     """Whether the engine loop runs, how long it has been stuck, and its contained step failures."""
     health = engine.health() if engine is not None else None
     up = GaugeMetricFamily("batchgate_engine_up", "1 while the engine loop runs; 0 dead, stopped or loading")
@@ -183,15 +187,15 @@ class GatewayState:
     upstreams: Callable[[], tuple[int, int] | None] = lambda: None  # (healthy, total)
 
 
-def _by_priority(counts: dict[Any, int], priority: str) -> int:
-    return sum(v for k, v in counts.items() if str(getattr(k, "name", k)).lower() == priority)
+def _by_priority(counts: dict[str, int], priority: str) -> int:
+    return counts.get(priority, 0)
 
 
 class Metrics:
     """The app's metrics; `engine_of()` returns the local engine (None while it loads). Without
     `engine_of` (gateway-only mode) the engine gauges read 0 and there are no liveness series."""
 
-    def __init__(self, engine_of: Callable[[], Any] | None = None) -> None:
+    def __init__(self, engine_of: Callable[[], EngineClient | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -339,22 +343,22 @@ class MetricsMiddleware:
 class TimedStream:
     """Wraps one engine stream: TTFT and queue time at its first output, inter-token gaps after."""
 
-    def __init__(self, stream: Any, metrics: Metrics, span: Any = None) -> None:
+    def __init__(self, stream: EngineStream, metrics: Metrics, span: ChatSpan | None = None) -> None:
         self._stream = stream
         self._span = span
         self._metrics = metrics
         self._submitted = time.perf_counter()
         self._last: dict[int, float] = {}
         self._first = True
-        self.request_id = getattr(stream, "request_id", None)
+        self.request_id = stream.request_id
 
-    def __aiter__(self) -> AsyncIterator[Any]:
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> RequestOutput:
         out = await self._stream.__anext__()
         now = time.perf_counter()
-        if getattr(out, "new_token_ids", ()):
+        if out.new_token_ids:
             if self._first:
                 self._first = False
                 self._metrics.ttft.observe(now - self._submitted)
@@ -366,7 +370,7 @@ class TimedStream:
                 self._metrics.itl.observe(now - last)
             self._last[out.index] = now
         if self._span is not None and out.finish_reason is not None:
-            self._span.finish_reason(out.index, str(getattr(out.finish_reason, "value", out.finish_reason)))
+            self._span.finish_reason(out.index, out.finish_reason.value)
         return out
 
     async def aclose(self) -> None:

@@ -38,7 +38,7 @@ from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from gateway.schemas import ChatCompletionDelta, MessageToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.client import EngineClient
 
 # Calls in one turn, at most: a small model, once it has called, may go on repeating the call until
 # max_tokens (SmolLM2-135M does, greedy); the grammar ends the turn after this many instead.
@@ -319,19 +319,12 @@ def parse_message(text: str) -> tuple[str | None, list[MessageToolCall]]:
     return (text_out if text_out.strip() or not calls else None), calls
 
 
-async def compile_checks(engine: AsyncEngine, plan: OutputPlan) -> None:
+async def compile_checks(engine: EngineClient, plan: OutputPlan) -> None:
     """Compile the plan's grammars through the engine's cache (off the event loop and the engine
     thread); APIError 400 naming the field whose schema the grammar engine refuses, and why."""
-    if not plan.checks:
-        return
-    compile_grammar = getattr(engine, "grammar", None)
-    if compile_grammar is None:
-        raise invalid_request(
-            "This server's engine does not support constrained output.", param=plan.checks[0][1]
-        )
     for spec, param in plan.checks:
         try:
             # Shielded: a caller that goes away must not cancel a compile other requests share.
-            await asyncio.shield(asyncio.wrap_future(compile_grammar(spec)))
+            await asyncio.shield(asyncio.wrap_future(engine.grammar(spec)))
         except GrammarError as exc:
             raise invalid_request(f"Invalid schema for '{param}': {exc}", param=param) from None

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from engine.async_engine import AsyncEngine
+from engine.client import EngineClient, EngineStream
 from engine.config import EngineConfig
 from engine.types import (
     DuplicateRequestError,
@@ -52,6 +53,14 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+async def test_it_and_its_streams_implement_the_engine_client(engine: AsyncEngine) -> None:
+    assert isinstance(engine, EngineClient)
+    stream = engine.submit(GenerationRequest("c", [5, 6, 7], SamplingParams(max_tokens=2)))
+    assert isinstance(stream, EngineStream)
+    assert [o async for o in stream][-1].finished
+    await wait_idle(engine)
 
 
 async def test_stream_yields_incremental_outputs_then_finishes(engine: AsyncEngine) -> None:

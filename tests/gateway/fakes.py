@@ -1,9 +1,9 @@
 """Stand-ins for the engine, its tokenizer and the tenancy facade, for unit tests of the gateway.
 
-`FakeEngine` implements the interface the gateway uses (submit / stream / aclose / stats / ready /
-health)
-on the event loop, with no model: each choice "generates" a scripted reply one byte-token at a
-time. Tests steer it with `gate` (outputs wait until it is set), `fail_after` (a choice fails
+`FakeEngine` implements `engine.client.EngineClient` (what the gateway may call on an engine) on
+the event loop, with no model: each choice "generates" a scripted reply one byte-token at a time,
+and it compiles no grammar (a constrained request is refused with a 400). Tests steer it with
+`gate` (outputs wait until it is set), `fail_after` (a choice fails
 after that many tokens) and `submit_error` (submit raises). End-to-end tests use the real engine.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from engine.types import (
     FinishReason,
     GenerationFailedError,
     GenerationRequest,
+    GrammarError,
+    GrammarSpec,
     RequestOutput,
     TokenLogprob,
 )
@@ -91,6 +94,11 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def grammar(self, spec: GrammarSpec) -> Future[Any]:
+        compiled: Future[Any] = Future()
+        compiled.set_exception(GrammarError("this engine compiles no grammar"))
+        return compiled
+
     @property
     def num_active(self) -> int:
         return sum(1 for s in self.streams if not s.done)
@@ -125,6 +133,7 @@ class FakeStream:
     def __init__(self, engine: FakeEngine, request: GenerationRequest) -> None:
         self.engine = engine
         self.request = request
+        self.request_id = request.request_id
         self.done = False
         self.closed = False
         self._outputs = self._generate()
@@ -263,10 +272,15 @@ class FakeHolder:
 class FakeTenancy:
     """The `tenancy.Tenancy` facade's shape: key "sk-good" is tenant "acme"; `refuse` refuses admission."""
 
+    redis_up: bool | None = None  # no Redis
+
     def __init__(self) -> None:
         self.refuse: FakeDecision | None = None
         self.admitted: list[tuple[str, int, int, str]] = []
         self.settled: list[tuple[Any, int, int]] = []
+
+    async def ready(self) -> bool:
+        return True
 
     async def authenticate(self, authorization: str | None) -> FakeTenant:
         from tenancy.errors import AuthError
