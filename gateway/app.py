@@ -28,7 +28,7 @@ from gateway import admin, admission, endpoints, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
-from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind
+from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
 from gateway.local import EngineBackend, EngineFactory, default_engine_factory, freeze_startup_heap
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.openapi import build_openapi
@@ -187,11 +187,7 @@ class Gateway:
             if card.id == model:
                 return JSONResponse(card.body())
         await self._raise_unless_ready()
-        raise APIError(
-            ErrorKind.MODEL_NOT_FOUND,
-            f"The model `{model}` does not exist or you do not have access to it.",
-            param="model",
-        )
+        raise model_not_found(model)
 
     async def openapi(self, request: Request) -> Response:
         """The OpenAPI document: every served chat model's name, and the token bounds of the first

@@ -26,7 +26,7 @@ from starlette.requests import Request
 
 from gateway import responses, schemas
 from gateway.admission import Caller
-from gateway.errors import APIError, ErrorKind
+from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from gateway.telemetry import ChatSpan
 
@@ -162,7 +162,7 @@ class NotReady:
     status: str
     detail: str
     message: str  # the sentence a refused request gets
-    retry_after_s: float = 5.0
+    retry_after_s: float = UNAVAILABLE_RETRY_AFTER_S
 
     def error(self) -> APIError:
         return APIError(ErrorKind.UNAVAILABLE, self.message, retry_after_s=self.retry_after_s)

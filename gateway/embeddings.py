@@ -34,7 +34,7 @@ from engine.embeddings.batcher import BatchLimits, BatchRecord, EmbeddingBatcher
 from engine.types import EngineError, GenerationFailedError
 from gateway import admission, responses, schemas, telemetry
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Task, Work
-from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
+from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error, invalid_request
 from gateway.protocol import (
     MAX_TOKENS_PER_INPUT,
     MAX_TOKENS_PER_REQUEST,
@@ -303,7 +303,11 @@ class EmbeddingBackend:
     async def plan(self, work: Work) -> Plan:
         service = self.service
         if service is None or not service.ready:
-            raise APIError(ErrorKind.UNAVAILABLE, "The embedding batcher is not running.", retry_after_s=5.0)
+            raise APIError(
+                ErrorKind.UNAVAILABLE,
+                "The embedding batcher is not running.",
+                retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
+            )
         req = work.request
         assert isinstance(req, EmbeddingsRequest)
         size = sum(len(i) for i in req.input if isinstance(i, str))

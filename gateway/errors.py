@@ -13,7 +13,6 @@ method) by status. Only a bug of ours is a 500 (`ErrorKind.INTERNAL`).
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -25,8 +24,13 @@ from starlette.responses import JSONResponse, Response
 
 from engine.types import EngineError, EngineOverloadedError, InvalidRequestError
 from gateway.schemas import Error
+from gateway.sse import encode_event
 
 logger = logging.getLogger(__name__)
+
+# The Retry-After of a 503 whose cause has no estimate of its own (an engine or batcher not
+# running, a model still loading).
+UNAVAILABLE_RETRY_AFTER_S = 5.0
 
 
 class ErrorKind(enum.Enum):
@@ -168,6 +172,15 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(ErrorKind.INVALID_REQUEST, message, param=param)
 
 
+def model_not_found(model: str, hint: str = "") -> APIError:
+    """The 404 for a model name nobody serves (OpenAI's wording); `hint`: what is served instead."""
+    return APIError(
+        ErrorKind.MODEL_NOT_FOUND,
+        f"The model `{model}` does not exist or you do not have access to it." + hint,
+        param="model",
+    )
+
+
 def from_engine_error(exc: EngineError, *, param: str | None = None) -> APIError:
     """Map an engine error to its APIError by the error's stable `code`."""
     kind = ENGINE_ERROR_KINDS.get(exc.code)
@@ -176,7 +189,7 @@ def from_engine_error(exc: EngineError, *, param: str | None = None) -> APIError
         return APIError(ErrorKind.INTERNAL, "The server had an error while processing your request.")
     retry_after = exc.retry_after_s if isinstance(exc, EngineOverloadedError) else None
     if kind is ErrorKind.UNAVAILABLE and retry_after is None:
-        retry_after = 5.0
+        retry_after = UNAVAILABLE_RETRY_AFTER_S
     if isinstance(exc, InvalidRequestError):
         # The engine's own check of the request (e.g. a token id outside the vocabulary): the
         # field it names, else the caller's (the prompt's field).
@@ -199,7 +212,7 @@ def json_error(kind: ErrorKind, message: str) -> Error:
 
 
 def sse_error_event(error: APIError) -> bytes:
-    return b"data: " + json.dumps(error.body(), separators=(",", ":")).encode() + b"\n\n"
+    return encode_event(error.body())
 
 
 # -- Starlette exception handlers ------------------------------------------------------------

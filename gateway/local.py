@@ -25,7 +25,7 @@ from engine.types import EngineError, GenerationRequest, SamplingParams
 from gateway import generation, protocol, tools
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
-from gateway.errors import APIError, ErrorKind, from_engine_error
+from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
 from gateway.metrics import Metrics, TimedStream
 from gateway.settings import Settings
 from gateway.tokens import Tokenizer, inline_or_thread
@@ -134,7 +134,9 @@ class EngineBackend:
 
     def _running(self) -> tuple[EngineClient, Tokenizer]:
         if self.engine is None or self.tokenizer is None or not self.engine.ready:
-            raise APIError(ErrorKind.UNAVAILABLE, "The engine is not running.", retry_after_s=5.0)
+            raise APIError(
+                ErrorKind.UNAVAILABLE, "The engine is not running.", retry_after_s=UNAVAILABLE_RETRY_AFTER_S
+            )
         return self.engine, self.tokenizer
 
     # -- requests ----------------------------------------------------------------------------

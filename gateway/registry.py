@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.backend import Backend, Endpoint, ModelCard, Task
-from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.errors import invalid_request, model_not_found
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,7 @@ class ModelRegistry:
                 not_ready = await backend.not_ready()
                 if not_ready is not None:
                     raise not_ready.error()
-            raise APIError(
-                ErrorKind.MODEL_NOT_FOUND,
-                f"The model `{model}` does not exist or you do not have access to it."
-                + self._listing(endpoint.task),
-                param="model",
-            )
+            raise model_not_found(model, self._listing(endpoint.task))
         if served.task is not None and served.task is not endpoint.task:
             raise invalid_request(
                 _wrong_task(model, served.task, self._listing(endpoint.task)), param="model"
