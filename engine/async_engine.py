@@ -119,9 +119,8 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model (blocking) and start the engine thread.
 
-        The engine is built on the thread that then runs it: built on another thread, the same
-        decode steps cost ~10 ms more CPU each (64 vs 51 ms at batch 32 on 2 cores; per-thread
-        state of oneDNN/OpenMP set up while the weights are packed, as far as we could tell)."""
+        The engine is built on the thread that then runs it: oneDNN/OpenMP set up per-thread state
+        while the weights are packed, and steps run on another thread were measurably slower."""
         built: dict[str, Any] = {}
         ready, go = threading.Event(), threading.Event()
 
@@ -289,9 +288,8 @@ class AsyncEngine:
                         self._pending.remove(request)
                 delivered = self._deliver(outputs)
                 # Let the event loop turn this step's outputs into SSE writes before the next step
-                # starts: running both at once puts a third busy thread on a 2-core machine, and the
-                # step's OpenMP ops then stall on a descheduled partner (served decode steps took
-                # 89 ms instead of 55). Bounded, so a busy loop never holds the engine up for long.
+                # starts: both at once put a third busy thread on a small machine, and the step's
+                # OpenMP ops stall on a descheduled partner. Bounded: a busy loop never holds it long.
                 delivered.wait(DELIVERY_WAIT_S)
         except BaseException as exc:  # noqa: BLE001 - the loop must not die silently
             logger.exception("engine loop died")

@@ -6,15 +6,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The inter-token latency the scheduler aims at while long prompts prefill (`--target-itl-ms`;
-# 0 turns the step-time budget off). 120 ms per token is ~8 tokens/s per stream: faster than people
-# read streamed text (~4-5 words/s, ~6 tokens/s; DistServe's chatbot SLO is 0.1 s). Chosen side by
-# side on issue 17's mix (docs/BENCHMARKS.md, section K): at 120 ms short requests' TTFT p99 rose
-# 1.7x and inter-token p99 1.6x with the documents, the documents' own TTFT p50 was 1.08x of the
-# token-capped scheduler's and total throughput +5% (all four of issue 17's targets); 100 ms cost
-# the documents 1.6x and 5% of throughput; 150 ms let inter-token p99 rise 3.3x. Prompts within the
-# first length bucket never meet the budget, so issue 7's chat workload does not depend on it. On a
-# GPU, where whole steps take tens of milliseconds, it rarely binds.
+# The inter-token latency the scheduler aims at while long prompts prefill (`--target-itl-ms`; 0 turns
+# the step-time budget off): ~8 tokens/s per stream, faster than people read streamed text. The
+# choice is measured in docs/BENCHMARKS.md ("Long prompts among chat turns").
 DEFAULT_TARGET_ITL_MS = 120.0
 
 # The allowed values of the string settings; the gateway's flags offer the same choices.

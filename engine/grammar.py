@@ -7,20 +7,10 @@ Each engine step fills one token bitmask for the constrained rows of the batch (
 one row each); the sampler masks the disallowed tokens before it samples; the engine feeds each
 sampled token back (`accept_token`) and ends the sequence when `is_terminated()`.
 
-The backend is llguidance, chosen by measurement (`python -m bench.grammar_engines`, 34 schemas of
-bench/schemas.py, SmolLM2's 49152-token vocab, one thread, on a shared 2-core Zen 4):
-
-    engine      first use p50    p99      mask p50   p99      mask mean
-    xgrammar       378 ms      1387 ms      2 us    6700 us    200 us
-    llguidance     0.5 ms       4.9 ms     19 us    4182 us    133 us
-
-xgrammar precomputes per-state token masks at compile time (hence its 2 us median mask and its
-0.4-1.4 s compile); llguidance compiles lazily (its lexer builds token sets as it goes), so a new
-schema costs a request ~1 ms instead of ~0.4 s, and its mean mask time over a random walk is no
-worse. A server that sees arbitrary client schemas pays first use on every new one; it decided.
-(First use there is per schema once the backend is warm: a process's very first llguidance grammar
-also builds its tokenizer tables, ~0.5 s plus up to seconds on a loaded machine, on the compile
-thread, so only that first constrained request waits for it.)
+The backend is llguidance: it compiles lazily, so a schema a server has not seen costs its request
+about a millisecond rather than the fraction of a second a mask-precomputing engine takes, with no
+worse masks on average (`python -m bench.grammar_engines` compares them). A process's first
+llguidance grammar also builds its tokenizer tables, on the compile thread.
 
 Runaway whitespace (models looping on newlines until max_tokens inside grammar-constrained JSON,
 a known failure of other servers): JSON is compiled compact (`whitespace_flexible: false`), so no
@@ -36,8 +26,8 @@ closing=True)`, `ClosingTokens`): the end of sequence where the grammar allows i
 that close containers (`}` `]`, after a string's closing quote inside one), else a lone quote
 (ending a string, or starting one that the next step ends), else whatever the grammar allows (a
 required key, a comma, a number's digits), so the output ends valid and the sequence stops with
-its grammar. JSON kinds and Lark grammars marked `json_only` are steered. Measured in
-docs/BENCHMARKS.md, section T.
+its grammar. JSON kinds and Lark grammars marked `json_only` are steered (measured in
+docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -123,16 +113,10 @@ class GrammarBackend(Protocol):
         ...
 
 
-# Numbers without a bound get JSON's interoperable range (RFC 8259: IEEE 754 doubles are exact to
-# 2**53 - 1), so a model cannot run one to max_tokens digit by digit (SmolLM2-135M does, greedy,
-# on "1234567890..."), the numeric cousin of runaway whitespace; and a `number` without
-# `multipleOf` gets at most NUMBER_DECIMALS decimals (sampled, it ran "0.3333..." to max_tokens:
-# 1 of 34 schemas at temperature 0.7 and at 1.0 in bench/structured.py before this bound).
-# A string format that may end only after a separator has no bound before it: an email's local
-# part gets RFC 5321's 64 octets, a URI's scheme 64 characters (RFC 3986 sets none; registered
-# schemes are under 40). Sampled at 1.0, SmolLM2 ran hex digits to max_tokens before an email's
-# `@` (2 of 408 outputs, 6 seeds of the 34 schemas, bench/structured.py) and "N-T-V-E-..." before
-# a URI's `:` (2 of 816, 12 seeds) before these bounds.
+# Bounds against runaway output (a small model runs an unbounded field to max_tokens): numbers
+# without a bound get JSON's interoperable range (RFC 8259: doubles are exact to 2**53 - 1) and
+# at most NUMBER_DECIMALS decimals without `multipleOf`; an email's local part gets RFC 5321's 64
+# octets and a URI's scheme 64 characters, the parts that may end only at a separator.
 MAX_SAFE_INTEGER = 2**53 - 1
 NUMBER_DECIMALS = 6
 FORMAT_PREFIXES = {"email": "^[^@]{1,64}@", "uri": "^[A-Za-z][A-Za-z0-9+.-]{0,63}:"}
@@ -165,9 +149,8 @@ def bound_schema(schema: Any) -> Any:
 
 
 # A sequence closes its output (Grammar.fill_bitmask(closing=True)) once at most this many of its
-# max_tokens are left, or half of them if fewer: enough for SmolLM2 on the 34 schemas of
-# bench/schemas.py to close from wherever it is (the few required keys left, a comma or two, the
-# brackets); see docs/BENCHMARKS.md, section T.
+# max_tokens are left, or half of them if fewer: enough to close from wherever it is (the required
+# keys left, a comma or two, the brackets).
 CLOSE_RESERVE = 32
 
 

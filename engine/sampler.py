@@ -57,12 +57,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
     A float32 logit x becomes x ^ ((x ^ -inf) & d), its bits as an int32, where d is -1 for a
     disallowed token and 0 for an allowed one: exactly -inf, or x unchanged bit for bit. On the
-    CPU row by row in numpy, into two scratch rows that stay in cache (~1 ms at 32 rows x 49152
-    tokens on the 2-core machine, under the machine lock and with memory churn between calls like
-    a step's). Measured there: a numpy-unpacked 0/-inf bias over the whole batch (the previous
-    way) ~2.5-4 ms, as it gathered and wrote a float per token, ~3.4 ms in the engine; the same
-    xor over the whole batch in torch 0.5 ms in a tight loop but ~8 ms with fresh pages for its
-    18 MB of temporaries each call; a masked_fill_ with the unpacked mask ~3-10 ms."""
+    CPU row by row in numpy, into two scratch rows that stay in cache: no batch-sized temporaries,
+    which cost more in fresh pages than the arithmetic."""
     if not rows:
         return logits
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
@@ -131,8 +127,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     """One token from `probs` (non-negative, summing to about 1) by inverse transform: one uniform
     draw from the row's generator and a binary search of the cumulative sums (float64, so the
     tail's tokens keep their share). torch.multinomial on the CPU draws an exponential per token
-    instead: ~770 us at 49152 tokens against ~40 us here (one core), and 32 sampled rows a step
-    spent ~25 ms in it, 40% of a decode step of the bundled model on the 2-core machine.
+    instead, about 20x slower at a 49152-token vocabulary (docs/BENCHMARKS.md).
 
     A token without mass is never drawn: its cumulative sum equals its predecessor's. -1 when the
     row has no mass at all (every logit -inf or a NaN), which `sample` raises for, as multinomial
@@ -158,7 +153,7 @@ def sample(
     `bitmask` [S, ceil(vocab / 32)] int32 (engine/grammar.py) applies to the rows marked
     `constrained`; it is required when any row is. `logits` is left as it was unless `overwrite`
     (the runner's, a fresh tensor each step): masking it in place saves a copy of the batch's
-    logits, ~1.3 ms a step in the engine at 32 x 49152 on the 2-core machine."""
+    logits."""
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     needs_processing = any(
