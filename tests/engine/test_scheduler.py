@@ -9,6 +9,8 @@ counters equal to the sums over the sequences in it).
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -16,7 +18,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import SchedulerOutput
 from engine.step_cost import StepCost
-from engine.types import FinishReason, Priority
+from engine.types import FinishReason, GrammarError, Priority
 from tests.engine.factories import (
     FAKE_TOKEN,
     FakeClock,
@@ -1288,3 +1290,51 @@ def test_random_workloads_keep_long_chunks_within_the_step_time_budget(seed: int
     for seq in seqs:
         assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.block_table == []
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+# ---- grammars ---------------------------------------------------------------------------------------
+
+
+class _Compiled:
+    def new_grammar(self) -> Any:
+        return object()
+
+
+def test_a_sequence_waits_in_the_scheduler_until_its_grammar_compiled() -> None:
+    sched = make_scheduler()
+    compile_done: Future[Any] = Future()
+    constrained, free = make_seq(4), make_seq(4)
+    constrained.grammar_compile = compile_done
+    sched.add(constrained)
+    sched.add(free)
+    assert constrained.status == SequenceStatus.WAITING_FOR_GRAMMAR and sched.compiling == [constrained]
+    assert list(sched.waiting) == [free] and sched.has_unfinished()
+    out = run_step(sched)
+    assert [c.seq for c in out.prefills] == [free] and out.grammar_failed == ()
+
+    compile_done.set_result(_Compiled())
+    out = run_step(sched)
+    assert [c.seq for c in out.prefills] == [constrained] and constrained.grammar is not None
+    assert sched.compiling == [] and constrained.grammar_compile is None
+
+
+def test_a_failed_compile_takes_the_sequence_out_for_the_engine_to_fail() -> None:
+    sched = make_scheduler()
+    compile_done: Future[Any] = Future()
+    seq = make_seq(4)
+    seq.grammar_compile = compile_done
+    sched.add(seq)
+    compile_done.set_exception(RuntimeError("no such rule"))
+    out = run_step(sched)
+    ((failed, error),) = out.grammar_failed
+    assert failed is seq and isinstance(error, GrammarError) and "no such rule" in str(error)
+    assert seq.status == SequenceStatus.FINISHED_ERROR and not sched.has_unfinished() and out.is_empty
+
+
+def test_finishing_a_sequence_that_waits_for_its_grammar_takes_it_out() -> None:
+    sched = make_scheduler()
+    seq = make_seq(4)
+    seq.grammar_compile = Future()
+    sched.add(seq)
+    sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert sched.compiling == [] and not sched.has_unfinished()
