@@ -679,6 +679,7 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
+    prompt_param: str | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for `req`; APIError(400) when the prompt and max_tokens do not fit.
 
@@ -686,7 +687,7 @@ def sampling_params(
     context left after the prompt, completions' to 16.
     """
     is_chat = isinstance(req, ChatCompletionRequest)
-    prompt_param = "messages" if is_chat else "prompt"
+    prompt_param = prompt_param or ("messages" if is_chat else "prompt")
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt_tokens
