@@ -518,12 +518,6 @@ def _check_tools(req: ChatCompletionRequest) -> None:
             f"'tool_choice' names function '{choice.function.name}', which is not in 'tools'.",
             param="tool_choice",
         )
-    if names and choice != "none" and req.response_format is not None and req.response_format.type != "text":
-        raise invalid_request(
-            "'response_format' of type json_object or json_schema together with 'tools' is not supported; "
-            "use one of them (or tool_choice 'none').",
-            param="response_format",
-        )
     ids = {call.id for m in req.messages for call in m.tool_calls or ()}
     for i, m in enumerate(req.messages):
         if m.tool_call_id is not None and m.tool_call_id not in ids:

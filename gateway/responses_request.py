@@ -405,13 +405,6 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
         raise invalid_request(f"'metadata' may hold at most {MAX_METADATA_KEYS} keys.", param="metadata")
     _check_tool_choice(req, functions)
-    if functions and req.text is not None and req.text.format is not None and req.text.format.type != "text":
-        if req.tool_choice != "none":
-            raise invalid_request(
-                "'text.format' of type json_object or json_schema together with function tools is not "
-                "supported; use one of them (or tool_choice 'none').",
-                param="text.format",
-            )
     return req.model_copy(
         update={"functions": functions, "namespaces": namespaces, "ignored": (*ignored, *hosted)}
     )

@@ -166,3 +166,35 @@ def test_forced_calls_close_before_max_tokens_with_arguments_that_validate(tiny_
         assert content is None and calls
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_tools_beside_a_json_format_answer_in_the_format_or_call(tiny_model_dir: Path) -> None:
+    """`auto` with a JSON response_format: the output is calls or an answer in the schema, and
+    both are JSON and fixed text, so even a random-weight model closes before max_tokens."""
+    schema = {
+        "type": "object",
+        "properties": {"summary": {"type": "string"}},
+        "required": ["summary"],
+        "additionalProperties": False,
+    }
+    plan = plan_output(
+        chat(
+            tools=[WEATHER],
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        )
+    )
+    assert plan.grammar is not None and plan.grammar.json_only and "TEXT" not in plan.grammar.source
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=8)
+    requests = [
+        GenerationRequest(
+            f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, temperature=1.0, seed=i, grammar=plan.grammar)
+        )
+        for i in range(8)
+    ]
+    outs = run_all(engine, requests)
+    for i in range(8):
+        out = outs[(f"r{i}", 0)]
+        assert out[-1].finish_reason is FinishReason.STOP, text_of(out)
+        content, calls = parse_message(text_of(out))
+        if not calls:
+            jsonschema.validate(json.loads(content or ""), schema)
