@@ -173,7 +173,8 @@ class EngineBackend:
         param: str,
     ) -> Plan:
         """A chat request's plan; a Responses request is planned as the chat request it renders."""
-        output = tools.plan_output(req)  # response_format and tools (gateway/tools.py)
+        # response_format and tools (gateway/tools.py)
+        output = tools.plan_output(req, closed_arguments=self.settings.tool_arguments == "declared")
         size = sum(len(m.text) for m in req.messages)
         prompt = await inline_or_thread(
             lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size

@@ -304,6 +304,14 @@ class Settings:
         "rest are ended (streams with an error event and [DONE]) and the process exits",
         flag="--drain-timeout",
     )
+    tool_arguments: str = _opt(
+        "declared",
+        _str,
+        "a tool call's arguments: only the keys its function declares where the parameters schema "
+        "does not set additionalProperties (declared, as xgrammar's strict mode), or JSON Schema's "
+        "default, any further keys (schema)",
+        choices=("declared", "schema"),
+    )
     responses_max_stored: int = _opt(
         10_000,
         _int,

@@ -68,8 +68,10 @@ class OutputPlan:
     parse_tool_calls: bool = False
 
 
-def plan_output(req: ChatCompletionRequest) -> OutputPlan:
-    """The plan for `req` (already validated by gateway/protocol.py)."""
+def plan_output(req: ChatCompletionRequest, closed_arguments: bool = True) -> OutputPlan:
+    """The plan for `req` (already validated by gateway/protocol.py). `closed_arguments`: a call's
+    arguments hold no keys beyond its function's declared properties where its schema does not
+    say (`closed_schema`; the `--tool-arguments declared` setting), else JSON Schema's default."""
     fmt = req.response_format
     tools = tuple(req.tools or ())
     choice = req.tool_choice if req.tool_choice is not None else "auto"
@@ -77,7 +79,7 @@ def plan_output(req: ChatCompletionRequest) -> OutputPlan:
         checks = tuple((_parameters_spec(t), f"tools[{i}].function.parameters") for i, t in enumerate(tools))
         answer = _answer_schema(fmt) if choice == "auto" else None
         grammar = GrammarSpec.lark(
-            tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, answer),
+            tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, answer, closed_arguments),
             json_only=choice != "auto" or answer is not None,
         )
         return OutputPlan(grammar, (*checks, (grammar, "tools")), tools, parse_tool_calls=True)
@@ -110,17 +112,43 @@ def _parameters_spec(tool: Tool) -> GrammarSpec:
     return GrammarSpec.json_schema(_parameters(tool), strict=tool.function.strict is not False)
 
 
+def closed_schema(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object subschema that declares
+    `properties` and says nothing of further keys (a copy), as xgrammar's strict mode generates:
+    a model then cannot invent keys (LangChain's tools got `{"city": ..., "properties": {...}}`)."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_schema(value) for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict) and not {
+        "additionalProperties",
+        "patternProperties",
+        "unevaluatedProperties",
+    } & set(schema):
+        out["additionalProperties"] = False
+    return out
+
+
 def tool_call_grammar(
-    tools: Sequence[Tool], choice: Any, parallel: bool, answer: dict[str, Any] | None = None
+    tools: Sequence[Tool],
+    choice: Any,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
+    closed_arguments: bool = True,
 ) -> str:
     """A Lark grammar (llguidance's dialect) for the calls `choice` allows, or (auto) free text, or
     with `answer` (a JSON schema: response_format beside tools) a JSON answer instead."""
+    close = closed_schema if closed_arguments else (lambda schema: schema)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": bound_schema(_parameters(t))},
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": bound_schema(close(_parameters(t))),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

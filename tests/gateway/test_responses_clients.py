@@ -87,6 +87,19 @@ def test_langchain_with_the_responses_api(tiny_server: TinyServer) -> None:
     message: Any = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
     [call] = message.tool_calls
     assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
+    # Through chat completions too, the call's arguments hold only the declared keys (LangChain's
+    # schemas do not set additionalProperties; a random model used to add keys of its own).
+    chat_llm = ChatOpenAI(
+        model=tiny_server.model,
+        base_url=tiny_server.base_url + "/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        max_tokens=60,  # type: ignore[call-arg]
+        max_retries=0,
+        temperature=1.0,
+    )
+    for _ in range(3):
+        reply: Any = chat_llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+        assert reply.tool_calls and all(set(c["args"]) == {"city"} for c in reply.tool_calls)
     structured = llm.with_structured_output(Weather, method="json_schema").invoke("Paris, as JSON.")
     assert isinstance(structured, Weather)
     text = llm.invoke("Hi")
