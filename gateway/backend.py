@@ -56,6 +56,7 @@ class Endpoint:
     parse: Callable[[Any], APIRequest]
     span: Callable[[Work], ChatSpan]
     stateful: bool = False  # its requests go through the pipeline's `State` hooks
+    count_only: bool = False  # answers the prompt's token count; generates nothing, charges nothing
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from gateway import embeddings, protocol
 from gateway.backend import Endpoint, Task, Work
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
-from gateway.responses_request import ResponsesRequest, parse_responses_request
+from gateway.responses_request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
 from gateway.telemetry import ChatSpan
 
 
@@ -105,4 +105,16 @@ RESPONSES = Endpoint(
     stateful=True,
 )
 
-ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES)
+RESPONSE_INPUT_TOKENS = Endpoint(
+    path="/v1/responses/input_tokens",
+    upstream_path="/v1/responses/input_tokens",
+    task=Task.GENERATE,
+    operation="chat",
+    id_prefix="resp_",
+    parse=parse_input_tokens_request,
+    span=_responses_span,
+    stateful=True,
+    count_only=True,
+)
+
+ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES, RESPONSE_INPUT_TOKENS)

@@ -142,6 +142,8 @@ class EngineBackend:
         engine, tokenizer = self._running()
         req = work.request
         if isinstance(req, ResponsesRequest):
+            if work.endpoint.count_only:
+                return await self._plan_count(to_chat(req), tokenizer)
             return await self._plan_chat(work, to_chat(req), engine, tokenizer, param="input")
         if isinstance(req, protocol.ChatCompletionRequest):
             return await self._plan_chat(work, req, engine, tokenizer, param="messages")
@@ -193,6 +195,19 @@ class EngineBackend:
         job = self._job(work, params, params.n, len(prompt), tokenizer)
         job.parse_tool_calls = output.parse_tool_calls
         return self._plan(work, job, [prompt], params, param=param)
+
+    async def _plan_count(self, req: protocol.ChatCompletionRequest, tokenizer: Tokenizer) -> Plan:
+        """The prompt's exact token count, as `POST /v1/responses/input_tokens` answers it."""
+        output = tools.plan_output(req)
+        size = sum(len(m.text) for m in req.messages)
+        prompt = await inline_or_thread(
+            lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
+        )
+
+        async def execute(call: Call) -> Reply:
+            return Body({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
+        return Plan(len(prompt), 0, execute)
 
     def _job(
         self,

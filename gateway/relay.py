@@ -144,7 +144,7 @@ class ReplicaBackend:
             chat = to_chat(req)  # what the replica renders; a 400 here, before admission, as there
             messages = [m.model_dump(exclude_none=True) for m in chat.messages]
             num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
-            max_tokens = req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS
+            max_tokens = 0 if work.endpoint.count_only else req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS
         elif isinstance(req, protocol.ChatCompletionRequest):
             messages = work.body["messages"]
             num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
@@ -488,7 +488,6 @@ class _Observer:
                 if not self.reported:
                     self.usage.num_completion_tokens += 1  # one per chunk: an estimate, corrected by usage
         return carried
-
 
     def _observe_event(self, frame: bytes) -> bool:
         """A Responses stream's typed event: text and argument deltas, and the terminal event's

@@ -410,6 +410,14 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     )
 
 
+def parse_input_tokens_request(body: Any) -> ResponsesRequest:
+    """`POST /v1/responses/input_tokens`: a create body without `input` (a continuation may add
+    none) and never stored."""
+    if isinstance(body, dict):
+        body = {"input": [], **body}
+    return parse_responses_request(body).model_copy(update={"store": False})
+
+
 def _check_tool_choice(req: ResponsesRequest, functions: tuple[FunctionTool, ...]) -> None:
     choice = req.tool_choice
     names = {f.name for f in functions}

@@ -110,6 +110,8 @@ class ResponsesState:
 
         async def run(call: Call) -> Reply:
             reply = await execute(call)
+            if work.endpoint.count_only:
+                call.usage.served = False  # counting generates nothing: its hold is refunded whole
             if req.ignored:
                 reply.headers[IGNORED_HEADER] = ", ".join(req.ignored)
             if not store:

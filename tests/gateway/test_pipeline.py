@@ -182,6 +182,7 @@ CASES: list[tuple[str, str, dict[str, str], Any]] = [
     ("responses, unknown previous", "/v1/responses", ACME, resp(previous_response_id="resp_nope")),
     ("responses, anonymous", "/v1/responses", {}, resp()),
     ("responses, context too long", "/v1/responses", ACME, resp(max_output_tokens=600)),
+    ("responses, input tokens", "/v1/responses/input_tokens", ACME, {"model": MODEL, "input": "hi"}),
 ]
 TOKENIZER_CHECKS = {"context too long", "responses, context too long"}
 # Headers whose presence (not value: ids, times and remaining counts differ) must match.
@@ -218,7 +219,7 @@ def _answer(r: httpx.Response) -> dict[str, Any]:
     else:
         body = _normalized(r.json())
     headers = {h: h in r.headers for h in COMPARED_HEADERS}
-    if "x-request-id" in r.headers and r.status_code == 200 and isinstance(body, dict):
+    if "x-request-id" in r.headers and r.status_code == 200 and isinstance(body, dict) and "id" in body:
         headers["x-request-id is the response id"] = r.headers["x-request-id"] == r.json()["id"]
     return {"status": r.status_code, "body": body, "headers": headers}
 

@@ -190,6 +190,22 @@ def test_retrieve_delete_and_input_items(client: openai.OpenAI, tiny_server: Tin
         client.responses.retrieve(unstored.id)
 
 
+def test_input_tokens_counts_what_create_is_charged(client: openai.OpenAI, tiny_server: TinyServer) -> None:
+    fields: dict[str, Any] = {"model": tiny_server.model, "instructions": "Be brief.", "input": "Count me."}
+    counted = client.responses.input_tokens.count(**fields, tools=[WEATHER])  # type: ignore[list-item]
+    created = client.responses.create(**fields, tools=[WEATHER], max_output_tokens=1)  # type: ignore[list-item]
+    assert counted.object == "response.input_tokens" and created.usage is not None
+    assert counted.input_tokens == created.usage.input_tokens
+    plain = client.responses.input_tokens.count(**fields)
+    assert plain.input_tokens < counted.input_tokens  # the tools are in the prompt
+    continued = client.responses.input_tokens.count(
+        **fields,
+        tools=[WEATHER],  # type: ignore[list-item]
+        previous_response_id=created.id,  # instructions and tools are per request; the turns are kept
+    )
+    assert continued.input_tokens > created.usage.input_tokens + created.usage.output_tokens
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
