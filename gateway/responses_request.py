@@ -37,6 +37,20 @@ from gateway.protocol import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's ResponseIncludable values (openai 3.57): only the logprobs apply here, the rest concern
+# hosted tools, images and reasoning, and are ignored.
+INCLUDABLE = frozenset(
+    {
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+        LOGPROBS_INCLUDE,
+    }
+)
 # Hosted tools that run on OpenAI's side: not offered to the model, named as ignored.
 HOSTED_TOOLS = frozenset(
     {
@@ -75,6 +89,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 MAX_METADATA_KEYS = 16
+# Fields of ResponsesRequest that parsing derives (never sent by a client; not in the document).
+DERIVED_FIELDS = ("functions", "namespaces", "ignored", "history")
+_INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
 
 
 def _input(value: Any) -> Any:
@@ -91,7 +108,7 @@ def _tool_choice(value: Any) -> Any:
         return value
     kind = value.get("type")
     if kind == "function":
-        return ToolChoiceFunction.model_validate(value)
+        return FunctionToolChoice.model_validate(value)
     if kind == "allowed_tools":
         return ToolChoiceAllowed.model_validate(value)
     raise ValueError(
@@ -217,7 +234,7 @@ class TextConfig(StrictModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ToolChoiceFunction(StrictModel):
+class FunctionToolChoice(StrictModel):
     type: Literal["function"]
     name: str
 
@@ -234,7 +251,7 @@ class ToolChoiceAllowed(StrictModel):
 
 
 ToolChoice = Annotated[
-    Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceAllowed,
+    Literal["none", "auto", "required"] | FunctionToolChoice | ToolChoiceAllowed,
     BeforeValidator(_tool_choice),
 ]
 MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None
@@ -244,13 +261,13 @@ class ResponsesRequest(StrictModel):
     """OpenAI's create-response body (the subset of the module docstring)."""
 
     model: str
-    input: Annotated[list[Item], BeforeValidator(_input), WithJsonSchema({})]
+    input: Annotated[list[Item], BeforeValidator(_input), WithJsonSchema(_INPUT_SCHEMA)]
     instructions: str | None = None
     max_output_tokens: MaxTokens = None
     temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None = None
-    include: list[str] | None = None
+    include: list[Literal[tuple(sorted(INCLUDABLE))]] | None = None  # type: ignore[valid-type]
     tools: list[Any] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -263,6 +280,13 @@ class ResponsesRequest(StrictModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     truncation: Literal["disabled"] | None = None
+    # Accepted and ignored, whatever their value (IGNORED_FIELDS; parsing takes them out first).
+    reasoning: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    client_metadata: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    service_tier: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    prompt_cache_retention: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    max_tool_calls: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    stream_options: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
     # Filled by parse_responses_request, not by the client:
     functions: Annotated[tuple[FunctionTool, ...], Field(exclude=True)] = ()
     namespaces: Annotated[dict[str, str], Field(exclude=True)] = {}  # function name -> its namespace
@@ -293,13 +317,15 @@ def _pop_ignored(body: dict[str, Any]) -> list[str]:
         if name in body:
             if body.pop(name) is not None:
                 ignored.append(name)
-    text = body.get("text")
-    if isinstance(text, dict) and text.get("verbosity") is not None:
-        body["text"] = {k: v for k, v in text.items() if k != "verbosity"}
-        ignored.append("text.verbosity")
     include = body.get("include")
     if isinstance(include, list):
-        ignored += [f"include={v}" for v in include if v != LOGPROBS_INCLUDE and isinstance(v, str)]
+        for i, value in enumerate(include):
+            if value not in INCLUDABLE:
+                raise invalid_request(
+                    f"Invalid value for 'include[{i}]': must be one of {', '.join(sorted(INCLUDABLE))}.",
+                    param=f"include[{i}]",
+                )
+        ignored += [f"include={v}" for v in include if v != LOGPROBS_INCLUDE]
     return ignored
 
 
@@ -390,6 +416,9 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     """Validate a decoded JSON body as a create-response request; APIError(400) names the field."""
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
+    for name in DERIVED_FIELDS:  # ours, not the client's
+        if name in body:
+            raise invalid_request(f"Unrecognized request argument supplied: {name}", param=name)
     body = dict(body)
     ignored = _pop_ignored(body)
     _check_unsupported(body)
@@ -405,14 +434,22 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
         raise invalid_request(f"'metadata' may hold at most {MAX_METADATA_KEYS} keys.", param="metadata")
     _check_tool_choice(req, functions)
+    if req.text is not None and req.text.verbosity is not None:
+        ignored.append("text.verbosity")
     return req.model_copy(
         update={"functions": functions, "namespaces": namespaces, "ignored": (*ignored, *hosted)}
     )
 
 
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a create body whose `input` may be left out (a
+    continuation may add none)."""
+
+    input: Annotated[list[Item], BeforeValidator(_input), WithJsonSchema(_INPUT_SCHEMA)] = []
+
+
 def parse_input_tokens_request(body: Any) -> ResponsesRequest:
-    """`POST /v1/responses/input_tokens`: a create body without `input` (a continuation may add
-    none) and never stored."""
+    """An InputTokensRequest body, parsed as the create request it counts (never stored)."""
     if isinstance(body, dict):
         body = {"input": [], **body}
     return parse_responses_request(body).model_copy(update={"store": False})
@@ -427,7 +464,7 @@ def _check_tool_choice(req: ResponsesRequest, functions: tuple[FunctionTool, ...
         raise invalid_request("'tool_choice' requires function tools in 'tools'.", param="tool_choice")
     wanted = (
         [choice.name]
-        if isinstance(choice, ToolChoiceFunction)
+        if isinstance(choice, FunctionToolChoice)
         else [t.name for t in choice.tools]
         if isinstance(choice, ToolChoiceAllowed)
         else []
@@ -536,7 +573,7 @@ def _chat_tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
         allowed = {t.name for t in choice.tools}
         functions = tuple(f for f in functions if f.name in allowed)
         body["tool_choice"] = choice.mode
-    elif isinstance(choice, ToolChoiceFunction):
+    elif isinstance(choice, FunctionToolChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     elif choice is not None:
         body["tool_choice"] = choice

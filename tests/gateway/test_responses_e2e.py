@@ -15,6 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
 from tests.gateway.conftest import TinyServer
+from tests.gateway.helpers import validate
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 WEATHER = {
@@ -52,6 +53,7 @@ def test_create_text_in_openai_shapes(client: openai.OpenAI, tiny_server: TinySe
     )
     body = json.loads(raw.text)
     resp = _strict(body)
+    validate(body, "Response")
     assert resp.object == "response" and resp.id.startswith("resp_")
     assert resp.status == "incomplete" and resp.incomplete_details is not None
     assert resp.incomplete_details.reason == "max_output_tokens"  # random weights run to the limit
@@ -91,6 +93,7 @@ def test_stream_assembles_what_create_answers(client: openai.OpenAI, tiny_server
     ]
     for e in events:
         EVENTS.validate_python(e.model_dump(mode="json", exclude_unset=True))
+        validate(e.model_dump(mode="json", exclude_unset=True), "ResponseStreamEvent")  # our document
     assert final.output_text == whole.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     tiny_server.wait_idle()
@@ -177,6 +180,7 @@ def test_retrieve_delete_and_input_items(client: openai.OpenAI, tiny_server: Tin
     )
     assert client.responses.retrieve(created.id).model_dump() == created.model_dump()
     page = client.responses.input_items.list(created.id, limit=2, order="asc")
+    validate(page.model_dump(mode="json", exclude_unset=True), "ResponseItemList")
     assert [i.role for i in page.data] == ["developer", "user"] and page.has_more  # type: ignore[union-attr]
     rest = client.responses.input_items.list(created.id, after=page.last_id, order="asc")
     assert [i.role for i in rest.data] == ["assistant", "user"] and not rest.has_more  # type: ignore[union-attr]
