@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from gateway import admin, admission, endpoints, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
+from gateway.conversations import Conversations
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind
@@ -86,7 +87,9 @@ class Gateway:
             self.backends.append(self.replicas)
         self.registry = ModelRegistry(self.backends)
         self.drain = Drain()
-        self.responses = ResponsesState(build_store(settings, self.metrics))
+        store = build_store(settings, self.metrics)
+        self.conversations = Conversations(store, settings.max_body_bytes)
+        self.responses = ResponsesState(store, self.conversations)
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: getattr(self.tenancy, "redis_up", None)
@@ -292,6 +295,42 @@ def create_app(
             "/v1/responses/{response_id}/input_items",
             gateway.stored(gateway.responses.input_items),
             methods=["GET"],
+        ),
+        Route("/v1/conversations", gateway.stored(gateway.conversations.create), methods=["POST"]),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            gateway.stored(gateway.conversations.retrieve),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            gateway.stored(gateway.conversations.update),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            gateway.stored(gateway.conversations.delete),
+            methods=["DELETE"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items",
+            gateway.stored(gateway.conversations.list_items),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items",
+            gateway.stored(gateway.conversations.add_items),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items/{item_id}",
+            gateway.stored(gateway.conversations.get_item),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items/{item_id}",
+            gateway.stored(gateway.conversations.delete_item),
+            methods=["DELETE"],
         ),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),

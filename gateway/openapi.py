@@ -18,6 +18,11 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from gateway import schemas as response_schemas
+from gateway.conversations import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationUpdateRequest,
+)
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +43,9 @@ REQUEST_TYPES: tuple[type, ...] = (
     EmbeddingsRequest,
     ResponsesRequest,
     InputTokensRequest,
+    ConversationCreateRequest,
+    ConversationUpdateRequest,
+    ConversationItemsRequest,
 )
 
 
@@ -96,6 +104,46 @@ _STORED_ERRORS = {
     "503": _error("The response store is unavailable; see Retry-After"),
 }
 _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+_CONVERSATION_ID = {"name": "conversation_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_ITEM_ID = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_PAGE = [
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+    },
+    {
+        "name": "order",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": ["asc", "desc"]},
+    },
+]
+
+
+def _stored_op(summary: str, parameters: list[dict[str, Any]], schema: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "parameters": parameters,
+        "responses": {"200": _json("OK", schema), **_STORED_ERRORS},
+    }
+
+
+def _body_op(
+    summary: str, request: str, response: str, errors: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": _json("OK", response),
+            **(errors or {**_STORED_ERRORS, "413": _POST_ERRORS["413"], "415": _POST_ERRORS["415"]}),
+        },
+    }
 
 
 def _json(description: str, schema: str) -> dict[str, Any]:
@@ -292,24 +340,45 @@ def _paths() -> dict[str, Any]:
         "/v1/responses/{response_id}/input_items": {
             "get": {
                 "summary": "List a stored response's input items",
-                "parameters": [
-                    _RESPONSE_ID,
-                    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {
-                        "name": "limit",
-                        "in": "query",
-                        "required": False,
-                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
-                    },
-                    {
-                        "name": "order",
-                        "in": "query",
-                        "required": False,
-                        "schema": {"type": "string", "enum": ["asc", "desc"]},
-                    },
-                ],
+                "parameters": [_RESPONSE_ID, *_PAGE],
                 "responses": {"200": _json("A page of items", "ResponseItemList"), **_STORED_ERRORS},
             }
+        },
+        "/v1/conversations": {
+            "post": _body_op(
+                "Create a conversation", "ConversationCreateRequest", "Conversation", _POST_ERRORS
+            )
+        },
+        "/v1/conversations/{conversation_id}": {
+            "get": _stored_op("Retrieve a conversation", [_CONVERSATION_ID], "Conversation"),
+            "post": {
+                **_body_op("Update a conversation's metadata", "ConversationUpdateRequest", "Conversation"),
+                "parameters": [_CONVERSATION_ID],
+            },
+            "delete": _stored_op("Delete a conversation", [_CONVERSATION_ID], "ConversationDeleted"),
+        },
+        "/v1/conversations/{conversation_id}/items": {
+            "get": _stored_op("List a conversation's items", [_CONVERSATION_ID, *_PAGE], "ResponseItemList"),
+            "post": {
+                **_body_op("Add items to a conversation", "ConversationItemsRequest", "ResponseItemList"),
+                "parameters": [_CONVERSATION_ID],
+            },
+        },
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": {
+                "summary": "Retrieve a conversation's item",
+                "parameters": [_CONVERSATION_ID, _ITEM_ID],
+                "responses": {
+                    "200": {
+                        "description": "The item (OpenAI's item shape)",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **_STORED_ERRORS,
+                },
+            },
+            "delete": _stored_op(
+                "Delete a conversation's item", [_CONVERSATION_ID, _ITEM_ID], "Conversation"
+            ),
         },
         "/health": _status_op("Liveness: the process answers", "The engine failed or died"),
         "/ready": _status_op("Readiness: model loaded and engine running", "Not ready (yet)"),

@@ -1,6 +1,7 @@
-"""Stored responses, per tenant, behind one small interface: SQLite on one machine, Redis in a pool.
+"""Stored responses and conversations, per tenant, behind one small interface: SQLite on one
+machine, Redis in a pool.
 
-    ResponseStore.put(tenant, record) / get(tenant, id) / delete(tenant, id) / aclose()
+    ResponseStore.put(tenant, id, record) / get(tenant, id) / delete(tenant, id) / aclose()
 
 A `StoredResponse` is what a later turn needs: the response object as it was answered, this turn's
 input items (ids assigned, as `input_items` lists them) and the conversation before it (so a
@@ -10,8 +11,8 @@ names the tenant: another tenant's id is simply not there (a 404, never a 403).
 - `SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one; at
   most `--responses-max-stored` responses, the least recently used evicted first, each eviction
   counted (`batchgate_response_store_evictions_total`). Calls run in a worker thread.
-- `RedisStore` (with `--redis-url`): `{tenant:<name>}:response:<id>` strings with a TTL
-  (`--responses-ttl`) and a per-tenant recency index `{tenant:<name>}:responses` (a sorted set)
+- `RedisStore` (with `--redis-url`): `{tenant:<name>}:stored:<id>` strings with a TTL
+  (`--responses-ttl`) and a per-tenant recency index `{tenant:<name>}:stored` (a sorted set)
   that bounds each tenant to `--responses-max-stored`; one Lua script writes and evicts, so any
   gateway of a pool reads what another wrote.
 """
@@ -59,16 +60,38 @@ class StoredResponse:
         return cls(data["response"], data["input_items"], data["history"])
 
 
+@dataclass(frozen=True)
+class StoredConversation:
+    """A conversation (`/v1/conversations`): its object (id, created_at, metadata) and its items."""
+
+    conversation: dict[str, Any]
+    items: list[dict[str, Any]]
+
+    @property
+    def conversation_id(self) -> str:
+        return str(self.conversation["id"])
+
+    def dumps(self) -> bytes:
+        return orjson.dumps({"conversation": self.conversation, "items": self.items})
+
+    @classmethod
+    def loads(cls, raw: bytes) -> StoredConversation:
+        data = orjson.loads(raw)
+        return cls(data["conversation"], data["items"])
+
+
 class ResponseStore(Protocol):
-    """Responses by tenant and id. Contract: `get` of an id another tenant stored is None; `put`
-    keeps the store within its bound (evicting the least recently used); all methods are safe to
-    call concurrently from the event loop."""
+    """Records (stored responses and conversations, `StoredResponse.dumps()` and
+    `StoredConversation.dumps()`) by tenant and id; ids are unique across kinds (`resp_`, `conv_`).
+    Contract: `get` of an id another tenant stored is None; `put` keeps the store within its bound
+    (evicting the least recently used); all methods are safe to call concurrently from the event
+    loop."""
 
-    async def put(self, tenant: str, record: StoredResponse) -> None: ...
+    async def put(self, tenant: str, key: str, record: bytes) -> None: ...
 
-    async def get(self, tenant: str, response_id: str) -> StoredResponse | None: ...
+    async def get(self, tenant: str, key: str) -> bytes | None: ...
 
-    async def delete(self, tenant: str, response_id: str) -> bool: ...
+    async def delete(self, tenant: str, key: str) -> bool: ...
 
     async def aclose(self) -> None: ...
 
@@ -99,11 +122,11 @@ class SQLiteStore:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
-    def _put(self, tenant: str, record: StoredResponse) -> None:
+    def _put(self, tenant: str, key: str, record: bytes) -> None:
         with self._lock, self._db:
             self._db.execute(
                 "INSERT OR REPLACE INTO responses (tenant, id, used, record) VALUES (?, ?, ?, ?)",
-                (tenant, record.response_id, time.time(), record.dumps()),
+                (tenant, key, time.time(), record),
             )
             (num,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
             excess = int(num) - self.max_num_responses
@@ -116,7 +139,7 @@ class SQLiteStore:
         if excess > 0:
             self._on_evict(excess)
 
-    def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
+    def _get(self, tenant: str, response_id: str) -> bytes | None:
         with self._lock, self._db:
             row = self._db.execute(
                 "SELECT record FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
@@ -127,7 +150,7 @@ class SQLiteStore:
                 "UPDATE responses SET used = ? WHERE tenant = ? AND id = ?",
                 (time.time(), tenant, response_id),
             )
-        return StoredResponse.loads(row[0])
+        return bytes(row[0])
 
     def _delete(self, tenant: str, response_id: str) -> bool:
         with self._lock, self._db:
@@ -136,11 +159,11 @@ class SQLiteStore:
             )
         return cursor.rowcount > 0
 
-    async def put(self, tenant: str, record: StoredResponse) -> None:
-        await anyio.to_thread.run_sync(self._put, tenant, record)
+    async def put(self, tenant: str, key: str, record: bytes) -> None:
+        await anyio.to_thread.run_sync(self._put, tenant, key, record)
 
-    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        return await anyio.to_thread.run_sync(self._get, tenant, response_id)
+    async def get(self, tenant: str, key: str) -> bytes | None:
+        return await anyio.to_thread.run_sync(self._get, tenant, key)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         return await anyio.to_thread.run_sync(self._delete, tenant, response_id)
@@ -197,22 +220,22 @@ class RedisStore:
 
     @staticmethod
     def _keys(tenant: str, response_id: str) -> tuple[str, str, str]:
-        prefix = f"{tenant_tag(tenant)}:response:"
-        return prefix + response_id, f"{tenant_tag(tenant)}:responses", prefix
+        prefix = f"{tenant_tag(tenant)}:stored:"
+        return prefix + response_id, f"{tenant_tag(tenant)}:stored", prefix
 
-    async def put(self, tenant: str, record: StoredResponse) -> None:
-        key, index, prefix = self._keys(tenant, record.response_id)
+    async def put(self, tenant: str, key: str, record: bytes) -> None:
+        redis_key, index, prefix = self._keys(tenant, key)
         evicted = await self._put_script(
-            keys=[key, index],
-            args=[record.response_id, record.dumps(), self.ttl_s, self.max_num_responses, prefix],
+            keys=[redis_key, index],
+            args=[key, record, self.ttl_s, self.max_num_responses, prefix],
         )
         if evicted:
             self._on_evict(int(evicted))
 
-    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        key, index, _ = self._keys(tenant, response_id)
-        raw = await self._touch_script(keys=[key, index], args=[response_id])
-        return None if raw is None else StoredResponse.loads(raw)
+    async def get(self, tenant: str, key: str) -> bytes | None:
+        redis_key, index, _ = self._keys(tenant, key)
+        raw = await self._touch_script(keys=[redis_key, index], args=[key])
+        return None if raw is None else bytes(raw)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         key, index, _ = self._keys(tenant, response_id)

@@ -76,6 +76,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) 
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
+        "conversation": {"id": req.conversation_id} if req.conversation_id else None,
         "prompt_cache_key": req.prompt_cache_key,
         "reasoning": {"effort": None, "summary": None},
         "safety_identifier": req.safety_identifier,

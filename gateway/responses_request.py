@@ -83,7 +83,6 @@ IGNORED_FIELDS = (
 # OpenAI fields we do not implement: accepted only with these values ("not asked for").
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "background": (None, False),
-    "conversation": (None,),
     "prompt": (None,),
     "context_management": (None,),
 }
@@ -257,6 +256,10 @@ ToolChoice = Annotated[
 MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None
 
 
+class ConversationRef(StrictModel):
+    id: str
+
+
 class ResponsesRequest(StrictModel):
     """OpenAI's create-response body (the subset of the module docstring)."""
 
@@ -274,6 +277,7 @@ class ResponsesRequest(StrictModel):
     text: TextConfig | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None
     metadata: dict[str, str] | None = None
     stream: bool | None = None
     user: str | None = None
@@ -293,6 +297,10 @@ class ResponsesRequest(StrictModel):
     ignored: Annotated[tuple[str, ...], Field(exclude=True)] = ()
     # The conversation before this turn (from previous_response_id), as items.
     history: Annotated[tuple[Item, ...], Field(exclude=True)] = ()
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     @property
     def stores(self) -> bool:
@@ -434,6 +442,11 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
         raise invalid_request(f"'metadata' may hold at most {MAX_METADATA_KEYS} keys.", param="metadata")
     _check_tool_choice(req, functions)
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise invalid_request(
+            "'conversation' and 'previous_response_id' cannot be used together; give one of them.",
+            param="conversation",
+        )
     if req.text is not None and req.text.verbosity is not None:
         ignored.append("text.verbosity")
     return req.model_copy(

@@ -315,6 +315,7 @@ class Response(TypedDict):
     output: list[ResponseOutputMessage | ResponseFunctionToolCall]
     parallel_tool_calls: bool
     previous_response_id: str | None
+    conversation: dict[str, str] | None
     prompt_cache_key: str | None
     reasoning: dict[str, object]
     safety_identifier: str | None
@@ -368,6 +369,19 @@ class ResponseDeleted(TypedDict):
     deleted: Literal[True]
 
 
+class Conversation(TypedDict):
+    id: str
+    object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]
+
+
+class ConversationDeleted(TypedDict):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: Literal[True]
+
+
 class InputTokenCount(TypedDict):
     object: Literal["response.input_tokens"]
     input_tokens: NonNegativeInt
@@ -388,4 +402,6 @@ RESPONSE_TYPES: tuple[type, ...] = (
     ResponseItemList,
     ResponseDeleted,
     InputTokenCount,
+    Conversation,
+    ConversationDeleted,
 )

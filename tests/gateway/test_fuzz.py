@@ -30,7 +30,8 @@ MAX_TOKENS_CAP = 4
 N_CAP = 2
 # Examples per operation and mode: POST operations get the most, the GETs have little to vary.
 MAX_EXAMPLES = {"POST": 150, "GET": 15, "DELETE": 15}
-# The Responses API's operations share one parser and pipeline path: fewer each, to keep the run short.
+# The Responses and Conversations APIs' operations share one parser and store: fewer each, to keep
+# the run short.
 RESPONSES_MAX_EXAMPLES = {"POST": 30, "GET": 5, "DELETE": 5}
 
 
@@ -72,7 +73,9 @@ def test_no_server_errors(tiny_server: TinyServer, mode: GenerationMode) -> None
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(
             max_examples=(
-                RESPONSES_MAX_EXAMPLES if operation.path.startswith("/v1/responses") else MAX_EXAMPLES
+                RESPONSES_MAX_EXAMPLES
+                if operation.path.startswith(("/v1/responses", "/v1/conversations"))
+                else MAX_EXAMPLES
             )[operation.method.upper()],
             deadline=None,
             derandomize=True,

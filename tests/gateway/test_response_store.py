@@ -21,19 +21,28 @@ def record(response_id: str, **extra: Any) -> StoredResponse:
     )
 
 
+async def put(store: ResponseStore, tenant: str, r: StoredResponse) -> None:
+    await store.put(tenant, r.response_id, r.dumps())
+
+
+async def get(store: ResponseStore, tenant: str, response_id: str) -> StoredResponse | None:
+    raw = await store.get(tenant, response_id)
+    return None if raw is None else StoredResponse.loads(raw)
+
+
 async def _roundtrip_and_scope(store: ResponseStore) -> None:
-    await store.put("acme", record("resp_1", namespace="ns"))
-    got = await store.get("acme", "resp_1")
+    await put(store, "acme", record("resp_1", namespace="ns"))
+    got = await get(store, "acme", "resp_1")
     assert got == record("resp_1", namespace="ns")  # items exactly as stored
     assert got is not None and [i["type"] for i in got.conversation()] == [
         "function_call",
         "message",
         "message",
     ]
-    assert await store.get("umbrella", "resp_1") is None  # another tenant's id is not there
+    assert await get(store, "umbrella", "resp_1") is None  # another tenant's id is not there
     assert not await store.delete("umbrella", "resp_1")
     assert await store.delete("acme", "resp_1")
-    assert await store.get("acme", "resp_1") is None
+    assert await get(store, "acme", "resp_1") is None
 
 
 async def test_sqlite_store_is_scoped_bounded_and_least_recently_used_out(tmp_path: Path) -> None:
@@ -41,15 +50,15 @@ async def test_sqlite_store_is_scoped_bounded_and_least_recently_used_out(tmp_pa
     store = SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=3, on_evict=evicted.append)
     await _roundtrip_and_scope(store)
     for i in range(3):
-        await store.put("acme", record(f"resp_{i}"))
-    assert await store.get("acme", "resp_0") is not None  # used: now the most recent
-    await store.put("umbrella", record("resp_3"))  # the bound is the store's, over all tenants
+        await put(store, "acme", record(f"resp_{i}"))
+    assert await get(store, "acme", "resp_0") is not None  # used: now the most recent
+    await put(store, "umbrella", record("resp_3"))  # the bound is the store's, over all tenants
     assert evicted == [1] and store.count() == 3
-    assert await store.get("acme", "resp_1") is None  # the least recently used went
-    assert await store.get("acme", "resp_0") is not None
+    assert await get(store, "acme", "resp_1") is None  # the least recently used went
+    assert await get(store, "acme", "resp_0") is not None
     await store.aclose()
     again = SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=3)  # a restart loses nothing
-    assert await again.get("umbrella", "resp_3") == record("resp_3")
+    assert await get(again, "umbrella", "resp_3") == record("resp_3")
     await again.aclose()
 
 
@@ -57,9 +66,9 @@ async def test_sqlite_store_in_memory_stays_within_its_bound() -> None:
     evicted: list[int] = []
     store = SQLiteStore(None, max_num_responses=50, on_evict=evicted.append)
     for i in range(500):
-        await store.put("acme", record(f"resp_{i}"))
+        await put(store, "acme", record(f"resp_{i}"))
     assert store.count() == 50 and sum(evicted) == 450
-    assert await store.get("acme", "resp_499") is not None and await store.get("acme", "resp_0") is None
+    assert await get(store, "acme", "resp_499") is not None and await get(store, "acme", "resp_0") is None
     await store.aclose()
 
 
@@ -68,16 +77,16 @@ async def test_redis_store_keys_are_hash_tagged_with_a_ttl_and_a_per_tenant_boun
     store = RedisStore(redis_url, ttl_s=600, max_num_responses=2, on_evict=evicted.append)
     await _roundtrip_and_scope(store)
     for i in range(3):
-        await store.put("acme", record(f"resp_{i}"))
-    await store.put("umbrella", record("resp_9"))  # its own bound
+        await put(store, "acme", record(f"resp_{i}"))
+    await put(store, "umbrella", record("resp_9"))  # its own bound
     assert evicted == [1]
-    assert await store.get("acme", "resp_0") is None and await store.get("acme", "resp_2") is not None
-    assert await store.get("umbrella", "resp_9") is not None
+    assert await get(store, "acme", "resp_0") is None and await get(store, "acme", "resp_2") is not None
+    assert await get(store, "umbrella", "resp_9") is not None
     client = redis.Redis.from_url(redis_url)
     try:
-        assert 0 < client.ttl("{tenant:acme}:response:resp_2") <= 600
-        assert client.zcard("{tenant:acme}:responses") == 2
-        assert not client.exists("{tenant:acme}:response:resp_0")
+        assert 0 < client.ttl("{tenant:acme}:stored:resp_2") <= 600
+        assert client.zcard("{tenant:acme}:stored") == 2
+        assert not client.exists("{tenant:acme}:stored:resp_0")
     finally:
         client.close()
     await store.aclose()

@@ -263,3 +263,49 @@ def test_ignored_fields_are_named_in_one_header(tiny_server: TinyServer) -> None
         "reasoning, client_metadata, service_tier, include=reasoning.encrypted_content, tools[0]=web_search"
     )
     assert r.json()["tools"] == []  # the hosted tool is not offered
+
+
+def test_conversations_through_the_sdk(client: openai.OpenAI, tiny_server: TinyServer) -> None:
+    conv = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "My name is Ada."}], metadata={"topic": "names"}
+    )
+    assert (
+        conv.object == "conversation" and conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    )
+    assert client.conversations.update(conv.id, metadata={"topic": "x"}).metadata == {"topic": "x"}
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "x"}
+    first = client.responses.create(
+        model=tiny_server.model, conversation=conv.id, input="What is my name?", max_output_tokens=3
+    )
+    assert first.conversation is not None and first.conversation.id == conv.id
+    second = client.responses.create(
+        model=tiny_server.model, conversation={"id": conv.id}, input="Again?", max_output_tokens=3
+    )
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens >= 16
+    items = client.conversations.items.list(conv.id, order="asc")
+    assert [(i.type, getattr(i, "role", None)) for i in items.data] == [
+        ("message", "user"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    added = client.conversations.items.create(
+        conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}]
+    )
+    [new] = added.data
+    assert client.conversations.items.retrieve(new.id, conversation_id=conv.id).id == new.id  # type: ignore[union-attr]
+    assert client.conversations.items.delete(new.id, conversation_id=conv.id).id == conv.id  # type: ignore[union-attr]
+    assert len(client.conversations.items.list(conv.id).data) == 5
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(
+            model=tiny_server.model, conversation=conv.id, previous_response_id=first.id, input="x"
+        )
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=tiny_server.model, conversation=conv.id, input="x")
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(first.id)  # a response's id is no conversation
+    tiny_server.wait_idle()
