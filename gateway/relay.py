@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -442,8 +442,7 @@ class _Observer:
                 self.span.finish_reason(int(choice.get("index", 0)), choice.get("finish_reason"))
             u = body["usage"]
             if body.get("object") == "response":
-                self.usage.num_prompt_tokens = int(u["input_tokens"])
-                self.usage.num_completion_tokens = int(u["output_tokens"])
+                self._response_usage(u)
                 return
             self.usage.num_prompt_tokens = int(u["prompt_tokens"])
             self.usage.num_completion_tokens = int(u.get("completion_tokens", 0))  # embeddings have none
@@ -489,12 +488,20 @@ class _Observer:
                     self.usage.num_completion_tokens += 1  # one per chunk: an estimate, corrected by usage
         return carried
 
+    def _response_usage(self, u: dict[str, Any]) -> None:
+        """A Responses API `usage` object (input, output and cached tokens)."""
+        self.usage.num_prompt_tokens = int(u["input_tokens"])
+        self.usage.num_completion_tokens = int(u["output_tokens"])
+        details = u.get("input_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            self.usage.num_cached_tokens = int(details["cached_tokens"])
+
     def _observe_event(self, frame: bytes) -> bool:
         """A Responses stream's typed event: text and argument deltas, and the terminal event's
         response (its id and usage)."""
         kind = frame[len(b"event: ") : frame.find(b"\n")]
         if kind in TEXT_EVENTS:
-            if not self._reported:
+            if not self.reported:
                 self.usage.num_completion_tokens += 1  # an estimate, corrected by the final usage
             return True
         if not kind.startswith(b"response."):
@@ -504,9 +511,8 @@ class _Observer:
             self.usage.response_id = str(response["id"])
             u = response.get("usage")
             if isinstance(u, dict):
-                self.usage.num_prompt_tokens = int(u["input_tokens"])
-                self.usage.num_completion_tokens = int(u["output_tokens"])
-                self._reported = True
+                self._response_usage(u)
+                self.reported = True
         except (ValueError, KeyError, TypeError, IndexError):
             pass
         return False
