@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from gateway import admin, admission, endpoints, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
+from gateway.conversations import Conversations
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
@@ -35,6 +36,7 @@ from gateway.openapi import build_openapi
 from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
 from gateway.relay import ReplicaBackend
+from gateway.responses_state import ResponsesState, build_store
 from gateway.settings import Settings
 from gateway.webhooks import BudgetWebhook
 
@@ -85,7 +87,10 @@ class Gateway:
             self.backends.append(self.replicas)
         self.registry = ModelRegistry(self.backends)
         self.drain = Drain()
-        self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain)
+        store = build_store(settings, self.metrics)
+        self.conversations = Conversations(store, settings.max_body_bytes)
+        self.responses = ResponsesState(store, self.conversations)
+        self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
@@ -123,6 +128,7 @@ class Gateway:
                 await task  # a load in progress cannot be interrupted; wait, then shut it down
             for backend in self.backends:
                 await backend.aclose()
+            await self.responses.aclose()
             if self.owns_tenancy and self.tenancy is not None:
                 await self.tenancy.aclose()
             if self.pipeline.events is not None:
@@ -137,6 +143,17 @@ class Gateway:
             return await self.pipeline.handle(endpoint, request)
 
         return handle
+
+    def stored(
+        self, handle: Callable[[admission.Caller, Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """A route over the tenant's stored responses: authenticated like the model endpoints."""
+
+        async def route(request: Request) -> Response:
+            caller = await self.pipeline.authenticate(request.headers, None)
+            return await handle(caller, request)
+
+        return route
 
     # -- probes and metadata -----------------------------------------------------------------
 
@@ -267,6 +284,49 @@ def create_app(
     )
     routes = [
         *(Route(e.path, gateway.route(e), methods=["POST"]) for e in endpoints.ENDPOINTS),
+        Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.delete), methods=["DELETE"]),
+        Route(
+            "/v1/responses/{response_id}/input_items",
+            gateway.stored(gateway.responses.input_items),
+            methods=["GET"],
+        ),
+        Route("/v1/conversations", gateway.stored(gateway.conversations.create), methods=["POST"]),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            gateway.stored(gateway.conversations.retrieve),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            gateway.stored(gateway.conversations.update),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            gateway.stored(gateway.conversations.delete),
+            methods=["DELETE"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items",
+            gateway.stored(gateway.conversations.list_items),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items",
+            gateway.stored(gateway.conversations.add_items),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items/{item_id}",
+            gateway.stored(gateway.conversations.get_item),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{conversation_id}/items/{item_id}",
+            gateway.stored(gateway.conversations.delete_item),
+            methods=["DELETE"],
+        ),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),

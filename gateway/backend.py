@@ -28,10 +28,11 @@ from gateway import responses, schemas
 from gateway.admission import Caller
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+from gateway.responses_request import ResponsesRequest
 from gateway.telemetry import ChatSpan
 
 # A parsed request body, as an endpoint's parser returns it.
-APIRequest: TypeAlias = ChatCompletionRequest | CompletionRequest | EmbeddingsRequest
+APIRequest: TypeAlias = ChatCompletionRequest | CompletionRequest | EmbeddingsRequest | ResponsesRequest
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -54,6 +55,8 @@ class Endpoint:
     id_prefix: str  # of the response id
     parse: Callable[[Any], APIRequest]
     span: Callable[[Work], ChatSpan]
+    stateful: bool = False  # its requests go through the pipeline's `State` hooks
+    count_only: bool = False  # answers the prompt's token count; generates nothing, charges nothing
 
 
 @dataclass
@@ -166,6 +169,16 @@ class NotReady:
 
     def error(self) -> APIError:
         return APIError(ErrorKind.UNAVAILABLE, self.message, retry_after_s=self.retry_after_s)
+
+
+class State(Protocol):
+    """What a stateful endpoint (the Responses API) adds around its backend: `prepare` after
+    authentication resolves stored state into the work (404 for an id the tenant has not got);
+    `wrap` returns the plan whose `execute` also stores the answer (gateway/responses_state.py)."""
+
+    async def prepare(self, work: Work) -> None: ...
+
+    def wrap(self, work: Work, plan: Plan) -> Plan: ...
 
 
 class Backend(Protocol):

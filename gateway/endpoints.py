@@ -11,6 +11,7 @@ from __future__ import annotations
 from gateway import embeddings, protocol
 from gateway.backend import Endpoint, Task, Work
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+from gateway.responses_request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
 from gateway.telemetry import ChatSpan
 
 
@@ -26,6 +27,23 @@ def _generation_span(work: Work) -> ChatSpan:
         work.endpoint.operation,
         work.model,
         max_tokens=req.requested_max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tenant=work.caller.name,
+        priority=work.caller.priority.name.lower(),
+        messages=messages,
+    )
+
+
+def _responses_span(work: Work) -> ChatSpan:
+    req = work.request
+    assert isinstance(req, ResponsesRequest)
+    messages: list[object] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += [item.model_dump(exclude_none=True) for item in req.input]
+    return ChatSpan(
+        work.endpoint.operation,
+        work.model,
+        max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
         tenant=work.caller.name,
@@ -76,4 +94,27 @@ EMBEDDINGS = Endpoint(
     span=_embeddings_span,
 )
 
-ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS)
+RESPONSES = Endpoint(
+    path="/v1/responses",
+    upstream_path="/v1/responses",
+    task=Task.GENERATE,
+    operation="chat",
+    id_prefix="resp_",
+    parse=parse_responses_request,
+    span=_responses_span,
+    stateful=True,
+)
+
+RESPONSE_INPUT_TOKENS = Endpoint(
+    path="/v1/responses/input_tokens",
+    upstream_path="/v1/responses/input_tokens",
+    task=Task.GENERATE,
+    operation="chat",
+    id_prefix="resp_",
+    parse=parse_input_tokens_request,
+    span=_responses_span,
+    stateful=True,
+    count_only=True,
+)
+
+ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES, RESPONSE_INPUT_TOKENS)

@@ -80,7 +80,7 @@ class Outputs:
         """The error the next item carries, if it carries one (used before any byte was sent)."""
         if not self._items:
             return None
-        return _item_error(self._items[0])
+        return item_error(self._items[0])
 
     def __aiter__(self) -> Outputs:
         return self
@@ -109,7 +109,7 @@ class Outputs:
                     logger.exception("closing an engine stream failed")
 
 
-def _item_error(item: Item | BaseException) -> APIError | None:
+def item_error(item: Item | BaseException) -> APIError | None:
     if isinstance(item, BaseException):
         return error_of(item)
     _, out = item
@@ -170,7 +170,7 @@ async def gather(outputs: Outputs, job: Job) -> list[responses.Choice]:
         for i in range(job.num_choices)
     ]
     async for index, out in outputs:
-        error = _item_error((index, out))
+        error = item_error((index, out))
         if error is not None:
             raise error
         choices[index].add(out)
@@ -261,7 +261,7 @@ async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
 
     try:
         async for index, out in outputs:
-            error = _item_error((index, out))
+            error = item_error((index, out))
             if error is not None:
                 yield sse_error_event(error)
                 break
@@ -308,7 +308,7 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
 
     try:
         async for index, out in outputs:
-            error = _item_error((index, out))
+            error = item_error((index, out))
             if error is not None:
                 yield sse_error_event(error)
                 break

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import generation, protocol, tools
+from gateway import generation, protocol, responses_output, tools
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
 from gateway.metrics import Metrics, TimedStream
+from gateway.responses_request import ResponsesRequest, to_chat
 from gateway.settings import Settings
 from gateway.tokens import Tokenizer, inline_or_thread
 
@@ -144,25 +145,12 @@ class EngineBackend:
     async def plan(self, work: Work) -> Plan:
         engine, tokenizer = self._running()
         req = work.request
+        if isinstance(req, ResponsesRequest):
+            if work.endpoint.count_only:
+                return await self._plan_count(to_chat(req), tokenizer)
+            return await self._plan_chat(work, to_chat(req), engine, tokenizer, param="input")
         if isinstance(req, protocol.ChatCompletionRequest):
-            output = tools.plan_output(req)  # response_format and tools (gateway/tools.py)
-            size = sum(len(m.text) for m in req.messages)
-            prompt = await inline_or_thread(
-                lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
-            )
-            params = protocol.sampling_params(
-                req,
-                num_prompt_tokens=len(prompt),
-                max_model_len=engine.max_model_len,
-                vocab_size=tokenizer.vocab_size,
-            )
-            params = _within_reservation(params, work.caller)
-            if output.grammar is not None:
-                await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
-                params = dataclasses.replace(params, grammar=output.grammar)
-            job = self._job(work, params, params.n, len(prompt), tokenizer)
-            job.parse_tool_calls = output.parse_tool_calls
-            return self._plan(work, job, [prompt], params, param="messages")
+            return await self._plan_chat(work, req, engine, tokenizer, param="messages")
         assert isinstance(req, protocol.CompletionRequest)
         size = sum(len(p) for p in req.prompt)
         prompts = await inline_or_thread(
@@ -180,6 +168,50 @@ class EngineBackend:
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt]
             job.echo_prefixes = [text for text in texts for _ in range(params.n)]
         return self._plan(work, job, prompts, params, param="prompt")
+
+    async def _plan_chat(
+        self,
+        work: Work,
+        req: protocol.ChatCompletionRequest,
+        engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        *,
+        param: str,
+    ) -> Plan:
+        """A chat request's plan; a Responses request is planned as the chat request it renders."""
+        # response_format and tools (gateway/tools.py)
+        output = tools.plan_output(req, closed_arguments=self.settings.tool_arguments == "declared")
+        size = sum(len(m.text) for m in req.messages)
+        prompt = await inline_or_thread(
+            lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
+        )
+        params = protocol.sampling_params(
+            req,
+            num_prompt_tokens=len(prompt),
+            max_model_len=engine.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+            prompt_param=param,
+        )
+        params = _within_reservation(params, work.caller)
+        if output.grammar is not None:
+            await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
+            params = dataclasses.replace(params, grammar=output.grammar)
+        job = self._job(work, params, params.n, len(prompt), tokenizer)
+        job.parse_tool_calls = output.parse_tool_calls
+        return self._plan(work, job, [prompt], params, param=param)
+
+    async def _plan_count(self, req: protocol.ChatCompletionRequest, tokenizer: Tokenizer) -> Plan:
+        """The prompt's exact token count, as `POST /v1/responses/input_tokens` answers it."""
+        output = tools.plan_output(req)
+        size = sum(len(m.text) for m in req.messages)
+        prompt = await inline_or_thread(
+            lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
+        )
+
+        async def execute(call: Call) -> Reply:
+            return Body({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
+        return Plan(len(prompt), 0, execute)
 
     def _job(
         self,
@@ -234,17 +266,19 @@ class EngineBackend:
         try:
             outputs = self._submit(call, prompts, params, param)
             call.on_close(outputs.aclose)
-            chat = isinstance(call.work.request, protocol.ChatCompletionRequest)
+            req = call.work.request
+            chat = isinstance(req, protocol.ChatCompletionRequest)
             if call.work.stream:
                 ready = await outputs.wait_ready(call.keep_alive_s)
                 error = outputs.first_error()
                 if error is not None:
                     raise error
-                events = (
-                    generation.chat_events(outputs, job)
-                    if chat
-                    else generation.completion_events(outputs, job)
-                )
+                if isinstance(req, ResponsesRequest):
+                    events = responses_output.response_events(req, outputs, job)
+                elif chat:
+                    events = generation.chat_events(outputs, job)
+                else:
+                    events = generation.completion_events(outputs, job)
                 return Stream(events, ready)
             choices = await generation.gather(outputs, job)
         except APIError as error:
@@ -253,6 +287,8 @@ class EngineBackend:
             raise
         usage.served = True
         usage.num_cached_tokens = job.num_cached_tokens
+        if isinstance(req, ResponsesRequest):
+            return Body(responses_output.response_body(req, job, choices[0]))
         body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
         return Body(body)
 

@@ -243,6 +243,11 @@ class Metrics:
             ["plan", "metric"],
             registry=r,
         )
+        self.response_evictions = Counter(
+            "batchgate_response_store_evictions",
+            "Stored responses evicted (least recently used first) to keep the store within its bound",
+            registry=r,
+        )
         self.embedding_batch_inputs = Histogram(
             "batchgate_embedding_batch_inputs",
             "Inputs per embedding model call",
@@ -282,6 +287,9 @@ class Metrics:
 
     def refused(self, reason: Refusal) -> None:
         self.refusals[reason.value] += 1
+
+    def evicted(self, num_responses: int) -> None:
+        self.response_evictions.inc(num_responses)
 
     def count_tokens(self, plan: str, num_in: int, num_out: int) -> None:
         plan = plan if plan in PLANS else "open"

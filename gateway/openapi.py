@@ -18,6 +18,11 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from gateway import schemas as response_schemas
+from gateway.conversations import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationUpdateRequest,
+)
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,13 +30,23 @@ from gateway.protocol import (
     input_schema,
     prompt_schema,
 )
+from gateway.responses_request import DERIVED_FIELDS, InputTokensRequest, ResponsesRequest
 
 if TYPE_CHECKING:
     from gateway.embeddings import EmbeddingService
 
 REF = "#/components/schemas/{model}"
 
-REQUEST_TYPES: tuple[type, ...] = (ChatCompletionRequest, CompletionRequest, EmbeddingsRequest)
+REQUEST_TYPES: tuple[type, ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    ResponsesRequest,
+    InputTokensRequest,
+    ConversationCreateRequest,
+    ConversationUpdateRequest,
+    ConversationItemsRequest,
+)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -54,6 +69,9 @@ def component_schemas() -> dict[str, Any]:
         if ref != _ref(name):
             raise RuntimeError(f"two schema classes are named {name!r}: {ref}")
     components: dict[str, Any] = defs["$defs"]
+    for name in ("ResponsesRequest", "InputTokensRequest"):
+        for field in DERIVED_FIELDS:  # set by parsing, refused from clients
+            components[name]["properties"].pop(field)
     return components
 
 
@@ -75,6 +93,61 @@ _POST_ERRORS = {
     "429": _error("Rate limited; see Retry-After and x-ratelimit-* headers"),
     **_COMMON_ERRORS,
 }
+
+
+_STORED_ERRORS = {
+    "400": _error("Invalid query parameter; `param` names it"),
+    "401": _error("Missing or invalid API key (when tenants are configured)"),
+    "404": _error("No such response for this tenant (`not_found`)"),
+    "405": _error("Method not allowed"),
+    "500": _error("Internal error (a bug)"),
+    "503": _error("The response store is unavailable; see Retry-After"),
+}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+_CONVERSATION_ID = {"name": "conversation_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_ITEM_ID = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_PAGE = [
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+    },
+    {
+        "name": "order",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": ["asc", "desc"]},
+    },
+]
+
+
+def _stored_op(summary: str, parameters: list[dict[str, Any]], schema: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "parameters": parameters,
+        "responses": {"200": _json("OK", schema), **_STORED_ERRORS},
+    }
+
+
+def _body_op(
+    summary: str, request: str, response: str, errors: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": _json("OK", response),
+            **(errors or {**_STORED_ERRORS, "413": _POST_ERRORS["413"], "415": _POST_ERRORS["415"]}),
+        },
+    }
+
+
+def _json(description: str, schema: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
 
 
 def _sse_event(chunk_schema: str) -> dict[str, Any]:
@@ -139,7 +212,7 @@ def build_openapi(
     schemas = copy.deepcopy(component_schemas())
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     if names:
-        for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "InputTokensRequest"):
             schemas[name]["properties"]["model"] = {"type": "string", "enum": names}
     if vocab_size is not None:
         schemas["CompletionRequest"]["properties"]["prompt"] = prompt_schema(vocab_size)
@@ -233,6 +306,80 @@ def _paths() -> dict[str, Any]:
             }
         },
         **_usage_paths(),
+        "/v1/responses": {
+            "post": _generation_op(
+                "Create a response (the Responses API)",
+                "ResponsesRequest",
+                "Response",
+                "typed response events, each as `event: <type>` and `data: <event>`,",
+                "ResponseStreamEvent",
+            )
+        },
+        "/v1/responses/input_tokens": {
+            "post": {
+                "summary": "Count a response request's input tokens (its prompt, as the model reads it)",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("InputTokensRequest")}},
+                },
+                "responses": {"200": _json("The count", "InputTokenCount"), **_POST_ERRORS},
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "Retrieve a stored response (the caller's tenant's own)",
+                "parameters": [_RESPONSE_ID],
+                "responses": {"200": _json("The response", "Response"), **_STORED_ERRORS},
+            },
+            "delete": {
+                "summary": "Delete a stored response",
+                "parameters": [_RESPONSE_ID],
+                "responses": {"200": _json("Deleted", "ResponseDeleted"), **_STORED_ERRORS},
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "List a stored response's input items",
+                "parameters": [_RESPONSE_ID, *_PAGE],
+                "responses": {"200": _json("A page of items", "ResponseItemList"), **_STORED_ERRORS},
+            }
+        },
+        "/v1/conversations": {
+            "post": _body_op(
+                "Create a conversation", "ConversationCreateRequest", "Conversation", _POST_ERRORS
+            )
+        },
+        "/v1/conversations/{conversation_id}": {
+            "get": _stored_op("Retrieve a conversation", [_CONVERSATION_ID], "Conversation"),
+            "post": {
+                **_body_op("Update a conversation's metadata", "ConversationUpdateRequest", "Conversation"),
+                "parameters": [_CONVERSATION_ID],
+            },
+            "delete": _stored_op("Delete a conversation", [_CONVERSATION_ID], "ConversationDeleted"),
+        },
+        "/v1/conversations/{conversation_id}/items": {
+            "get": _stored_op("List a conversation's items", [_CONVERSATION_ID, *_PAGE], "ResponseItemList"),
+            "post": {
+                **_body_op("Add items to a conversation", "ConversationItemsRequest", "ResponseItemList"),
+                "parameters": [_CONVERSATION_ID],
+            },
+        },
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": {
+                "summary": "Retrieve a conversation's item",
+                "parameters": [_CONVERSATION_ID, _ITEM_ID],
+                "responses": {
+                    "200": {
+                        "description": "The item (OpenAI's item shape)",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **_STORED_ERRORS,
+                },
+            },
+            "delete": _stored_op(
+                "Delete a conversation's item", [_CONVERSATION_ID, _ITEM_ID], "Conversation"
+            ),
+        },
         "/health": _status_op("Liveness: the process answers", "The engine failed or died"),
         "/ready": _status_op("Readiness: model loaded and engine running", "Not ready (yet)"),
     }

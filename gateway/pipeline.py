@@ -1,7 +1,8 @@
 """The one request pipeline: every model endpoint, every backend, one path from start to end.
 
-    read body -> parse (400) -> authenticate (401) -> resolve the model (404) -> backend.plan:
-      model checks, tokens (400; 503 while loading) -> admit (429) -> plan.execute -> respond or
+    read body -> parse (400) -> authenticate (401) -> resolve the model (404) -> [stateful
+      endpoints: resolve stored state (404)] -> backend.plan: model checks, tokens (400; 503
+      while loading) -> admit (429) -> plan.execute [and store the answer] -> respond or
       stream -> close: settle usage, release the hold, end the span, count the tokens
 
 Authentication comes before the model is looked up, so an anonymous caller learns nothing of
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import admission, responses
-from gateway.backend import Body, Call, Endpoint, Plan, Usage, Work
+from gateway.backend import Body, Call, Endpoint, Plan, State, Usage, Work
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError
@@ -56,6 +57,7 @@ class Pipeline:
         tenancy: Tenancy | None,
         metrics: Metrics,
         drain: Drain,
+        state: State | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -64,6 +66,7 @@ class Pipeline:
         self.drain = drain
         self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
         self.events = UsageEvents(settings.usage_events_file) if settings.usage_events_file else None
+        self.state = state
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
         """A gateway in front of this replica already authenticated and admitted the request (its
@@ -79,11 +82,16 @@ class Pipeline:
         caller = await self.authenticate(http.headers, req.user)
         served = await self.registry.resolve(req.model, endpoint)
         work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        state = self.state if endpoint.stateful else None
         try:
+            if state is not None:
+                await state.prepare(work)
             plan = await served.backend.plan(work)
         except APIError as exc:
             self._refused(exc)
             raise
+        if state is not None:
+            plan = state.wrap(work, plan)
         span = endpoint.span(work)
         lifetime = _Lifetime(self, work, plan, span, http)
         await lifetime.admit()

@@ -518,12 +518,6 @@ def _check_tools(req: ChatCompletionRequest) -> None:
             f"'tool_choice' names function '{choice.function.name}', which is not in 'tools'.",
             param="tool_choice",
         )
-    if names and choice != "none" and req.response_format is not None and req.response_format.type != "text":
-        raise invalid_request(
-            "'response_format' of type json_object or json_schema together with 'tools' is not supported; "
-            "use one of them (or tool_choice 'none').",
-            param="response_format",
-        )
     ids = {call.id for m in req.messages for call in m.tool_calls or ()}
     for i, m in enumerate(req.messages):
         if m.tool_call_id is not None and m.tool_call_id not in ids:
@@ -679,6 +673,7 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
+    prompt_param: str | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for `req`; APIError(400) when the prompt and max_tokens do not fit.
 
@@ -686,7 +681,7 @@ def sampling_params(
     context left after the prompt, completions' to 16.
     """
     is_chat = isinstance(req, ChatCompletionRequest)
-    prompt_param = "messages" if is_chat else "prompt"
+    prompt_param = prompt_param or ("messages" if is_chat else "prompt")
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt_tokens

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -39,6 +39,8 @@ from gateway.drain import DRAINING_HEADER
 from gateway.errors import APIError, ErrorKind, Refusal, sse_error_event
 from gateway.metrics import Metrics
 from gateway.replicas import ReplicaSet, Upstream
+from gateway.responses_output import TEXT_EVENTS
+from gateway.responses_request import ResponsesRequest, to_chat
 from gateway.routing import affinity_key
 from gateway.settings import Settings
 from gateway.sse import DONE
@@ -138,7 +140,12 @@ class ReplicaBackend:
 
     async def plan(self, work: Work) -> Plan:
         req = work.request
-        if isinstance(req, protocol.ChatCompletionRequest):
+        if isinstance(req, ResponsesRequest):
+            chat = to_chat(req)  # what the replica renders; a 400 here, before admission, as there
+            messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+            num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
+            max_tokens = 0 if work.endpoint.count_only else req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS
+        elif isinstance(req, protocol.ChatCompletionRequest):
             messages = work.body["messages"]
             num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
             max_tokens = (req.requested_max_tokens or DEFAULT_CHAT_MAX_TOKENS) * req.num_choices
@@ -185,7 +192,11 @@ class ReplicaBackend:
             headers[admission.DEADLINE_HEADER] = repr(float(caller.queue_deadline_s))
         # Settlement and metrics need the replica's exact token count, which a stream only
         # carries when asked: ask for it always, and keep it from a client that did not.
-        hide_usage = work.stream and not (body.get("stream_options") or {}).get("include_usage")
+        hide_usage = (
+            work.stream
+            and not isinstance(work.request, ResponsesRequest)  # its terminal event carries usage
+            and not (body.get("stream_options") or {}).get("include_usage")
+        )
         if hide_usage:
             headers[admission.USAGE_HEADER] = "1"
         content = json.dumps(body, ensure_ascii=False).encode()
@@ -430,6 +441,9 @@ class _Observer:
             for choice in body.get("choices") or ():
                 self.span.finish_reason(int(choice.get("index", 0)), choice.get("finish_reason"))
             u = body["usage"]
+            if body.get("object") == "response":
+                self._response_usage(u)
+                return
             self.usage.num_prompt_tokens = int(u["prompt_tokens"])
             self.usage.num_completion_tokens = int(u.get("completion_tokens", 0))  # embeddings have none
             details = u.get("prompt_tokens_details")
@@ -440,6 +454,8 @@ class _Observer:
 
     def observe(self, frame: bytes) -> bool:
         """Account one data frame; True if it carried generated text."""
+        if frame.startswith(b"event: "):
+            return self._observe_event(frame)
         try:
             event = json.loads(frame[len(b"data: ") :])
         except ValueError:
@@ -471,6 +487,35 @@ class _Observer:
                 if not self.reported:
                     self.usage.num_completion_tokens += 1  # one per chunk: an estimate, corrected by usage
         return carried
+
+    def _response_usage(self, u: dict[str, Any]) -> None:
+        """A Responses API `usage` object (input, output and cached tokens)."""
+        self.usage.num_prompt_tokens = int(u["input_tokens"])
+        self.usage.num_completion_tokens = int(u["output_tokens"])
+        details = u.get("input_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            self.usage.num_cached_tokens = int(details["cached_tokens"])
+
+    def _observe_event(self, frame: bytes) -> bool:
+        """A Responses stream's typed event: text and argument deltas, and the terminal event's
+        response (its id and usage)."""
+        kind = frame[len(b"event: ") : frame.find(b"\n")]
+        if kind in TEXT_EVENTS:
+            if not self.reported:
+                self.usage.num_completion_tokens += 1  # an estimate, corrected by the final usage
+            return True
+        if not kind.startswith(b"response."):
+            return False
+        try:
+            response = json.loads(frame.split(b"\ndata: ", 1)[1])["response"]
+            self.usage.response_id = str(response["id"])
+            u = response.get("usage")
+            if isinstance(u, dict):
+                self._response_usage(u)
+                self.reported = True
+        except (ValueError, KeyError, TypeError, IndexError):
+            pass
+        return False
 
 
 def _inject_trace_context(headers: dict[str, str]) -> None:

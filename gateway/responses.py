@@ -33,7 +33,8 @@ FINISH_REASONS: dict[FinishReason, schemas.CompletionFinishReason] = {
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`chatcmpl-<hex>`; a prefix ending in "_" is OpenAI's newer style (`resp_<hex>`)."""
+    return f"{prefix}{uuid.uuid4().hex}" if prefix.endswith("_") else f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -74,10 +74,17 @@ def _rendezvous(key: bytes, url: str) -> bytes:
 
 def affinity_key(caller: Caller, body: dict[str, Any]) -> bytes:
     """What requests that could share cached prompt blocks have in common: the tenant (the prefix
-    cache's namespace) and the start of the prompt."""
+    cache's namespace) and the start of the prompt (or the request's `prompt_cache_key`)."""
     messages = body.get("messages")
-    if isinstance(messages, list) and messages:
-        lead: Any = messages[0]
+    items = body.get("input")
+    if isinstance(body.get("prompt_cache_key"), str):
+        lead: Any = ["prompt_cache_key", body["prompt_cache_key"]]  # the client's own routing hint
+    elif isinstance(messages, list) and messages:
+        lead = messages[0]
+    elif "input" in body and "model" in body and not isinstance(body.get("prompt"), str):
+        # A Responses request: its instructions and first item (a continuation, expanded by the
+        # gateway, starts with its conversation's first item, so it goes where that turn went).
+        lead = [body.get("instructions"), items[0] if isinstance(items, list) and items else items]
     else:
         prompt: Any = body.get("prompt")
         # A batch of prompts (strings or token lists): its first; else the prompt (text or ids).

@@ -240,6 +240,153 @@ class Status(TypedDict):
     models: NotRequired[list[str]]
 
 
+# -- the Responses API (gateway/responses_output.py builds these; OpenAI's names) ---------------
+
+
+class ResponseOutputText(TypedDict):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, object]]
+    logprobs: list[dict[str, object]]
+
+
+class ResponseOutputMessage(TypedDict):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionToolCall(TypedDict):
+    id: str
+    type: Literal["function_call"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: Annotated[str, Field(description="the arguments as JSON text")]
+    namespace: NotRequired[str]
+
+
+class ResponseInputTokensDetails(TypedDict):
+    cached_tokens: NonNegativeInt
+    cache_write_tokens: NonNegativeInt
+
+
+class ResponseOutputTokensDetails(TypedDict):
+    reasoning_tokens: NonNegativeInt
+
+
+class ResponseUsage(TypedDict):
+    """`input_tokens_details.cached_tokens`: input tokens whose K/V came from the prefix cache."""
+
+    input_tokens: NonNegativeInt
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: NonNegativeInt
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: NonNegativeInt
+
+
+class ResponseError(TypedDict):
+    code: str
+    message: str
+
+
+class IncompleteDetails(TypedDict):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(TypedDict):
+    """A response of the Responses API, as created, streamed (created, in_progress and the
+    terminal event) and retrieved; the request's settings are echoed."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    background: bool
+    completed_at: int | None
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: int | None
+    model: str
+    output: list[ResponseOutputMessage | ResponseFunctionToolCall]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    conversation: dict[str, str] | None
+    prompt_cache_key: str | None
+    reasoning: dict[str, object]
+    safety_identifier: str | None
+    service_tier: str
+    store: bool
+    temperature: float
+    text: dict[str, object]
+    tool_choice: str | dict[str, object]
+    tools: list[dict[str, object]]
+    top_logprobs: NonNegativeInt
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None
+    user: str | None
+    metadata: dict[str, str]
+
+
+class ResponseStreamEvent(TypedDict):
+    """One event of a response's stream (`event: <type>` and this as its data): `response` on
+    response.created / in_progress / completed / incomplete / failed, `item` on output_item.added /
+    done, `delta` on the text and argument deltas, the whole `text` / `arguments` on their done."""
+
+    type: str
+    sequence_number: NonNegativeInt
+    response: NotRequired[Response]
+    output_index: NotRequired[NonNegativeInt]
+    content_index: NotRequired[NonNegativeInt]
+    item_id: NotRequired[str]
+    item: NotRequired[ResponseOutputMessage | ResponseFunctionToolCall]
+    part: NotRequired[ResponseOutputText]
+    delta: NotRequired[str]
+    text: NotRequired[str]
+    name: NotRequired[str]
+    arguments: NotRequired[str]
+    logprobs: NotRequired[list[dict[str, object]]]
+
+
+class ResponseItemList(TypedDict):
+    """A page of a stored response's input items, in OpenAI's item shapes."""
+
+    object: Literal["list"]
+    data: list[dict[str, object]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ResponseDeleted(TypedDict):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class Conversation(TypedDict):
+    id: str
+    object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]
+
+
+class ConversationDeleted(TypedDict):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: Literal[True]
+
+
+class InputTokenCount(TypedDict):
+    object: Literal["response.input_tokens"]
+    input_tokens: NonNegativeInt
+
+
 # The bodies the document names as responses; their nested classes come along as components.
 RESPONSE_TYPES: tuple[type, ...] = (
     ChatCompletion,
@@ -250,4 +397,11 @@ RESPONSE_TYPES: tuple[type, ...] = (
     Model,
     Error,
     Status,
+    Response,
+    ResponseStreamEvent,
+    ResponseItemList,
+    ResponseDeleted,
+    InputTokenCount,
+    Conversation,
+    ConversationDeleted,
 )

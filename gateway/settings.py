@@ -205,8 +205,9 @@ class Settings:
     storage_dir: str | None = _opt(
         None,
         _str,
-        "directory for the state kept without Redis (an SQLite file: budgets' use and the usage "
-        "ledger), so a restart keeps it (default: in memory only)",
+        "directory for the state kept without Redis (SQLite files: budgets' use and the usage "
+        "ledger; stored responses and conversations, responses.sqlite3), so a restart keeps it "
+        "(default: in memory only)",
     )
     ledger_retention_days: int = _opt(
         90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"
@@ -303,6 +304,26 @@ class Settings:
         "rest are ended (streams with an error event and [DONE]) and the process exits",
         flag="--drain-timeout",
     )
+    tool_arguments: str = _opt(
+        "declared",
+        _str,
+        "a tool call's arguments: only the keys its function declares where the parameters schema "
+        "does not set additionalProperties (declared, as xgrammar's strict mode), or JSON Schema's "
+        "default, any further keys (schema)",
+        choices=("declared", "schema"),
+    )
+    responses_max_stored: int = _opt(
+        10_000,
+        _int,
+        "most stored responses (/v1/responses with store) kept: in all in the storage directory, per "
+        "tenant in Redis; the least recently used go first",
+    )
+    responses_ttl_s: int = _opt(
+        30 * 24 * 3600,
+        _int,
+        "with --redis-url: seconds a stored response is kept after it was written",
+        flag="--responses-ttl",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -334,6 +355,10 @@ class Settings:
             )
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        if self.responses_max_stored < 1:
+            raise ValueError(f"responses_max_stored must be >= 1, got {self.responses_max_stored}")
+        if self.responses_ttl_s < 1:
+            raise ValueError(f"responses_ttl_s must be >= 1, got {self.responses_ttl_s}")
         if not self.engine_stall_timeout_s > 0:
             raise ValueError(f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s}")
         for f in dataclasses.fields(self):

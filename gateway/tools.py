@@ -7,7 +7,8 @@ schema is a 400 naming it), and whether tool calls are parsed out of the text.
 - `response_format`: `json_object` -> any JSON object; `json_schema` -> the schema (`strict:
   false`: keywords the grammar engine does not implement are ignored rather than refused).
 - `tools` with `tool_choice` `auto` (the default): the model writes text or calls; once the output
-  starts with `<tool_call>` it is constrained to calls. `required`: one or more calls (one with
+  starts with `<tool_call>` it is constrained to calls. With a JSON `response_format` beside them,
+  the text is that JSON (an answer in the format, or calls). `required`: one or more calls (one with
   `parallel_tool_calls: false`, at most `MAX_PARALLEL_TOOL_CALLS`). A named function: calls of that
   function. `none`: the tools are not shown to the model and nothing is parsed.
 
@@ -67,15 +68,19 @@ class OutputPlan:
     parse_tool_calls: bool = False
 
 
-def plan_output(req: ChatCompletionRequest) -> OutputPlan:
-    """The plan for `req` (already validated by gateway/protocol.py)."""
+def plan_output(req: ChatCompletionRequest, closed_arguments: bool = True) -> OutputPlan:
+    """The plan for `req` (already validated by gateway/protocol.py). `closed_arguments`: a call's
+    arguments hold no keys beyond its function's declared properties where its schema does not
+    say (`closed_schema`; the `--tool-arguments declared` setting), else JSON Schema's default."""
     fmt = req.response_format
     tools = tuple(req.tools or ())
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if tools and choice != "none":
         checks = tuple((_parameters_spec(t), f"tools[{i}].function.parameters") for i, t in enumerate(tools))
+        answer = _answer_schema(fmt) if choice == "auto" else None
         grammar = GrammarSpec.lark(
-            tool_call_grammar(tools, choice, req.parallel_tool_calls is not False), json_only=choice != "auto"
+            tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, answer, closed_arguments),
+            json_only=choice != "auto" or answer is not None,
         )
         return OutputPlan(grammar, (*checks, (grammar, "tools")), tools, parse_tool_calls=True)
     if fmt is None or fmt.type == "text":
@@ -90,6 +95,15 @@ def plan_output(req: ChatCompletionRequest) -> OutputPlan:
     return OutputPlan(spec, ((spec, "response_format.json_schema.schema"),))
 
 
+def _answer_schema(fmt: Any) -> dict[str, Any] | None:
+    """The JSON schema a text answer must match beside tool calls (response_format), or None."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+        return {"type": "object"}
+    return bound_schema(fmt.json_schema.schema_)
+
+
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else _EMPTY_PARAMETERS
 
@@ -98,14 +112,43 @@ def _parameters_spec(tool: Tool) -> GrammarSpec:
     return GrammarSpec.json_schema(_parameters(tool), strict=tool.function.strict is not False)
 
 
-def tool_call_grammar(tools: Sequence[Tool], choice: Any, parallel: bool) -> str:
-    """A Lark grammar (llguidance's dialect) for the calls `choice` allows, or free text (auto)."""
+def closed_schema(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object subschema that declares
+    `properties` and says nothing of further keys (a copy), as xgrammar's strict mode generates:
+    a model then cannot invent keys (LangChain's tools got `{"city": ..., "properties": {...}}`)."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_schema(value) for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict) and not {
+        "additionalProperties",
+        "patternProperties",
+        "unevaluatedProperties",
+    } & set(schema):
+        out["additionalProperties"] = False
+    return out
+
+
+def tool_call_grammar(
+    tools: Sequence[Tool],
+    choice: Any,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
+    closed_arguments: bool = True,
+) -> str:
+    """A Lark grammar (llguidance's dialect) for the calls `choice` allows, or (auto) free text, or
+    with `answer` (a JSON schema: response_format beside tools) a JSON answer instead."""
+    close = closed_schema if closed_arguments else (lambda schema: schema)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": bound_schema(_parameters(t))},
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": bound_schema(close(_parameters(t))),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -117,7 +160,13 @@ def tool_call_grammar(tools: Sequence[Tool], choice: Any, parallel: bool) -> str
         f"call: {json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}",
         f'calls: call ("\\n" call)~0..{MAX_PARALLEL_TOOL_CALLS - 1}' if parallel else "calls: call",
     ]
-    if choice == "auto":
+    if choice == "auto" and answer is not None:
+        lines = [
+            "start: calls | answer",
+            f"answer: %json {json.dumps({**answer, 'x-guidance': _COMPACT})}",
+            *lines,
+        ]
+    elif choice == "auto":
         # Text that does not start like a call; once the output starts with "<", a call it is.
         lines = ["start: calls | TEXT", r"TEXT: /[^<](.|\n)*/", *lines]
     else:

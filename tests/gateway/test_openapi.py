@@ -52,6 +52,19 @@ def test_schemathesis_loads_every_operation() -> None:
         "GET /v1/usage",
         "GET /v1/organization/usage/completions",
         "GET /admin/usage.csv",
+        "POST /v1/responses",
+        "POST /v1/responses/input_tokens",
+        "GET /v1/responses/{response_id}",
+        "DELETE /v1/responses/{response_id}",
+        "GET /v1/responses/{response_id}/input_items",
+        "POST /v1/conversations",
+        "GET /v1/conversations/{conversation_id}",
+        "POST /v1/conversations/{conversation_id}",
+        "DELETE /v1/conversations/{conversation_id}",
+        "GET /v1/conversations/{conversation_id}/items",
+        "POST /v1/conversations/{conversation_id}/items",
+        "GET /v1/conversations/{conversation_id}/items/{item_id}",
+        "DELETE /v1/conversations/{conversation_id}/items/{item_id}",
     }
 
 

@@ -55,8 +55,13 @@ keys = ["{acme}"]
 [tenants.once]
 plan = "once"
 keys = ["{once}"]
+
+[tenants.umbrella]
+plan = "paid"
+keys = ["{umbrella}"]
 """
 ACME = {"authorization": "Bearer sk-acme"}
+UMBRELLA = {"authorization": "Bearer sk-umbrella"}
 MODES = ("in-process", "proxy")
 
 
@@ -75,7 +80,11 @@ class Deployment:
 
 def _tenants(tmp: Path, tpm: int) -> str:
     path = tmp / "tenants.toml"
-    path.write_text(TENANTS.format(tpm=tpm, acme=hash_key("sk-acme"), once=hash_key("sk-once")))
+    path.write_text(
+        TENANTS.format(
+            tpm=tpm, acme=hash_key("sk-acme"), once=hash_key("sk-once"), umbrella=hash_key("sk-umbrella")
+        )
+    )
     return str(path)
 
 
@@ -121,6 +130,10 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **fields}
 
 
+def resp(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": "hi", "max_output_tokens": 5, **fields}
+
+
 # (name, path, headers, body): each runs once per mode, in this order, and both answers must match.
 CASES: list[tuple[str, str, dict[str, str], Any]] = [
     ("not json", "/v1/chat/completions", ACME, b"{nope"),
@@ -156,8 +169,22 @@ CASES: list[tuple[str, str, dict[str, str], Any]] = [
     ("rate limited: first", "/v1/chat/completions", {"authorization": "Bearer sk-once"}, chat()),
     ("rate limited: second", "/v1/chat/completions", {"authorization": "Bearer sk-once"}, chat()),
     ("embeddings of a chat model", "/v1/embeddings", ACME, {"model": MODEL, "input": "x"}),
+    ("responses", "/v1/responses", ACME, resp(instructions="Be brief.", metadata={"k": "v"})),
+    ("responses, stream", "/v1/responses", ACME, resp(stream=True)),
+    ("responses, ignored fields", "/v1/responses", ACME, resp(reasoning={"effort": "low"}, store=False)),
+    ("responses, not stored", "/v1/responses", ACME, resp(store=False)),
+    (
+        "responses, image input",
+        "/v1/responses",
+        ACME,
+        resp(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+    ),
+    ("responses, unknown previous", "/v1/responses", ACME, resp(previous_response_id="resp_nope")),
+    ("responses, anonymous", "/v1/responses", {}, resp()),
+    ("responses, context too long", "/v1/responses", ACME, resp(max_output_tokens=600)),
+    ("responses, input tokens", "/v1/responses/input_tokens", ACME, {"model": MODEL, "input": "hi"}),
 ]
-TOKENIZER_CHECKS = {"context too long"}
+TOKENIZER_CHECKS = {"context too long", "responses, context too long"}
 # Headers whose presence (not value: ids, times and remaining counts differ) must match.
 COMPARED_HEADERS = (
     "content-type",
@@ -169,8 +196,9 @@ COMPARED_HEADERS = (
     "x-ratelimit-remaining-tokens",
     "cache-control",
     "x-accel-buffering",
+    "x-batchgate-ignored",
 )
-_VARYING = {"id", "created"}
+_VARYING = {"id", "created", "created_at", "completed_at", "item_id"}
 
 
 def _normalized(value: Any) -> Any:
@@ -191,7 +219,7 @@ def _answer(r: httpx.Response) -> dict[str, Any]:
     else:
         body = _normalized(r.json())
     headers = {h: h in r.headers for h in COMPARED_HEADERS}
-    if "x-request-id" in r.headers and r.status_code == 200 and isinstance(body, dict):
+    if "x-request-id" in r.headers and r.status_code == 200 and isinstance(body, dict) and "id" in body:
         headers["x-request-id is the response id"] = r.headers["x-request-id"] == r.json()["id"]
     return {"status": r.status_code, "body": body, "headers": headers}
 
@@ -222,10 +250,42 @@ def test_both_modes_answer_alike(both: dict[str, Deployment], case: int) -> None
         "context too long": 400,
         "rate limited: second": 429,
         "embeddings of a chat model": 400,
+        "responses, image input": 400,
+        "responses, unknown previous": 404,
+        "responses, anonymous": 401,
+        "responses, context too long": 400,
     }.get(name, 200)
     assert status == expected, answers["proxy"]
-    if status == 404:
+    if status == 404 and name.startswith("unknown model"):
         assert answers["proxy"]["body"]["error"]["code"] == "model_not_found"
+
+
+def test_a_conversation_continues_in_both_modes_and_only_for_its_tenant(
+    both: dict[str, Deployment],
+) -> None:
+    """previous_response_id: the engine (behind the gateway's replica too) gets the whole
+    conversation; the stored response, its input items and continuations are the tenant's own."""
+    for mode, d in both.items():
+        with httpx.Client(base_url=d.url, headers=ACME, timeout=10) as client:
+            first = client.post("/v1/responses", json=resp(input="first turn")).json()
+            r = client.post("/v1/responses", json=resp(input="second turn", previous_response_id=first["id"]))
+            assert r.status_code == 200, (mode, r.text)
+            prompt = d.engine.tokenizer.decode(d.engine.submitted[-1].prompt_token_ids)
+            assert prompt.index("first turn") < prompt.index("Hello") < prompt.index("second turn"), mode
+            second = r.json()
+            assert client.get(f"/v1/responses/{second['id']}").json() == second
+            items = client.get(f"/v1/responses/{second['id']}/input_items").json()
+            assert [i["content"][0]["text"] for i in items["data"]] == ["second turn"]
+            for other in ({}, UMBRELLA):
+                seen = httpx.get(f"{d.url}/v1/responses/{first['id']}", headers=other)
+                assert seen.status_code == (401 if not other else 404), (mode, seen.text)
+            stolen = client.post(
+                "/v1/responses", json=resp(previous_response_id=first["id"]), headers=UMBRELLA
+            )
+            assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "previous_response_id"
+            assert client.delete(f"/v1/responses/{first['id']}", headers=UMBRELLA).status_code == 404
+            assert client.delete(f"/v1/responses/{first['id']}").json()["deleted"] is True
+            assert client.get(f"/v1/responses/{first['id']}").status_code == 404
 
 
 # -- every way to end releases the request once -----------------------------------------------
@@ -323,3 +383,20 @@ def test_a_backend_failure_mid_stream_settles_what_was_used_once(
     assert usage["prompt_tokens"] > 0
     # Charged exactly what was used, once: the bucket is down by that much (less what refilled).
     assert TPM - _bucket(store, "acme") <= usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_a_response_failing_mid_stream_ends_failed_and_settles_what_was_used_once(
+    deployment: Deployment, store: redis.Redis
+) -> None:
+    deployment.engine.fail_after = 2
+    with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+        r = client.post("/v1/responses", json=resp(stream=True, max_output_tokens=100))
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.failed"
+        failed = events[-1]["response"]
+        assert failed["error"]["code"] == "generation_failed" and failed["usage"]["output_tokens"] == 2
+        assert client.get(f"/v1/responses/{failed['id']}").json()["status"] == "failed"
+    _wait_for(_settled(store, 1))
+    assert _usage(store, "acme")["completion_tokens"] == 2

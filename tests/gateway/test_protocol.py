@@ -123,7 +123,6 @@ def bad_chat(body: Any) -> APIError:
             "tool_choice",
             "not in",
         ),
-        (chat(tools=[_TOOL], response_format={"type": "json_object"}), "response_format", "together with"),
         (chat(functions=[{}]), "functions", "not supported"),
         (chat(audio={"voice": "x"}), "audio", "not supported"),
         (chat(modalities=["text", "audio"]), "modalities", "not supported"),

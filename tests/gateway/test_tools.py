@@ -11,7 +11,14 @@ import pytest
 
 from engine.types import FinishReason, GenerationRequest, GrammarSpec, SamplingParams
 from gateway.protocol import parse_chat_request
-from gateway.tools import MAX_PARALLEL_TOOL_CALLS, ToolCallParser, conversation, parse_message, plan_output
+from gateway.tools import (
+    MAX_PARALLEL_TOOL_CALLS,
+    ToolCallParser,
+    closed_schema,
+    conversation,
+    parse_message,
+    plan_output,
+)
 from tests.engine.helpers import run_all, text_of, tiny_engine
 
 WEATHER = {
@@ -165,4 +172,62 @@ def test_forced_calls_close_before_max_tokens_with_arguments_that_validate(tiny_
         content, calls = parse_message(text_of(out))
         assert content is None and calls
         for call in calls:
-            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+            arguments = json.loads(call["function"]["arguments"])
+            jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+            assert set(arguments) <= {"city"}  # no junk keys: the schema declares only this one
+
+
+def test_tools_beside_a_json_format_answer_in_the_format_or_call(tiny_model_dir: Path) -> None:
+    """`auto` with a JSON response_format: the output is calls or an answer in the schema, and
+    both are JSON and fixed text, so even a random-weight model closes before max_tokens."""
+    schema = {
+        "type": "object",
+        "properties": {"summary": {"type": "string"}},
+        "required": ["summary"],
+        "additionalProperties": False,
+    }
+    plan = plan_output(
+        chat(
+            tools=[WEATHER],
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        )
+    )
+    assert plan.grammar is not None and plan.grammar.json_only and "TEXT" not in plan.grammar.source
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=8)
+    requests = [
+        GenerationRequest(
+            f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, temperature=1.0, seed=i, grammar=plan.grammar)
+        )
+        for i in range(8)
+    ]
+    outs = run_all(engine, requests)
+    for i in range(8):
+        out = outs[(f"r{i}", 0)]
+        assert out[-1].finish_reason is FinishReason.STOP, text_of(out)
+        content, calls = parse_message(text_of(out))
+        if not calls:
+            jsonschema.validate(json.loads(content or ""), schema)
+
+
+def test_declared_arguments_close_every_object_that_does_not_say() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "opts": {"type": "object", "properties": {"unit": {"type": "string"}}},
+            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+            "list": {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        },
+    }
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["opts"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["additionalProperties"] == {"type": "string"}  # it says
+    assert closed["properties"]["list"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy
+    tool = {**WEATHER, "function": {**WEATHER["function"], "parameters": schema}}
+    forced = plan_output(chat(tools=[tool], tool_choice="required"))
+    open_ = plan_output(chat(tools=[tool], tool_choice="required"), closed_arguments=False)
+    assert forced.grammar is not None and open_.grammar is not None
+    assert forced.grammar.source.count('"additionalProperties": false') == 4  # 3 closed + the call's own
+    assert open_.grammar.source.count('"additionalProperties": false') == 1

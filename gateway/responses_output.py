@@ -1,0 +1,352 @@
+"""From engine outputs to the Responses API's `response` object and its typed event stream.
+
+One response has one choice. Its text is split by the tool-call parser (gateway/tools.py) into an
+assistant `message` item (one `output_text` part) and `function_call` items, in the order the model
+wrote them. The stream is OpenAI's event sequence, each event with its `sequence_number`:
+
+    response.created, response.in_progress,
+      per item: response.output_item.added,
+        message: response.content_part.added, response.output_text.delta..., response.output_text.done,
+                 response.content_part.done
+        function_call: response.function_call_arguments.delta..., response.function_call_arguments.done
+      response.output_item.done,
+    response.completed | response.incomplete (max_output_tokens) | response.failed (an error)
+
+Each event is sent as `event: <type>` + `data: <json>` (OpenAI's framing), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.types import TokenLogprob
+from gateway import generation, responses, tools
+from gateway.errors import APIError
+from gateway.generation import Job, Outputs
+from gateway.responses_request import (
+    ResponsesRequest,
+    text_echo,
+    tool_choice_echo,
+    tools_echo,
+)
+from gateway.sse import DONE
+
+TEXT_EVENTS = (b"response.output_text.delta", b"response.function_call_arguments.delta")
+TERMINAL_EVENTS = (
+    b"event: response.completed\n",
+    b"event: response.incomplete\n",
+    b"event: response.failed\n",
+)
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(num_input: int, num_output: int, num_cached: int) -> dict[str, Any]:
+    """OpenAI's ResponseUsage; `cached_tokens`: input tokens whose K/V came from the prefix cache."""
+    return {
+        "input_tokens": num_input,
+        "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
+        "output_tokens": num_output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": num_input + num_output,
+    }
+
+
+def skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
+    """The response object before any output: the request's settings echoed, as OpenAI does."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "background": False,
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": None,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "conversation": {"id": req.conversation_id} if req.conversation_id else None,
+        "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": {"effort": None, "summary": None},
+        "safety_identifier": req.safety_identifier,
+        "service_tier": "default",
+        "store": req.stores,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": text_echo(req),
+        "tool_choice": tool_choice_echo(req),
+        "tools": tools_echo(req),
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": req.user,
+        "metadata": dict(req.metadata or {}),
+    }
+
+
+def _logprobs(job: Job, logprobs: Sequence[TokenLogprob], with_bytes: bool) -> list[dict[str, Any]]:
+    out = []
+    for lp in responses.chat_logprobs(job.tokenizer, logprobs)["content"] or ():
+        top = [
+            {
+                "token": t["token"],
+                "logprob": t["logprob"],
+                **({"bytes": t["bytes"] or []} if with_bytes else {}),
+            }
+            for t in lp["top_logprobs"]
+        ]
+        entry: dict[str, Any] = {"token": lp["token"], "logprob": lp["logprob"], "top_logprobs": top}
+        if with_bytes:
+            entry["bytes"] = lp["bytes"] or []
+        out.append(entry)
+    return out
+
+
+def _message(
+    text: str, status: str, logprobs: list[dict[str, Any]], msg_id: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": msg_id or item_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}],
+    }
+
+
+def _function_call(
+    req: ResponsesRequest, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "id": item_id("fc"),
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+    if name in req.namespaces:
+        item["namespace"] = req.namespaces[name]
+    return item
+
+
+def finish(body: dict[str, Any], length: bool, num_output: int, job: Job) -> dict[str, Any]:
+    """`body` as a finished response: completed, or incomplete when it ran into max_output_tokens."""
+    body["status"] = "incomplete" if length else "completed"
+    body["incomplete_details"] = {"reason": "max_output_tokens"} if length else None
+    body["completed_at"] = None if length else responses.now()
+    body["usage"] = usage(job.num_prompt_tokens, num_output, job.num_cached_tokens)
+    return body
+
+
+def response_body(req: ResponsesRequest, job: Job, choice: responses.Choice) -> dict[str, Any]:
+    """The whole `response` object of a gathered choice."""
+    body = skeleton(req, job.request_id, job.created, job.model)
+    length = choice.final_reason == "length"
+    status = "incomplete" if length else "completed"
+    logprobs = _logprobs(job, choice.logprobs, with_bytes=True) if job.logprobs else []
+    if job.parse_tool_calls:
+        content, calls = tools.parse_message(choice.text)
+    else:
+        content, calls = choice.text, []
+    if content is not None and (content or not calls):
+        body["output"].append(_message(content, status, logprobs))
+    for call in calls:
+        fn = call["function"]
+        body["output"].append(_function_call(req, call["id"], fn["name"], fn["arguments"], status))
+    return finish(body, length, choice.num_output_tokens, job)
+
+
+def failed(body: dict[str, Any], error: APIError) -> dict[str, Any]:
+    detail = error.body()["error"]
+    body["status"] = "failed"
+    body["error"] = {"code": detail["code"] or "server_error", "message": detail["message"]}
+    return body
+
+
+@dataclass
+class _Writer:
+    """The stream's state: its sequence numbers and the item being written."""
+
+    req: ResponsesRequest
+    job: Job
+    body: dict[str, Any]
+    seq: int = 0
+    open_item: dict[str, Any] | None = None
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
+
+    def emit(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def snapshot(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.body))
+
+    @property
+    def index(self) -> int:
+        return len(self.body["output"])
+
+    def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        frames = []
+        if self.open_item is None or self.open_item["type"] != "message":
+            frames += self.close_item("completed")
+            self.open_item = _message("", "in_progress", [])
+            self.open_item["content"] = []
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            frames.append(
+                self.emit("response.output_item.added", output_index=self.index, item=self.open_item)
+            )
+            frames.append(
+                self.emit(
+                    "response.content_part.added",
+                    item_id=self.open_item["id"],
+                    output_index=self.index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+        self.text.append(text)
+        self.logprobs += logprobs
+        frames.append(
+            self.emit(
+                "response.output_text.delta",
+                item_id=self.open_item["id"],
+                output_index=self.index,
+                content_index=0,
+                delta=text,
+                logprobs=[{k: v for k, v in lp.items() if k != "bytes"} for lp in logprobs],
+            )
+        )
+        return frames
+
+    def call_start(self, call_id: str, name: str) -> list[bytes]:
+        frames = self.close_item("completed")
+        self.open_item = _function_call(self.req, call_id, name, "", "in_progress")
+        self.args = []
+        frames.append(self.emit("response.output_item.added", output_index=self.index, item=self.open_item))
+        return frames
+
+    def call_delta(self, fragment: str) -> list[bytes]:
+        if self.open_item is None or not fragment:
+            return []
+        self.args.append(fragment)
+        return [
+            self.emit(
+                "response.function_call_arguments.delta",
+                item_id=self.open_item["id"],
+                output_index=self.index,
+                delta=fragment,
+            )
+        ]
+
+    def close_item(self, status: str) -> list[bytes]:
+        item, self.open_item = self.open_item, None
+        if item is None:
+            return []
+        index, frames = self.index, []
+        if item["type"] == "message":
+            text = "".join(self.text)
+            done = _message(text, status, self.logprobs, msg_id=item["id"])
+            part = done["content"][0]
+            frames.append(
+                self.emit(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[{k: v for k, v in lp.items() if k != "bytes"} for lp in self.logprobs],
+                )
+            )
+            frames.append(
+                self.emit(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+            self.text, self.logprobs = [], []
+        else:
+            arguments = "".join(self.args)
+            done = {**item, "arguments": arguments, "status": status}
+            frames.append(
+                self.emit(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=arguments,
+                )
+            )
+        self.body["output"].append(done)
+        frames.append(self.emit("response.output_item.done", output_index=index, item=done))
+        return frames
+
+
+async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    """The typed event stream of one response (see the module docstring), then `[DONE]`."""
+    writer = _Writer(req, job, skeleton(req, job.request_id, job.created, job.model))
+    yield writer.emit("response.created", response=writer.snapshot())
+    yield writer.emit("response.in_progress", response=writer.snapshot())
+    parser = tools.ToolCallParser() if job.parse_tool_calls else None
+    num_output, length = 0, False
+    try:
+        async for index, out in outputs:
+            error = generation.item_error((index, out))
+            if error is not None:
+                raise error
+            num_output = max(num_output, out.num_output_tokens)
+            job.observe(out)
+            job.on_usage(num_output)
+            logprobs = _logprobs(job, out.logprobs, with_bytes=True) if job.logprobs else []
+            if parser is None:
+                deltas: list[Any] = [{"content": out.new_text}] if out.new_text else []
+            else:
+                deltas = list(parser.feed(out.new_text, final=out.finished))
+            for delta in deltas:
+                if "content" in delta:
+                    for frame in writer.text_delta(delta["content"] or "", logprobs):
+                        yield frame
+                    logprobs = []
+                    continue
+                for part in delta["tool_calls"]:
+                    if "id" in part:
+                        for frame in writer.call_start(part["id"], part["function"]["name"]):
+                            yield frame
+                    for frame in writer.call_delta(part.get("function", {}).get("arguments", "")):
+                        yield frame
+            if out.finished:
+                length = responses.finish_reason_of(out) == "length"
+        status = "incomplete" if length else "completed"
+        if writer.open_item is None and not writer.body["output"]:
+            for frame in writer.text_delta("", []):  # an empty answer is still one message
+                yield frame
+        for frame in writer.close_item(status):
+            yield frame
+        final = finish(writer.body, length, num_output, job)
+        yield writer.emit(f"response.{final['status']}", response=final)
+    except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
+        error = generation.error_of(exc)
+        for frame in writer.close_item("incomplete"):
+            yield frame
+        body = failed(writer.body, error)
+        body["usage"] = usage(job.num_prompt_tokens, num_output, job.num_cached_tokens)
+        yield writer.emit("response.failed", response=body)
+    yield DONE

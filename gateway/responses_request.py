@@ -1,0 +1,633 @@
+"""The Responses API's request (`POST /v1/responses`), validated at the edge, and its chat form.
+
+A `ResponsesRequest` is parsed once, with a 400 naming the field for anything we do not take:
+
+- `input` is a string or items: `message`s (roles user, system, developer, assistant; parts
+  `input_text` / `output_text` / `refusal`), `function_call`, `function_call_output`; `reasoning`
+  items are accepted and skipped; `input_image` / `input_file` / `input_audio` parts are a 400
+  (the models served are text only). Items are normalized to OpenAI's item shape (a string input
+  becomes one user message), which is what the store keeps and `input_items` lists.
+- Fields clients send routinely that cannot apply to an open model are accepted and ignored, each
+  named in `ignored` (the pipeline sends them in the `x-batchgate-ignored` header and logs them):
+  `reasoning`, `include` values other than `message.output_text.logprobs`, `client_metadata`,
+  `service_tier`, `prompt_cache_retention`, `max_tool_calls`, `stream_options`, `text.verbosity`,
+  and hosted tools (`web_search`, `file_search`, `code_interpreter`, ...), which are not offered to
+  the model. Everything else we do not support is a 400 that names it.
+
+`to_chat()` renders a request (with the conversation before it, from `previous_response_id`) as the
+chat request the engine backend already serves: instructions as the system message, then the
+history's items, then this turn's, so a continuation's prompt starts with its previous turn's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
+
+from gateway.errors import APIError, invalid_request
+from gateway.protocol import (
+    MAX_TOP_LOGPROBS,
+    NAME_PATTERN,
+    ChatCompletionRequest,
+    StrictModel,
+    _integral,
+    validation_error,
+)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's ResponseIncludable values (openai 3.57): only the logprobs apply here, the rest concern
+# hosted tools, images and reasoning, and are ignored.
+INCLUDABLE = frozenset(
+    {
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+        LOGPROBS_INCLUDE,
+    }
+)
+# Hosted tools that run on OpenAI's side: not offered to the model, named as ignored.
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "computer",
+        "computer_use_preview",
+        "image_generation",
+        "mcp",
+        "local_shell",
+        "shell",
+        "tool_search",
+        "apply_patch",
+        "programmatic_tool_calling",
+    }
+)
+# Accepted and ignored (named in the warning header) whatever their value.
+IGNORED_FIELDS = (
+    "reasoning",
+    "client_metadata",
+    "service_tier",
+    "prompt_cache_retention",
+    "max_tool_calls",
+    "stream_options",
+)
+# OpenAI fields we do not implement: accepted only with these values ("not asked for").
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "background": (None, False),
+    "prompt": (None,),
+    "context_management": (None,),
+}
+_MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
+MAX_METADATA_KEYS = 16
+# Fields of ResponsesRequest that parsing derives (never sent by a client; not in the document).
+DERIVED_FIELDS = ("functions", "namespaces", "ignored", "history")
+_INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
+
+
+def _input(value: Any) -> Any:
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise ValueError("must be a string or an array of input items")
+    # An "easy" message ({role, content}) is a message item without its type.
+    return [{"type": "message", **v} if isinstance(v, dict) and "type" not in v else v for v in value]
+
+
+def _tool_choice(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    kind = value.get("type")
+    if kind == "function":
+        return FunctionToolChoice.model_validate(value)
+    if kind == "allowed_tools":
+        return ToolChoiceAllowed.model_validate(value)
+    raise ValueError(
+        "must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "
+        "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]}"
+    )
+
+
+class InputText(StrictModel):
+    type: Literal["input_text"]
+    text: str
+    prompt_cache_breakpoint: Any = None
+
+
+class OutputText(StrictModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class RefusalPart(StrictModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+Part = Annotated[InputText | OutputText | RefusalPart, Field(discriminator="type")]
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Part]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    namespace: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningItem(StrictModel):
+    """Accepted and skipped: an open model's own reasoning is not carried between turns."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] | None = None
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+Item = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Field(discriminator="type")
+]
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class FunctionTool(StrictModel):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+
+class NamespaceTool(StrictModel):
+    """A named group of function tools (Codex sends these); its functions are offered by name."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class JsonSchemaText(StrictModel):
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    description: str | None = None
+    strict: bool | None = None
+
+
+class PlainText(StrictModel):
+    type: Literal["text"]
+
+
+class JsonObjectText(StrictModel):
+    type: Literal["json_object"]
+
+
+TextFormat = Annotated[PlainText | JsonObjectText | JsonSchemaText, Field(discriminator="type")]
+
+
+class TextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class FunctionToolChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class AllowedTool(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class ToolChoiceAllowed(StrictModel):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | FunctionToolChoice | ToolChoiceAllowed,
+    BeforeValidator(_tool_choice),
+]
+MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None
+
+
+class ConversationRef(StrictModel):
+    id: str
+
+
+class ResponsesRequest(StrictModel):
+    """OpenAI's create-response body (the subset of the module docstring)."""
+
+    model: str
+    input: Annotated[list[Item], BeforeValidator(_input), WithJsonSchema(_INPUT_SCHEMA)]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens = None
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None = None
+    include: list[Literal[tuple(sorted(INCLUDABLE))]] | None = None  # type: ignore[valid-type]
+    tools: list[Any] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None
+    metadata: dict[str, str] | None = None
+    stream: bool | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    truncation: Literal["disabled"] | None = None
+    # Accepted and ignored, whatever their value (IGNORED_FIELDS; parsing takes them out first).
+    reasoning: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    client_metadata: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    service_tier: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    prompt_cache_retention: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    max_tool_calls: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    stream_options: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
+    # Filled by parse_responses_request, not by the client:
+    functions: Annotated[tuple[FunctionTool, ...], Field(exclude=True)] = ()
+    namespaces: Annotated[dict[str, str], Field(exclude=True)] = {}  # function name -> its namespace
+    ignored: Annotated[tuple[str, ...], Field(exclude=True)] = ()
+    # The conversation before this turn (from previous_response_id), as items.
+    history: Annotated[tuple[Item, ...], Field(exclude=True)] = ()
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return False
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
+
+
+def _pop_ignored(body: dict[str, Any]) -> list[str]:
+    ignored = []
+    for name in IGNORED_FIELDS:
+        if name in body:
+            if body.pop(name) is not None:
+                ignored.append(name)
+    include = body.get("include")
+    if isinstance(include, list):
+        for i, value in enumerate(include):
+            if value not in INCLUDABLE:
+                raise invalid_request(
+                    f"Invalid value for 'include[{i}]': must be one of {', '.join(sorted(INCLUDABLE))}.",
+                    param=f"include[{i}]",
+                )
+        ignored += [f"include={v}" for v in include if v != LOGPROBS_INCLUDE]
+    return ignored
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    for name, allowed in UNSUPPORTED_FIELDS.items():
+        if name in body:
+            if body[name] not in allowed:
+                raise invalid_request(
+                    f"'{name}' is not supported by this server; remove it from the request.", param=name
+                )
+            del body[name]
+    if body.get("truncation") == "auto":
+        raise invalid_request(
+            "'truncation': 'auto' is not supported: a conversation longer than the context is a 400; "
+            "use 'disabled'.",
+            param="truncation",
+        )
+
+
+def _check_media(items: Any) -> None:
+    """A clear 400 for image, file and audio parts, before the item models see them."""
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") not in (*_ITEM_TYPES, None):
+            raise invalid_request(
+                f"Input items of type {item.get('type')!r} are not supported; this server takes "
+                "message, function_call, function_call_output and reasoning items.",
+                param=f"input[{i}].type",
+            )
+        content = item.get("content") if item.get("type", "message") == "message" else item.get("output")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                where = "content" if item.get("type", "message") == "message" else "output"
+                raise invalid_request(
+                    f"'{kind}' is not supported: the models this server serves take text only.",
+                    param=f"input[{i}].{where}[{j}]",
+                )
+
+
+def _tools(raw: list[Any] | None) -> tuple[tuple[FunctionTool, ...], dict[str, str], list[str]]:
+    """The function tools offered to the model (namespaces flattened), which namespace each came
+    from, and the hosted tools ignored."""
+    functions: list[FunctionTool] = []
+    namespaces: dict[str, str] = {}
+    ignored: list[str] = []
+    for i, tool in enumerate(raw or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        try:
+            if kind == "function":
+                functions.append(FunctionTool.model_validate(tool))
+            elif kind == "namespace":
+                group = NamespaceTool.model_validate(tool)
+                functions += group.tools
+                namespaces.update((f.name, group.name) for f in group.tools)
+            elif kind in HOSTED_TOOLS:
+                ignored.append(f"tools[{i}]={kind}")
+            elif kind == "custom":
+                raise invalid_request(
+                    "Custom tools are not supported by this server yet; use a function tool.",
+                    param=f"tools[{i}].type",
+                )
+            else:
+                raise invalid_request(f"Unknown tool type {kind!r}.", param=f"tools[{i}].type")
+        except ValidationError as exc:
+            raise _nested_error(exc, f"tools[{i}]") from None
+    names = [f.name for f in functions]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid_request(f"Duplicate tool name '{name}' in 'tools'.", param="tools")
+    return tuple(functions), namespaces, ignored
+
+
+def _nested_error(exc: ValidationError, where: str) -> APIError:
+    error = validation_error(exc)
+    param = f"{where}.{error.param}" if error.param else where
+    error.message = error.message.replace(f"'{error.param}'", f"'{param}'")
+    error.param = param
+    return error
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    """Validate a decoded JSON body as a create-response request; APIError(400) names the field."""
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    for name in DERIVED_FIELDS:  # ours, not the client's
+        if name in body:
+            raise invalid_request(f"Unrecognized request argument supplied: {name}", param=name)
+    body = dict(body)
+    ignored = _pop_ignored(body)
+    _check_unsupported(body)
+    _check_media(body.get("input"))
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid_request("Invalid value for 'tools': must be an array.", param="tools")
+    functions, namespaces, hosted = _tools(tools)
+    try:
+        req = ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
+        raise invalid_request(f"'metadata' may hold at most {MAX_METADATA_KEYS} keys.", param="metadata")
+    _check_tool_choice(req, functions)
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise invalid_request(
+            "'conversation' and 'previous_response_id' cannot be used together; give one of them.",
+            param="conversation",
+        )
+    if req.text is not None and req.text.verbosity is not None:
+        ignored.append("text.verbosity")
+    return req.model_copy(
+        update={"functions": functions, "namespaces": namespaces, "ignored": (*ignored, *hosted)}
+    )
+
+
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a create body whose `input` may be left out (a
+    continuation may add none)."""
+
+    input: Annotated[list[Item], BeforeValidator(_input), WithJsonSchema(_INPUT_SCHEMA)] = []
+
+
+def parse_input_tokens_request(body: Any) -> ResponsesRequest:
+    """An InputTokensRequest body, parsed as the create request it counts (never stored)."""
+    if isinstance(body, dict):
+        body = {"input": [], **body}
+    return parse_responses_request(body).model_copy(update={"store": False})
+
+
+def _check_tool_choice(req: ResponsesRequest, functions: tuple[FunctionTool, ...]) -> None:
+    choice = req.tool_choice
+    names = {f.name for f in functions}
+    if choice is None or choice in ("auto", "none"):
+        return
+    if not names:
+        raise invalid_request("'tool_choice' requires function tools in 'tools'.", param="tool_choice")
+    wanted = (
+        [choice.name]
+        if isinstance(choice, FunctionToolChoice)
+        else [t.name for t in choice.tools]
+        if isinstance(choice, ToolChoiceAllowed)
+        else []
+    )
+    for name in wanted:
+        if name not in names:
+            raise invalid_request(
+                f"'tool_choice' names function '{name}', which is not in 'tools'.", param="tool_choice"
+            )
+
+
+def items_of(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """This turn's input items in OpenAI's item shape (what the store keeps), without ids: a
+    message's string content becomes one text part, as OpenAI lists input items."""
+    out = []
+    for item in req.input:
+        raw = item.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            part: dict[str, Any] = {"type": kind, "text": item.content}
+            if kind == "output_text":
+                part["annotations"] = []
+            raw["content"] = [part]
+            raw.setdefault("status", "completed")
+        out.append(raw)
+    return out
+
+
+def parse_items(raw: list[dict[str, Any]]) -> tuple[Item, ...]:
+    """Stored items back into their models (they were validated when they came in)."""
+    return tuple(ResponsesRequest.model_validate({"model": "", "input": raw}).input)
+
+
+# -- as a chat request ------------------------------------------------------------------------
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that renders `req`: instructions, then its history, then its input."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    calls: set[str] = set()
+    for where, item in [("history", i) for i in req.history] + [
+        (f"input[{n}]", i) for n, i in enumerate(req.input)
+    ]:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": item.text})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            calls.add(item.call_id)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:
+                raise invalid_request(
+                    f"No function_call found for the function_call_output with call_id {item.call_id!r}.",
+                    param=f"{where}.call_id",
+                )
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+    if not messages:
+        raise invalid_request("'input' must hold at least one message or item.", param="input")
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    for name in ("temperature", "top_p", "parallel_tool_calls", "user"):
+        value = getattr(req, name)
+        if value is not None:
+            body[name] = value
+    if req.logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    fmt = req.text.format if req.text is not None else None
+    if isinstance(fmt, JsonSchemaText):
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.name,
+                "schema": fmt.schema_,
+                **({"strict": fmt.strict} if fmt.strict is not None else {}),
+                **({"description": fmt.description} if fmt.description is not None else {}),
+            },
+        }
+    elif fmt is not None:
+        body["response_format"] = {"type": fmt.type}
+    _chat_tools(req, body)
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        # Our own rendering of a validated request: a field the chat model refuses is a bug to see.
+        raise invalid_request(f"The request cannot be rendered: {validation_error(exc).message}") from None
+
+
+def _chat_tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
+    functions = req.functions
+    choice = req.tool_choice
+    if not functions or choice == "none":
+        return
+    if isinstance(choice, ToolChoiceAllowed):
+        allowed = {t.name for t in choice.tools}
+        functions = tuple(f for f in functions if f.name in allowed)
+        body["tool_choice"] = choice.mode
+    elif isinstance(choice, FunctionToolChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    body["tools"] = [
+        {
+            "type": "function",
+            "function": f.model_dump(exclude_none=True, exclude={"type", "defer_loading"}),
+        }
+        for f in functions
+    ]
+
+
+def tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """`tools` as a response echoes them: the function tools, strict as applied."""
+    return [
+        {
+            "type": "function",
+            "name": f.name,
+            "description": f.description,
+            "parameters": f.parameters if f.parameters is not None else {"type": "object", "properties": {}},
+            "strict": f.strict is not False,
+        }
+        for f in req.functions
+    ]
+
+
+def tool_choice_echo(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        return choice
+    return choice.model_dump(mode="json")
+
+
+def text_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"format": {"type": "text"}}
+    return {"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)}
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,168 @@
+"""The Responses API's state: continuing from a stored response, storing answers, and the
+`/v1/responses/{id}` routes (retrieve, delete, input_items).
+
+The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint around its backend:
+
+    prepare(work): previous_response_id (or conversation) -> the stored conversation before this
+                   turn (404 if this tenant has no such response), as `ResponsesRequest.history`;
+                   in gateway-only mode also as the body relayed, the history in front of `input`
+    wrap(work, plan): the answer (a body, or the stream's terminal event) is stored under its id
+                   with this turn's input items, when the request `store`s (OpenAI's default), and
+                   with `conversation` its input and output items are appended to the conversation
+
+A replica behind a gateway (an internal caller) neither resolves nor stores: its gateway did and
+will, so any gateway of a pool continues any conversation from the shared store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.admission import Caller
+from gateway.backend import Body, Call, Plan, Reply, Stream, Work
+from gateway.conversations import Conversations, guarded, page, with_ids
+from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.metrics import Metrics
+from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
+from gateway.responses_output import TERMINAL_EVENTS
+from gateway.responses_request import ResponsesRequest, items_of, parse_items
+from gateway.settings import Settings
+
+logger = logging.getLogger("batchgate.gateway")
+
+# The accepted-and-ignored fields of a request (gateway/responses_request.py), comma-separated.
+IGNORED_HEADER = "x-batchgate-ignored"
+
+
+def build_store(settings: Settings, metrics: Metrics) -> ResponseStore:
+    """Redis with --redis-url, else SQLite in --storage-dir (in memory without one)."""
+    if settings.redis_url:
+        return RedisStore(
+            settings.redis_url, settings.responses_ttl_s, settings.responses_max_stored, metrics.evicted
+        )
+    from pathlib import Path
+
+    path = Path(settings.storage_dir) / SQLITE_FILE if settings.storage_dir else None
+    return SQLiteStore(path, settings.responses_max_stored, metrics.evicted)
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.", param=param)
+
+
+class ResponsesState:
+    """The stateful endpoint hooks and routes over one `ResponseStore` (see the module docstring)."""
+
+    def __init__(self, store: ResponseStore, conversations: Conversations) -> None:
+        self.store = store
+        self.conversations = conversations
+
+    async def _load(self, tenant: str, response_id: str) -> StoredResponse | None:
+        if not response_id.startswith("resp_"):
+            return None
+        raw = await guarded(self.store.get(tenant, response_id))
+        return None if raw is None else StoredResponse.loads(raw)
+
+    # -- the pipeline's hooks ----------------------------------------------------------------
+
+    async def prepare(self, work: Work) -> None:
+        req = work.request
+        assert isinstance(req, ResponsesRequest)
+        if req.ignored:
+            logger.info("%s: accepted and ignored: %s", work.request_id, ", ".join(req.ignored))
+        if work.caller.internal:
+            return
+        conversation_id = req.conversation_id
+        if conversation_id is not None:
+            history = (await self.conversations.load(work.caller.name, conversation_id, "conversation")).items
+        elif req.previous_response_id is not None:
+            previous = await self._load(work.caller.name, req.previous_response_id)
+            if previous is None:
+                raise _not_found(req.previous_response_id, "previous_response_id")
+            history = previous.conversation()
+        else:
+            return
+        work.request = req.model_copy(update={"history": parse_items(history)})
+        # What a replica renders (it resolves nothing): the history in front of this turn's input.
+        work.body = {**work.body, "input": [*history, *items_of(req)]}
+
+    def wrap(self, work: Work, plan: Plan) -> Plan:
+        req = work.request
+        assert isinstance(req, ResponsesRequest)
+        execute = plan.execute
+        conversation_id = None if work.caller.internal else req.conversation_id
+        store = (req.stores or conversation_id is not None) and not work.caller.internal
+        tenant = work.caller.name
+        input_items = with_ids(items_of(req)) if store else []
+        history = [i.model_dump(mode="json", by_alias=True, exclude_none=True) for i in req.history]
+
+        async def save(response: dict[str, Any]) -> None:
+            if req.stores:
+                record = StoredResponse(response, input_items, history)
+                await guarded(self.store.put(tenant, record.response_id, record.dumps()))
+            if conversation_id is not None:  # the turn's items join the conversation
+                await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
+
+        async def run(call: Call) -> Reply:
+            reply = await execute(call)
+            if work.endpoint.count_only:
+                call.usage.served = False  # counting generates nothing: its hold is refunded whole
+            if req.ignored:
+                reply.headers[IGNORED_HEADER] = ", ".join(req.ignored)
+            if not store:
+                return reply
+            if isinstance(reply, Body):
+                if reply.status == 200:
+                    payload = reply.payload
+                    await save(json.loads(payload) if isinstance(payload, bytes) else dict(payload))
+                return reply
+            return Stream(_saving(reply.frames, save), reply.ready, reply.headers)
+
+        return Plan(plan.num_prompt_tokens, plan.max_num_tokens, run)
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def _get(self, caller: Caller, response_id: str) -> StoredResponse:
+        record = await self._load(caller.name, response_id)
+        if record is None:
+            raise _not_found(response_id)
+        return record
+
+    async def retrieve(self, caller: Caller, request: Request) -> Response:
+        if request.query_params.get("stream") in ("true", "1"):
+            raise invalid_request(
+                "'stream' replays only background responses, which this server does not run.", param="stream"
+            )
+        record = await self._get(caller, request.path_params["response_id"])
+        return JSONResponse(record.response)
+
+    async def delete(self, caller: Caller, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        await self._get(caller, response_id)
+        await guarded(self.store.delete(caller.name, response_id))
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, caller: Caller, request: Request) -> Response:
+        record = await self._get(caller, request.path_params["response_id"])
+        return JSONResponse(page(record.input_items, request))
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+
+async def _saving(frames: AsyncIterator[bytes], save: Any) -> AsyncIterator[bytes]:
+    """`frames`, with the response of the terminal event stored before that event goes out (so a
+    client that reads the end of the stream can retrieve the response at once)."""
+    async with contextlib.aclosing(frames) as inner:  # type: ignore[type-var]
+        async for frame in inner:
+            if frame.startswith(TERMINAL_EVENTS):
+                data = frame.split(b"\ndata: ", 1)[1]
+                await save(json.loads(data)["response"])
+            yield frame
