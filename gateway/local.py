@@ -173,7 +173,7 @@ class EngineBackend:
         self,
         work: Work,
         req: protocol.ChatCompletionRequest,
-        engine: AsyncEngine,
+        engine: EngineClient,
         tokenizer: Tokenizer,
         *,
         param: str,
