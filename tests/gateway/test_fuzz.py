@@ -43,7 +43,10 @@ def _cap_costs(body: Any, path: str = "") -> None:
     if not isinstance(body, dict):
         return
     if path.startswith("/v1/responses"):
-        if not (_is_int(body.get("max_output_tokens")) and body["max_output_tokens"] <= MAX_TOKENS_CAP):
+        # Only a schema-valid value is lowered (or an absent one set): a negative case's broken
+        # value must reach the server as drawn, or the server is blamed for accepting it.
+        value = body.get("max_output_tokens")
+        if value is None or (_is_int(value) and value > MAX_TOKENS_CAP):
             body["max_output_tokens"] = MAX_TOKENS_CAP
         return
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
