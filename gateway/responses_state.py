@@ -1,5 +1,5 @@
-"""The Responses API's state: continuing from a stored response, storing answers, and the
-`/v1/responses/{id}` routes (retrieve, delete, input_items).
+"""The Responses API's state: continuing from a stored response, storing answers, background
+runs, and the `/v1/responses/{id}` routes (retrieve, delete, input_items, cancel).
 
 The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint around its backend:
 
@@ -9,6 +9,8 @@ The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint ar
     wrap(work, plan): the answer (a body, or the stream's terminal event) is stored under its id
                    with this turn's input items, when the request `store`s (OpenAI's default), and
                    with `conversation` its input and output items are appended to the conversation
+    background(work, plan, call, close): a `background` request, once admitted, runs on without
+                   its client (gateway/responses_background.py); the client gets it `queued`
 
 A replica behind a gateway (an internal caller) neither resolves nor stores: its gateway did and
 will, so any gateway of a pool continues any conversation from the shared store.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -31,12 +33,15 @@ from gateway.conversations import Conversations, guarded, page, with_ids
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
-from gateway.responses_output import TERMINAL_EVENTS
+from gateway.responses import now
+from gateway.responses_background import BackgroundRuns
+from gateway.responses_output import TERMINAL_EVENTS, skeleton
 from gateway.responses_request import ResponsesRequest, items_of, parse_items
 from gateway.settings import Settings
 
 logger = logging.getLogger("batchgate.gateway")
 
+Saver = Callable[[dict[str, Any]], Awaitable[None]]
 # The accepted-and-ignored fields of a request (gateway/responses_request.py), comma-separated.
 IGNORED_HEADER = "x-batchgate-ignored"
 
@@ -60,9 +65,12 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 class ResponsesState:
     """The stateful endpoint hooks and routes over one `ResponseStore` (see the module docstring)."""
 
-    def __init__(self, store: ResponseStore, conversations: Conversations) -> None:
+    def __init__(
+        self, store: ResponseStore, conversations: Conversations, background: BackgroundRuns
+    ) -> None:
         self.store = store
         self.conversations = conversations
+        self.background = background
 
     async def _load(self, tenant: str, response_id: str) -> StoredResponse | None:
         if not response_id.startswith("resp_"):
@@ -79,6 +87,8 @@ class ResponsesState:
             logger.info("%s: accepted and ignored: %s", work.request_id, ", ".join(req.ignored))
         if work.caller.internal:
             return
+        if "background" in work.body:  # a replica runs it in the foreground; this gateway waits
+            work.body = {k: v for k, v in work.body.items() if k != "background"}
         conversation_id = req.conversation_id
         if conversation_id is not None:
             history = (await self.conversations.load(work.caller.name, conversation_id, "conversation")).items
@@ -93,10 +103,11 @@ class ResponsesState:
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
 
-    def wrap(self, work: Work, plan: Plan) -> Plan:
+    def _saver(self, work: Work) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]], Saver]:
+        """Whether `work`'s answer is stored, its input items and history as stored, and the
+        function that stores an answer (and appends it to its conversation)."""
         req = work.request
         assert isinstance(req, ResponsesRequest)
-        execute = plan.execute
         conversation_id = None if work.caller.internal else req.conversation_id
         store = (req.stores or conversation_id is not None) and not work.caller.internal
         tenant = work.caller.name
@@ -109,6 +120,16 @@ class ResponsesState:
                 await guarded(self.store.put(tenant, record.response_id, record.dumps()))
             if conversation_id is not None:  # the turn's items join the conversation
                 await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
+
+        return store, input_items, history, save
+
+    def wrap(self, work: Work, plan: Plan) -> Plan:
+        req = work.request
+        assert isinstance(req, ResponsesRequest)
+        execute = plan.execute
+        store, _, _, save = self._saver(work)
+        if self.in_background(work):
+            store = False  # stored by the background run (its lease and cancel mark first)
 
         async def run(call: Call) -> Reply:
             reply = await execute(call)
@@ -127,18 +148,45 @@ class ResponsesState:
 
         return Plan(plan.num_prompt_tokens, plan.max_num_tokens, run)
 
+    def in_background(self, work: Work) -> bool:
+        req = work.request
+        return isinstance(req, ResponsesRequest) and bool(req.background) and not work.caller.internal
+
+    async def run_in_background(
+        self, work: Work, plan: Plan, call: Call, close: Callable[[], Awaitable[None]]
+    ) -> Response:
+        """The admitted `work` run on without its client; the answer is the queued response."""
+        req = work.request
+        assert isinstance(req, ResponsesRequest)
+        _, input_items, history, save = self._saver(work)
+        response = skeleton(req, work.request_id, now(), work.model)
+
+        async def finish(answer: dict[str, Any]) -> None:
+            await save({**answer, "id": work.request_id})  # a replica's own id is not this one
+
+        record = StoredResponse(response, input_items, history)
+        queued = await self.background.start(
+            work.caller.name, record, lambda: plan.execute(call), finish, close
+        )
+        headers = {"x-request-id": work.request_id}
+        if req.ignored:
+            headers[IGNORED_HEADER] = ", ".join(req.ignored)
+        return JSONResponse(queued, headers=headers)
+
     # -- routes --------------------------------------------------------------------------------
 
     async def _get(self, caller: Caller, response_id: str) -> StoredResponse:
         record = await self._load(caller.name, response_id)
         if record is None:
             raise _not_found(response_id)
-        return record
+        return self.background.view(record)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
         if request.query_params.get("stream") in ("true", "1"):
             raise invalid_request(
-                "'stream' replays only background responses, which this server does not run.", param="stream"
+                "'stream' replay of a background response is not supported by this server; poll "
+                "GET /v1/responses/{response_id} until its status is final.",
+                param="stream",
             )
         record = await self._get(caller, request.path_params["response_id"])
         return JSONResponse(record.response)
@@ -153,7 +201,12 @@ class ResponsesState:
         record = await self._get(caller, request.path_params["response_id"])
         return JSONResponse(page(record.input_items, request))
 
+    async def cancel(self, caller: Caller, request: Request) -> Response:
+        record = await self._get(caller, request.path_params["response_id"])
+        return JSONResponse(await self.background.cancel(caller.name, record))
+
     async def aclose(self) -> None:
+        await self.background.aclose()
         await self.store.aclose()
 
 

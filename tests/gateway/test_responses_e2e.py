@@ -222,7 +222,8 @@ def test_input_tokens_counts_what_create_is_charged(client: openai.OpenAI, tiny_
             "input[0].content[0]",
         ),
         ({"input": "x", "colour": "red"}, "colour"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "stream": True}, "stream"),
+        ({"input": "x", "background": True, "store": False}, "background"),
         (
             {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
             "tool_choice",
