@@ -57,6 +57,12 @@ class _Run:
     outcome: str | None = None  # "cancelled" or a failure's reason, once decided
 
 
+async def _ended(task: asyncio.Task[None]) -> None:
+    """Cancel `task` and wait until it has stopped (its store write done, if one was under way)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 class BackgroundRuns:
     """This gateway's background runs over the shared store (see the module docstring)."""
 
@@ -111,7 +117,7 @@ class BackgroundRuns:
         try:
             with self.drain.on_stop(lambda: self._stop(tenant, record.response_id, DRAINED)):
                 reply = await execute()
-            renewing.cancel()
+            await _ended(renewing)
             if isinstance(reply, Body) and reply.status == 200:
                 payload = reply.payload
                 response = orjson.loads(payload) if isinstance(payload, bytes) else dict(payload)
@@ -121,11 +127,13 @@ class BackgroundRuns:
             else:
                 await self._put(tenant, _with_status(record, "failed", "The model backend failed."))
         except asyncio.CancelledError:
+            await _ended(renewing)
             outcome = (run.outcome if run is not None else None) or DRAINED
             status, error = ("cancelled", None) if outcome == "cancelled" else ("failed", outcome)
             with contextlib.suppress(APIError):
                 await self._put(tenant, _with_status(record, status, error))
         except Exception as exc:  # noqa: BLE001 - the client is gone: the record carries the error
+            await _ended(renewing)
             failure = exc if isinstance(exc, APIError) else APIError(ErrorKind.INTERNAL, "It failed.")
             logger.warning("%s: background response failed: %s", record.response_id, failure.message)
             with contextlib.suppress(APIError):
@@ -153,9 +161,14 @@ class BackgroundRuns:
             run.outcome = outcome
             run.task.cancel()
 
-    def view(self, record: StoredResponse) -> StoredResponse:
-        """The record as a reader sees it: a run whose lease lapsed failed."""
-        if record.response.get("status") in ACTIVE and (record.lease_until or 0) < time.time():
+    async def view(self, tenant: str, record: StoredResponse) -> StoredResponse:
+        """The record as a reader sees it: a run cancelled is cancelled (before its gateway stored
+        that), a run whose lease lapsed failed."""
+        if record.response.get("status") not in ACTIVE:
+            return record
+        if await self._cancel_marked(tenant, record.response_id):
+            return _with_status(record, "cancelled")
+        if (record.lease_until or 0) < time.time():
             return _with_status(record, "failed", LAPSED)
         return record
 
@@ -165,7 +178,7 @@ class BackgroundRuns:
             raise invalid_request(
                 "Only responses created with 'background': true can be cancelled.", param="response_id"
             )
-        record = self.view(record)
+        record = await self.view(tenant, record)
         if record.response.get("status") not in ACTIVE:
             return record.response
         response_id = record.response_id

@@ -179,7 +179,7 @@ class ResponsesState:
         record = await self._load(caller.name, response_id)
         if record is None:
             raise _not_found(response_id)
-        return self.background.view(record)
+        return await self.background.view(caller.name, record)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
         if request.query_params.get("stream") in ("true", "1"):
