@@ -132,6 +132,8 @@ class Stream:
     frames: AsyncIterator[bytes]
     ready: bool
     headers: dict[str, str] = field(default_factory=dict)
+    # The event a drain deadline ends it with, when not the chat-shaped `error` (gateway/drain.py).
+    stop_frame: Callable[[], bytes] | None = None
 
 
 Reply = Body | Stream

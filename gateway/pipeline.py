@@ -121,7 +121,7 @@ class Pipeline:
                 on_close=lifetime.close,
                 keep_alive_first=not reply.ready,
                 stop=self.drain,
-                stop_frame=deadline_frame(),
+                stop_frame=reply.stop_frame or deadline_frame(),
             )
             handed_over = True  # the response closes the lifetime when the stream ends
             return response

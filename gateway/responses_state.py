@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.admission import Caller
 from gateway.backend import Body, Call, Plan, Reply, Stream, Work
 from gateway.conversations import Conversations, guarded, page, with_ids
+from gateway.drain import deadline_error
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
@@ -137,14 +139,13 @@ class ResponsesState:
                 call.usage.served = False  # counting generates nothing: its hold is refunded whole
             if req.ignored:
                 reply.headers[IGNORED_HEADER] = ", ".join(req.ignored)
-            if not store:
-                return reply
             if isinstance(reply, Body):
-                if reply.status == 200:
+                if store and reply.status == 200:
                     payload = reply.payload
                     await save(json.loads(payload) if isinstance(payload, bytes) else dict(payload))
                 return reply
-            return Stream(_saving(reply.frames, save), reply.ready, reply.headers)
+            events = _Events(_saving(reply.frames, save) if store else reply.frames)
+            return Stream(events, reply.ready, reply.headers, stop_frame=events.deadline_frame)
 
         return Plan(plan.num_prompt_tokens, plan.max_num_tokens, run)
 
@@ -208,6 +209,44 @@ class ResponsesState:
     async def aclose(self) -> None:
         await self.background.aclose()
         await self.store.aclose()
+
+
+class _Events:
+    """A Responses event stream that remembers its last sequence number, so that the event a drain
+    deadline ends it with is Responses-shaped and next in sequence (a chat stream's is not)."""
+
+    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+        self._frames = frames
+        self._seq = -1
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> bytes:
+        frame = await anext(self._frames)
+        found = _SEQUENCE.search(frame, 0, 200)
+        if found is not None:
+            self._seq = int(found.group(1))
+        return frame
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._frames, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def deadline_frame(self) -> bytes:
+        detail = deadline_error().body()["error"]
+        event = {
+            "type": "error",
+            "sequence_number": self._seq + 1,
+            "code": detail["code"],
+            "message": detail["message"],
+            "param": None,
+        }
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+_SEQUENCE = re.compile(rb'"sequence_number":(\d+)')
 
 
 async def _saving(frames: AsyncIterator[bytes], save: Any) -> AsyncIterator[bytes]:

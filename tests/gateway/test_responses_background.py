@@ -5,15 +5,16 @@ it, and reads a run whose gateway died as `failed` (its lease lapsed), never "no
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import openai
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseErrorEvent
 
 from gateway.response_store import RedisStore, StoredResponse
-from gateway.responses_background import LAPSED
+from gateway.responses_background import DRAINED, LAPSED
 from tests.gateway.conftest import AppFactory, TinyServer, client_for
 from tests.gateway.fakes import FakeEngine
 
@@ -101,3 +102,67 @@ async def test_a_run_whose_gateway_died_reads_failed(make_app: AppFactory, redis
         r = await b.post("/v1/responses/resp_dead/cancel")
         assert r.status_code == 200 and r.json()["status"] == "failed"
     await store.aclose()
+
+
+async def _stream_events(app: Any, body: dict[str, Any]) -> tuple[asyncio.Queue[bytes], asyncio.Task[None]]:
+    """POST `body` to /v1/responses straight through the ASGI app (httpx's ASGI transport would
+    wait for the whole body); the body's chunks arrive in the queue as the app sends them."""
+    chunks: asyncio.Queue[bytes] = asyncio.Queue()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/responses",
+        "raw_path": b"/v1/responses",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "server": ("test", 80),
+        "client": ("client", 1),
+    }
+    pending = [json.dumps(body).encode()]
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            await chunks.put(message["body"])
+
+    return chunks, asyncio.get_running_loop().create_task(app(scope, receive, send))
+
+
+def _events(chunk: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in chunk.decode().splitlines() if line.startswith("data: {")]
+
+
+async def test_a_drain_deadline_ends_streams_and_runs_in_responses_shapes(
+    make_app: AppFactory, fake_engine: FakeEngine
+) -> None:
+    fake_engine.gate = asyncio.Event()
+    app = make_app(keep_alive_s=0.1)
+    body = {"model": "fake-model", "input": "hi"}
+    async with client_for(app) as client:
+        queued = (await client.post("/v1/responses", json={**body, "background": True})).json()
+        chunks, handler = await _stream_events(app, {**body, "stream": True})
+        seen: list[dict[str, Any]] = []
+        while not seen or seen[-1]["type"] != "response.in_progress":
+            seen += _events(await asyncio.wait_for(chunks.get(), 10))
+        app.state.gateway.drain.stop_all()
+        await asyncio.wait_for(handler, 10)
+        rest = b"".join(chunks.get_nowait() for _ in range(chunks.qsize())).decode()
+        error = ResponseErrorEvent.model_validate(_events(rest.encode())[-1], strict=True)
+        assert error.type == "error" and error.sequence_number == seen[-1]["sequence_number"] + 1
+        assert rest.rstrip().endswith("data: [DONE]") and "event: error" in rest
+        deadline = time.monotonic() + 10
+        while (await _status(client, queued["id"]))["status"] != "failed":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert (await _status(client, queued["id"]))["error"]["message"] == DRAINED
+        assert fake_engine.num_active == 0

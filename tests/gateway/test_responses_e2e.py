@@ -312,13 +312,16 @@ def test_conversations_through_the_sdk(client: openai.OpenAI, tiny_server: TinyS
     tiny_server.wait_idle()
 
 
-def test_truncation_auto_drops_the_oldest_items_to_fit(client: openai.OpenAI, tiny_server: TinyServer) -> None:
+def test_truncation_auto_drops_the_oldest_items_to_fit(
+    client: openai.OpenAI, tiny_server: TinyServer
+) -> None:
     turns = [{"role": "user", "content": f"Turn {i}: " + "word " * 120} for i in range(12)]
     fields: dict[str, Any] = {"model": tiny_server.model, "input": turns, "max_output_tokens": 4}
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**fields)  # truncation "disabled" (the default): too long is a 400
     error = refused.value.body
-    assert isinstance(error, dict) and error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert isinstance(error, dict) and error["param"] == "input"
+    assert error["code"] == "context_length_exceeded"
     resp = client.responses.create(**fields, truncation="auto")
     assert resp.truncation == "auto" and resp.usage is not None
 
