@@ -83,6 +83,8 @@ def skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) 
         "service_tier": "default",
         "store": req.stores,
         "temperature": 1.0 if req.temperature is None else req.temperature,
+        "presence_penalty": 0.0,  # not request fields here; Open Responses' object requires them
+        "frequency_penalty": 0.0,
         "text": text_echo(req),
         "tool_choice": tool_choice_echo(req),
         "tools": tools_echo(req),
