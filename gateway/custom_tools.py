@@ -115,14 +115,6 @@ class CustomEnd:
 Event = ChatCompletionDelta | CustomStart | CustomInput | CustomEnd
 
 
-def _partial(text: str, token: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `token`."""
-    for n in range(min(len(token) - 1, len(text)), 0, -1):
-        if text.endswith(token[:n]):
-            return n
-    return 0
-
-
 @dataclass
 class CallSplitter:
     """Splits one choice's text, fed as it is generated, into function-call parser deltas (chat
@@ -139,7 +131,7 @@ class CallSplitter:
             if self._state == "text":
                 start = self._buffer.find(_HEAD)
                 if start < 0:
-                    keep = 0 if final else _partial(self._buffer, _HEAD)
+                    keep = 0 if final else tools.partial_suffix(self._buffer, _HEAD)
                     cut = len(self._buffer) - keep
                     events += self.inner.feed(self._buffer[:cut], final=final)
                     self._buffer = self._buffer[cut:]
@@ -158,7 +150,7 @@ class CallSplitter:
             else:
                 end = self._buffer.find(CUSTOM_CALL_CLOSE)
                 if end < 0:
-                    keep = 0 if final else _partial(self._buffer, CUSTOM_CALL_CLOSE)
+                    keep = 0 if final else tools.partial_suffix(self._buffer, CUSTOM_CALL_CLOSE)
                     cut = len(self._buffer) - keep
                     if cut:
                         events.append(CustomInput(self._buffer[:cut]))

@@ -731,9 +731,9 @@ def _chat_tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
     choice = req.tool_choice
     if not functions:
         return
-    if customs:
-        pass
-    elif isinstance(choice, ToolChoiceAllowed):
+    if customs:  # the choice is read from `req` by gateway/custom_tools.py
+        choice = None
+    if isinstance(choice, ToolChoiceAllowed):
         body["tool_choice"] = choice.mode
     elif isinstance(choice, FunctionToolChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}

@@ -287,7 +287,7 @@ class ToolCallParser:
             before, self._buffer = self._buffer[:start], self._buffer[start + len(TOOL_CALL_OPEN) :]
             self._in_call, self._args_start, self._args_sent = True, -1, 0
             return self._content(before)
-        keep = 0 if final else _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+        keep = 0 if final else partial_suffix(self._buffer, TOOL_CALL_OPEN)
         emit, self._buffer = (
             self._buffer[: len(self._buffer) - keep],
             self._buffer[len(self._buffer) - keep :],
@@ -342,7 +342,7 @@ class ToolCallParser:
         return {"tool_calls": [{"index": self.num_calls, "function": {"arguments": fragment}}]}
 
 
-def _partial_suffix(text: str, token: str) -> int:
+def partial_suffix(text: str, token: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `token`."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if text.endswith(token[:n]):

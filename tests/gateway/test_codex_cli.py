@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import create_app
-from gateway.settings import Settings
-from tests.gateway.conftest import LiveServer, TinyServer
+from tests.gateway.conftest import TinyServer, serve_model
 from tests.tiny_model import ending_at_once
 
 CODEX = Path(__file__).resolve().parents[2] / ".tools/node_modules/@openai/codex/bin/codex.js"
@@ -28,26 +26,8 @@ WINDOW = 32768
 @pytest.fixture(scope="module")
 def terse_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[TinyServer]:
     """A 32k-window test model that ends every answer at once, served for real."""
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-
     model = ending_at_once(tiny_model_dir, tmp_path_factory.mktemp("terse") / "model", WINDOW)
-    engine = AsyncEngine.from_config(
-        EngineConfig(
-            model=str(model),
-            dtype="float32",
-            device="cpu",
-            max_model_len=WINDOW,
-            max_num_seqs=2,
-            kv_cache_memory_bytes=64 * 1024 * 1024,
-        )
-    )
-    server = LiveServer(create_app(Settings(keep_alive_s=1.0, embedding_model="none"), engine=engine))
-    try:
-        yield TinyServer(engine, server)
-    finally:
-        server.stop()
-        engine.shutdown()
+    yield from serve_model(model, WINDOW, max_num_seqs=2)
 
 
 def _codex(tmp_path: Path, server: TinyServer) -> subprocess.CompletedProcess[str]:
