@@ -400,3 +400,20 @@ def test_a_response_failing_mid_stream_ends_failed_and_settles_what_was_used_onc
         assert client.get(f"/v1/responses/{failed['id']}").json()["status"] == "failed"
     _wait_for(_settled(store, 1))
     assert _usage(store, "acme")["completion_tokens"] == 2
+
+
+def test_a_cancelled_background_response_releases_its_hold_once(
+    deployment: Deployment, store: redis.Redis
+) -> None:
+    deployment.engine.gate = asyncio.Event()  # never set: the run waits for its first token
+    with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+        queued = client.post("/v1/responses", json=resp(background=True, max_output_tokens=100)).json()
+        assert queued["status"] == "queued" and queued["background"] is True, queued
+        _wait_for(lambda: _live_leases(store, "acme") == 1)  # admitted, running without its client
+        assert client.post(f"/v1/responses/{queued['id']}/cancel", headers=UMBRELLA).status_code == 404
+        r = client.post(f"/v1/responses/{queued['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        assert client.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+    _wait_for(lambda: bool(deployment.engine.aborted))
+    _wait_for(_settled(store, 1))
+    assert _bucket(store, "acme") == TPM  # nothing was generated: everything refunded
