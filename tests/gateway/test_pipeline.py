@@ -422,8 +422,8 @@ def test_a_cancelled_background_response_releases_its_hold_once(
 def test_ten_turns_alternate_two_gateways_over_one_redis_with_a_replica_gone(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Any gateway continues any conversation (the state is in Redis), and a replica stopped
-    mid-conversation costs no turn its history: never a "not found"."""
+    """Any gateway continues any conversation (the state is in Redis), and a replica and then a
+    gateway stopped mid-conversation cost no turn its history: never a "not found"."""
     engines = [FakeEngine(max_model_len=2048) for _ in range(2)]
     common = {"keep_alive_s": 0.2, "embedding_model": "none", "internal_token": TOKEN}
     replicas = [LiveServer(create_app(Settings(**common), engine=e)) for e in engines]
@@ -445,9 +445,11 @@ def test_ten_turns_alternate_two_gateways_over_one_redis_with_a_replica_gone(
         for turn in range(10):
             if turn == 4:
                 replicas[0].stop()  # mid-conversation: one replica goes away
+            if turn == 7:
+                gateways[0].stop()  # and then one gateway: the other carries on
             body = resp(input=f"turn {turn}", **previous)
             for _ in range(3):  # as the SDK would: a 5xx from the replica that left is retried
-                url = gateways[turn % 2].base_url + "/v1/responses"
+                url = gateways[turn % 2 if turn < 7 else 1].base_url + "/v1/responses"
                 r = httpx.post(url, json=body, headers=ACME, timeout=10)
                 statuses.append(r.status_code)
                 if r.status_code < 500:
@@ -460,5 +462,5 @@ def test_ten_turns_alternate_two_gateways_over_one_redis_with_a_replica_gone(
         positions = [prompt.index(f"turn {t}") for t in range(10)]
         assert positions == sorted(positions)  # the whole conversation, in order
     finally:
-        for server in (*gateways, replicas[1]):
+        for server in (*gateways, *replicas):  # stopping twice is harmless
             server.stop()
