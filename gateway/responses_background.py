@@ -51,10 +51,31 @@ def _with_status(record: StoredResponse, status: str, error: str | None = None) 
     return replace(record, response=response, lease_until=None)
 
 
+@dataclass(frozen=True)
+class Job:
+    """What a background run does: `execute` the request, `finish` (store) its answer, `close`
+    (release everything, once, whatever the end)."""
+
+    execute: Callable[[], Awaitable[Reply]]
+    finish: Callable[[dict[str, Any]], Awaitable[None]]
+    close: Callable[[], Awaitable[None]]
+
+
 @dataclass
 class _Run:
     task: asyncio.Task[None]
     outcome: str | None = None  # "cancelled" or a failure's reason, once decided
+
+
+def _failure(reply: Reply) -> str:
+    """The message of a backend's error body (a replica's 400, say), or a generic one."""
+    if isinstance(reply, Body) and isinstance(reply.payload, bytes):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return str(orjson.loads(reply.payload)["error"]["message"])
+    if isinstance(reply, Body) and isinstance(reply.payload, dict):
+        with contextlib.suppress(KeyError, TypeError):
+            return str(reply.payload["error"]["message"])
+    return "The model backend failed."
 
 
 async def _ended(task: asyncio.Task[None]) -> None:
@@ -81,51 +102,36 @@ class BackgroundRuns:
         response = {**record.response, "status": status}
         return replace(record, response=response, lease_until=time.time() + self.lease_s)
 
-    async def start(
-        self,
-        tenant: str,
-        record: StoredResponse,
-        execute: Callable[[], Awaitable[Reply]],
-        finish: Callable[[dict[str, Any]], Awaitable[None]],
-        close: Callable[[], Awaitable[None]],
-    ) -> dict[str, Any]:
-        """Store `record` queued, run `execute` in the background (`finish` stores its answer,
-        `close` releases everything, once, whatever the end) and return the queued response."""
+    async def start(self, tenant: str, record: StoredResponse, job: Job) -> dict[str, Any]:
+        """Store `record` queued, run `job` in the background and return the queued response."""
         queued = self._leased(record, "queued")
         try:
             await self._put(tenant, queued)
         except BaseException:
-            await close()
+            await job.close()
             raise
         key = (tenant, record.response_id)
-        run = _Run(asyncio.get_running_loop().create_task(self._run(tenant, queued, execute, finish, close)))
+        run = _Run(asyncio.get_running_loop().create_task(self._run(tenant, queued, job)))
         self._runs[key] = run
         run.task.add_done_callback(lambda _: self._runs.pop(key, None))
         return queued.response
 
-    async def _run(
-        self,
-        tenant: str,
-        record: StoredResponse,
-        execute: Callable[[], Awaitable[Reply]],
-        finish: Callable[[dict[str, Any]], Awaitable[None]],
-        close: Callable[[], Awaitable[None]],
-    ) -> None:
+    async def _run(self, tenant: str, record: StoredResponse, job: Job) -> None:
         run = self._runs.get((tenant, record.response_id))
         self.drain.enter()
         renewing = asyncio.get_running_loop().create_task(self._renew(tenant, record))
         try:
             with self.drain.on_stop(lambda: self._stop(tenant, record.response_id, DRAINED)):
-                reply = await execute()
+                reply = await job.execute()
             await _ended(renewing)
             if isinstance(reply, Body) and reply.status == 200:
                 payload = reply.payload
                 response = orjson.loads(payload) if isinstance(payload, bytes) else dict(payload)
                 if await self._cancel_marked(tenant, record.response_id):
                     response = {**response, "status": "cancelled"}
-                await finish({**response, "background": True})
+                await job.finish({**response, "background": True})
             else:
-                await self._put(tenant, _with_status(record, "failed", "The model backend failed."))
+                await self._put(tenant, _with_status(record, "failed", _failure(reply)))
         except asyncio.CancelledError:
             await _ended(renewing)
             outcome = (run.outcome if run is not None else None) or DRAINED
@@ -140,7 +146,7 @@ class BackgroundRuns:
                 await self._put(tenant, _with_status(record, "failed", failure.message))
         finally:
             renewing.cancel()
-            await asyncio.shield(close())
+            await asyncio.shield(job.close())
             self.drain.exit()
 
     async def _renew(self, tenant: str, record: StoredResponse) -> None:

@@ -36,7 +36,7 @@ from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
 from gateway.responses import now
-from gateway.responses_background import BackgroundRuns
+from gateway.responses_background import BackgroundRuns, Job
 from gateway.responses_output import TERMINAL_EVENTS, skeleton
 from gateway.responses_request import ResponsesRequest, items_of, parse_items
 from gateway.settings import Settings
@@ -167,7 +167,7 @@ class ResponsesState:
 
         record = StoredResponse(response, input_items, history)
         queued = await self.background.start(
-            work.caller.name, record, lambda: plan.execute(call), finish, close
+            work.caller.name, record, Job(lambda: plan.execute(call), finish, close)
         )
         headers = {"x-request-id": work.request_id}
         if req.ignored:
