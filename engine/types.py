@@ -45,6 +45,8 @@ class GrammarSpec:
     source: str = ""
     strict: bool = True
     json_only: bool = False
+    # Lark: named grammars the source references as `@name` (name, Lark text), e.g. a custom tool's.
+    subgrammars: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
@@ -55,8 +57,20 @@ class GrammarSpec:
         return cls("json_object")
 
     @classmethod
-    def lark(cls, grammar: str, json_only: bool = False) -> GrammarSpec:
-        return cls("lark", grammar, json_only=json_only)
+    def lark(
+        cls, grammar: str, json_only: bool = False, subgrammars: tuple[tuple[str, str], ...] = ()
+    ) -> GrammarSpec:
+        return cls("lark", grammar, json_only=json_only, subgrammars=subgrammars)
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        """The whole output matches `pattern` (a Lark grammar of one regex terminal)."""
+        return cls("lark", regex_as_lark(pattern))
+
+
+def regex_as_lark(pattern: str) -> str:
+    """A Lark grammar whose language is `pattern`'s (a regex as a `/.../` terminal)."""
+    return "start: /" + pattern.replace("\\/", "/").replace("/", "\\/") + "/\n"
 
 
 @dataclass(frozen=True)

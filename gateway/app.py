@@ -36,6 +36,7 @@ from gateway.openapi import build_openapi
 from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
 from gateway.relay import ReplicaBackend
+from gateway.responses_background import BackgroundRuns
 from gateway.responses_state import ResponsesState, build_store
 from gateway.settings import Settings
 from gateway.webhooks import BudgetWebhook
@@ -89,7 +90,8 @@ class Gateway:
         self.drain = Drain()
         store = build_store(settings, self.metrics)
         self.conversations = Conversations(store, settings.max_body_bytes)
-        self.responses = ResponsesState(store, self.conversations)
+        background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
+        self.responses = ResponsesState(store, self.conversations, background)
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
@@ -286,6 +288,9 @@ def create_app(
         *(Route(e.path, gateway.route(e), methods=["POST"]) for e in endpoints.ENDPOINTS),
         Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.delete), methods=["DELETE"]),
+        Route(
+            "/v1/responses/{response_id}/cancel", gateway.stored(gateway.responses.cancel), methods=["POST"]
+        ),
         Route(
             "/v1/responses/{response_id}/input_items",
             gateway.stored(gateway.responses.input_items),

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import generation, protocol, responses_output, tools
+from gateway import custom_tools, generation, protocol, responses_output, tools
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
 from gateway.metrics import Metrics, TimedStream
-from gateway.responses_request import ResponsesRequest, to_chat
+from gateway.responses_request import ResponsesRequest, drop_oldest, to_chat
 from gateway.settings import Settings
 from gateway.tokens import Tokenizer, inline_or_thread
 
@@ -148,7 +148,17 @@ class EngineBackend:
         if isinstance(req, ResponsesRequest):
             if work.endpoint.count_only:
                 return await self._plan_count(to_chat(req), tokenizer)
-            return await self._plan_chat(work, to_chat(req), engine, tokenizer, param="input")
+            while True:
+                try:
+                    chat = to_chat(req)
+                    output = custom_tools.plan_output(req, chat, self._closed_arguments)
+                    return await self._plan_chat(work, chat, engine, tokenizer, param="input", output=output)
+                except APIError as exc:
+                    # truncation "auto": the oldest items go until the conversation fits (OpenAI's rule)
+                    shorter = drop_oldest(req) if req.truncation == "auto" else None
+                    if exc.kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED or shorter is None:
+                        raise
+                    req = shorter
         if isinstance(req, protocol.ChatCompletionRequest):
             return await self._plan_chat(work, req, engine, tokenizer, param="messages")
         assert isinstance(req, protocol.CompletionRequest)
@@ -177,10 +187,12 @@ class EngineBackend:
         tokenizer: Tokenizer,
         *,
         param: str,
+        output: tools.OutputPlan | None = None,
     ) -> Plan:
-        """A chat request's plan; a Responses request is planned as the chat request it renders."""
-        # response_format and tools (gateway/tools.py)
-        output = tools.plan_output(req, closed_arguments=self.settings.tool_arguments == "declared")
+        """A chat request's plan; a Responses request is planned as the chat request it renders
+        (with its own `output` plan: custom tools, its field names)."""
+        if output is None:  # response_format and tools (gateway/tools.py)
+            output = tools.plan_output(req, closed_arguments=self._closed_arguments)
         size = sum(len(m.text) for m in req.messages)
         prompt = await inline_or_thread(
             lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
@@ -199,6 +211,10 @@ class EngineBackend:
         job = self._job(work, params, params.n, len(prompt), tokenizer)
         job.parse_tool_calls = output.parse_tool_calls
         return self._plan(work, job, [prompt], params, param=param)
+
+    @property
+    def _closed_arguments(self) -> bool:
+        return self.settings.tool_arguments == "declared"
 
     async def _plan_count(self, req: protocol.ChatCompletionRequest, tokenizer: Tokenizer) -> Plan:
         """The prompt's exact token count, as `POST /v1/responses/input_tokens` answers it."""

@@ -2,8 +2,9 @@
 
     read body -> parse (400) -> authenticate (401) -> resolve the model (404) -> [stateful
       endpoints: resolve stored state (404)] -> backend.plan: model checks, tokens (400; 503
-      while loading) -> admit (429) -> plan.execute [and store the answer] -> respond or
-      stream -> close: settle usage, release the hold, end the span, count the tokens
+      while loading) -> admit (429) -> plan.execute [and store the answer; or, `background`,
+      run on without the client] -> respond or stream -> close: settle usage, release the hold,
+      end the span, count the tokens
 
 Authentication comes before the model is looked up, so an anonymous caller learns nothing of
 what the server serves. What an endpoint adds is only its request model and span (gateway/
@@ -97,6 +98,9 @@ class Pipeline:
         await lifetime.admit()
         handed_over = False
         try:
+            if state is not None and state.in_background(work):
+                handed_over = True  # the background run closes the lifetime when it ends
+                return await state.run_in_background(work, plan, lifetime.call, lifetime.close)
             reply = await unless_disconnected(http, plan.execute(lifetime.call))
             if reply is None:
                 logger.info("%s: client disconnected before the answer; ended", work.request_id)
@@ -117,7 +121,7 @@ class Pipeline:
                 on_close=lifetime.close,
                 keep_alive_first=not reply.ready,
                 stop=self.drain,
-                stop_frame=deadline_frame(),
+                stop_frame=reply.stop_frame or deadline_frame(),
             )
             handed_over = True  # the response closes the lifetime when the stream ends
             return response

@@ -324,6 +324,13 @@ class Settings:
         "with --redis-url: seconds a stored response is kept after it was written",
         flag="--responses-ttl",
     )
+    responses_background_lease_s: float = _opt(
+        15.0,
+        _float,
+        "a background response's lease in the response store, renewed while its gateway runs it: "
+        "one whose gateway died reads failed once this many seconds have passed",
+        flag="--responses-background-lease",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -357,6 +364,10 @@ class Settings:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         if self.responses_max_stored < 1:
             raise ValueError(f"responses_max_stored must be >= 1, got {self.responses_max_stored}")
+        if self.responses_background_lease_s <= 0:
+            raise ValueError(
+                f"responses_background_lease_s must be > 0, got {self.responses_background_lease_s}"
+            )
         if self.responses_ttl_s < 1:
             raise ValueError(f"responses_ttl_s must be >= 1, got {self.responses_ttl_s}")
         if not self.engine_stall_timeout_s > 0:
