@@ -120,7 +120,7 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else salt_hash(seq.cache_salt)
+            parent = hashes[-1] if hashes else salt_hash(seq.cache_namespace)
             hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

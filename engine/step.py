@@ -10,7 +10,7 @@ Rows are the decodes first, then the prefill chunks, in the scheduler's order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +78,8 @@ class StepInputs:
     num_decode: int  # the first D tokens (and rows) are single decode tokens
     prefill_ranges: list[tuple[int, int, int]]  # (start, end, context length) of each prefill chunk
     logits_rows: list[int]  # token rows whose next-token logits are wanted
+    # Each row's LoRA slot (engine/lora.py), -1 for the base model; empty: no row has an adapter.
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +103,9 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
+    # (slot, its token rows) for each LoRA slot some row uses: a slice where the rows are
+    # contiguous, else an index tensor. Empty: the base model only.
+    lora_groups: list[tuple[int, torch.Tensor | slice]] = field(default_factory=list)
 
 
 @dataclass
@@ -133,7 +138,26 @@ def pack(out: SchedulerOutput) -> StepInputs:
     all_seqs = decode_seqs + [c.seq for c in out.prefills]
     width = max(len(s.block_table) for s in all_seqs)
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in all_seqs]
-    return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows)
+    lora_slots = [s.lora_slot for s in all_seqs] if any(s.lora_slot >= 0 for s in all_seqs) else []
+    return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows, lora_slots)
+
+
+def lora_groups(inputs: StepInputs, device: torch.device) -> list[tuple[int, torch.Tensor | slice]]:
+    """The token rows of each LoRA slot the step's rows use (decode row i is token i; prefill
+    chunk j its range), grouped once per step so each linear runs one shrink/expand per slot."""
+    rows: dict[int, list[range]] = {}
+    spans = [range(i, i + 1) for i in range(inputs.num_decode)] + [range(s, e) for s, e, _ in inputs.prefill_ranges]
+    for slot, span in zip(inputs.lora_slots, spans, strict=True):
+        if slot >= 0:
+            rows.setdefault(slot, []).append(span)
+    groups: list[tuple[int, torch.Tensor | slice]] = []
+    for slot, ranges in rows.items():
+        if all(a.stop == b.start for a, b in zip(ranges, ranges[1:], strict=False)):
+            groups.append((slot, slice(ranges[0].start, ranges[-1].stop)))
+        else:
+            index = [t for r in ranges for t in r]
+            groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
+    return groups
 
 
 def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -173,4 +197,5 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         decode_lens=decode_lens,
         prefills=prefills,
         logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
+        lora_groups=lora_groups(inputs, device) if inputs.lora_slots else [],
     )

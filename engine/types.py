@@ -8,7 +8,10 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from engine.lora import LoraAdapter
 
 
 class Priority(enum.IntEnum):
@@ -127,6 +130,9 @@ class GenerationRequest:
     # Prefix-cache namespace: requests share cached prompt blocks only with requests of the same
     # salt (the gateway passes the tenant, so tenants cannot observe each other's prompts).
     cache_salt: str = ""
+    # The LoRA adapter version it runs with (`resolve_lora`), pinned by the engine from admission
+    # to the end; None: the base model.
+    lora: LoraAdapter | None = None
 
 
 @dataclass(frozen=True)
