@@ -196,6 +196,9 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue every choice of `request`, or none of them (raises before anything is queued)."""
         self.validate(request)
+        lora = request.lora
+        if lora is not None and not isinstance(lora, LoraAdapter):
+            raise InvalidRequestError(f"the adapter {lora.name!r} was not loaded by this engine")
         if request.request_id in self._seqs:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already in the engine")
         now = self.clock()
@@ -217,7 +220,7 @@ class LLMEngine:
                 fairness_key=request.fairness_key,
                 cache_salt=request.cache_salt,
                 generator=generator,
-                lora=request.lora,
+                lora=lora,
             )
             seqs.append(seq)
         future = self.grammars.get(p.grammar) if p.grammar is not None else None
@@ -225,9 +228,9 @@ class LLMEngine:
         if failed is not None:
             raise failed  # a schema known to be bad: refused before it is accepted
         detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
-        if request.lora is not None:
+        if lora is not None:
             for _ in seqs:  # one pin per choice; LoraNotFoundError if it was unloaded meanwhile
-                self.loras.pin(request.lora)
+                self.loras.pin(lora)
         self._seqs[request.request_id] = seqs
         for seq, detok in zip(seqs, detoks, strict=True):
             self._detok[seq.seq_id] = detok
@@ -534,6 +537,9 @@ class LLMEngine:
             prefix_cache_queried_tokens=self.block_manager.num_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
             step_failures_by_stage={stage.value: n for stage, n in self._step_failures.items()},
+            lora_bytes=self.loras.nbytes,
+            loras_resident=tuple(a.name for a in self.lora_slots.resident()),
+            num_waiting_for_adapter=len(self.scheduler.parked),
         )
 
     def load_snapshot(self) -> LoadSnapshot:

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 
 from engine.loader import ModelSpec
-from engine.types import EngineError
+from engine.types import LoraError, LoraInUseError, LoraNotFoundError
+
+__all__ = ["LoraError", "LoraInUseError", "LoraNotFoundError"]
 
 MAX_RANK = 64
 # PEFT's module names, in the order the model fuses them: (fused linear, module).
@@ -41,29 +43,19 @@ TARGETS = {
     "up_proj": "gate_up",
     "down_proj": "down",
 }
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class LoraError(EngineError, ValueError):
-    """An adapter that cannot be served (bad files, wrong base shapes, unsupported settings); the
-    message names the adapter and the problem."""
-
-    code = "invalid_adapter"
-
-
-class LoraNotFoundError(EngineError):
-    code = "adapter_not_found"
-
-
-class LoraInUseError(EngineError):
-    """An unload that would have to wait for requests still using the adapter, asked not to."""
-
-    code = "adapter_in_use"
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
 
 
 def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
     """Each target's (in features, out features, offset of its output in the fused linear)."""
-    h, q, kv, i = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    h, q, kv, i = (
+        spec.hidden_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.intermediate_size,
+    )
     return {
         "q_proj": (h, q, 0),
         "k_proj": (h, kv, q),
@@ -150,7 +142,10 @@ def _config(path: Path, name: str) -> dict[str, Any]:
         (not cfg.get("use_dora"), "DoRA (use_dora) is not supported"),
         (not cfg.get("fan_in_fan_out"), "fan_in_fan_out is not supported"),
         (not cfg.get("modules_to_save"), "modules_to_save is not supported (only LoRA weights)"),
-        (not cfg.get("rank_pattern") and not cfg.get("alpha_pattern"), "rank_pattern/alpha_pattern are not supported"),
+        (
+            not cfg.get("rank_pattern") and not cfg.get("alpha_pattern"),
+            "rank_pattern/alpha_pattern are not supported",
+        ),
     ]
     for ok, problem in checks:
         if not ok:
@@ -162,7 +157,12 @@ def _targets(cfg: dict[str, Any], name: str) -> tuple[str, ...]:
     raw = cfg.get("target_modules")
     if isinstance(raw, str):  # PEFT allows a regex over the full module name
         pattern = re.compile(raw)
-        found = tuple(m for m in TARGETS if pattern.fullmatch(f"model.layers.0.self_attn.{m}") or pattern.fullmatch(f"model.layers.0.mlp.{m}"))
+        found = tuple(
+            m
+            for m in TARGETS
+            if pattern.fullmatch(f"model.layers.0.self_attn.{m}")
+            or pattern.fullmatch(f"model.layers.0.mlp.{m}")
+        )
         return found
     targets = tuple(str(m).split(".")[-1] for m in raw or ())
     unsupported = sorted(set(targets) - set(TARGETS))
@@ -202,12 +202,16 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
     for key, tensor in load_file(str(weights_file)).items():
         m = _KEY.match(key)
         if m is None:
-            raise LoraError(f"adapter {name!r}: unexpected tensor {key!r} (only LoRA A/B of the layers' projections)")
+            raise LoraError(
+                f"adapter {name!r}: unexpected tensor {key!r} (only LoRA A/B of the layers' projections)"
+            )
         layer, module, which = int(m[1]), m[2], m[3]
         if module not in TARGETS:
             raise LoraError(f"adapter {name!r}: unsupported target module {module} ({key})")
         if not 0 <= layer < spec.num_layers:
-            raise LoraError(f"adapter {name!r}: layer {layer} does not exist in the base model ({spec.num_layers} layers)")
+            raise LoraError(
+                f"adapter {name!r}: layer {layer} does not exist in the base model ({spec.num_layers} layers)"
+            )
         found.setdefault(layer, {}).setdefault(module, {})[which] = tensor
     if not found:
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
@@ -222,19 +226,23 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
                 continue
             a, b = ab.get("A"), ab.get("B")
             if a is None or b is None:
-                raise LoraError(f"adapter {name!r}: layer {layer} {module} lacks lora_{'A' if a is None else 'B'}")
+                raise LoraError(
+                    f"adapter {name!r}: layer {layer} {module} lacks lora_{'A' if a is None else 'B'}"
+                )
             fan_in, fan_out, offset = shapes[module]
             if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
                 raise LoraError(
-                    f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                    f"but this base model needs A ({rank}, {fan_in}) and B ({fan_out}, {rank}): "
+                    f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)},"
+                    f" but this base model needs A ({rank}, {fan_in}) and B ({fan_out}, {rank}): "
                     f"it was trained for a different base model"
                 )
             a_list, parts = by_fused.setdefault(TARGETS[module], ([], []))
             parts.append(LoraPart(offset, len(a_list) * rank, (b.float() * scale).contiguous()))
             a_list.append(a.float())
             nbytes += (a.numel() + b.numel()) * 4
-        layers.append({f: LoraLinear(torch.cat(a_list).contiguous(), tuple(p)) for f, (a_list, p) in by_fused.items()})
+        layers.append(
+            {f: LoraLinear(torch.cat(a_list).contiguous(), tuple(p)) for f, (a_list, p) in by_fused.items()}
+        )
     return LoraAdapter(
         name=name,
         path=str(folder),
@@ -327,7 +335,8 @@ class LoraRegistry:
         adapter.released = True
         self._held.pop(id(adapter), None)
         for done in self._drained.pop(id(adapter), []):
-            done.set_result(None)
+            if not done.done():
+                done.set_result(None)
 
     @property
     def nbytes(self) -> int:

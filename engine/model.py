@@ -161,7 +161,8 @@ class LlamaModel:
             self.lora_slots[slot] = None
             return
         self.lora_slots[slot] = [
-            {name: delta.to(self.device, self.dtype) for name, delta in layer.items()} for layer in adapter.layers
+            {name: delta.to(self.device, self.dtype) for name, delta in layer.items()}
+            for layer in adapter.layers
         ]
 
     def _add_lora(

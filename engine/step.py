@@ -146,7 +146,9 @@ def lora_groups(inputs: StepInputs, device: torch.device) -> list[tuple[int, tor
     """The token rows of each LoRA slot the step's rows use (decode row i is token i; prefill
     chunk j its range), grouped once per step so each linear runs one shrink/expand per slot."""
     rows: dict[int, list[range]] = {}
-    spans = [range(i, i + 1) for i in range(inputs.num_decode)] + [range(s, e) for s, e, _ in inputs.prefill_ranges]
+    spans = [range(i, i + 1) for i in range(inputs.num_decode)] + [
+        range(s, e) for s, e, _ in inputs.prefill_ranges
+    ]
     for slot, span in zip(inputs.lora_slots, spans, strict=True):
         if slot >= 0:
             rows.setdefault(slot, []).append(span)

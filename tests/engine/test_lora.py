@@ -55,7 +55,9 @@ def engine(tiny_model_dir: Path, adapters: dict[str, Path]) -> LLMEngine:
     return engine
 
 
-def request(engine: LLMEngine, rid: str, text: str, lora: str | None, max_tokens: int = 8, **kw: Any) -> GenerationRequest:
+def request(
+    engine: LLMEngine, rid: str, text: str, lora: str | None, max_tokens: int = 8, **kw: Any
+) -> GenerationRequest:
     adapter = engine.loras.get(lora) if lora else None
     return GenerationRequest(rid, chat_ids(engine.tokenizer, text), greedy(max_tokens, **kw), lora=adapter)
 
@@ -68,10 +70,14 @@ def alone(engine: LLMEngine, text: str, lora: str | None, max_tokens: int = 8) -
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def test_an_adapter_loads_with_its_rank_scale_targets_and_hash(adapters: dict[str, Path], spec: ModelSpec) -> None:
+def test_an_adapter_loads_with_its_rank_scale_targets_and_hash(
+    adapters: dict[str, Path], spec: ModelSpec
+) -> None:
     a = load_adapter(adapters["r8"], spec, "r8")
     assert (a.rank, a.scale, set(a.target_modules)) == (8, 1.0, set(ALL_TARGETS))
-    per_layer = sum(8 * (i + o) for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
+    per_layer = sum(
+        8 * (i + o) for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
+    )
     assert a.nbytes == spec.num_layers * per_layer * 4
     assert sorted(a.layers[0]) == ["down", "gate_up", "o", "qkv"]
     rs = load_adapter(adapters["r64"], spec)
@@ -153,7 +159,9 @@ def test_slots_are_reused_least_recently_used_and_never_while_in_use(
 # ---- the engine -------------------------------------------------------------------------------
 
 
-def test_each_adapter_equals_transformers_and_peft(engine: LLMEngine, tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+def test_each_adapter_equals_transformers_and_peft(
+    engine: LLMEngine, tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
     prompt = chat_ids(engine.tokenizer, PROMPTS[0])
     for name in ("r8", "r64", "attn", "mlp"):
         reference = peft_reference(tiny_model_dir, adapters[name])
@@ -165,12 +173,14 @@ def test_a_batch_mixing_base_and_adapters_gives_each_row_its_own_tokens(engine: 
     cases = [(text, lora) for text in PROMPTS[:2] for lora in loras]
     expected = [alone(engine, text, lora) for text, lora in cases]
     assert len({tuple(e) for e in expected}) == len(cases)  # each adapter changes the output
-    outs = run_all(engine, [request(engine, f"m{i}", t, l) for i, (t, l) in enumerate(cases)])
+    outs = run_all(engine, [request(engine, f"m{i}", t, lora) for i, (t, lora) in enumerate(cases)])
     assert [tokens_of(outs[(f"m{i}", 0)]) for i in range(len(cases))] == expected
     assert engine.scheduler.parked == [] and all(a.users == 0 for a in engine.loras.names().values())
 
 
-def test_more_adapters_than_slots_wait_outside_the_batch(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+def test_more_adapters_than_slots_wait_outside_the_batch(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
     engine = tiny_engine(tiny_model_dir, max_loras=2)
     for name in ("r8", "attn", "mlp", "r8b"):
         engine.load_lora(name, str(adapters[name]))
@@ -191,7 +201,9 @@ def test_more_adapters_than_slots_wait_outside_the_batch(tiny_model_dir: Path, a
     assert engine.lora_slots.num_loads >= 4
 
 
-def test_chunked_prefill_and_preemption_keep_adapter_outputs(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+def test_chunked_prefill_and_preemption_keep_adapter_outputs(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
     roomy = tiny_engine(tiny_model_dir)
     per_block = 2 * 2 * 2 * 16 * 4 * 4  # K+V, layers, kv heads, head_dim, fp32 bytes, block_size
     tight = tiny_engine(
@@ -208,8 +220,12 @@ def test_chunked_prefill_and_preemption_keep_adapter_outputs(tiny_model_dir: Pat
     assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
 
 
-def test_the_prefix_cache_is_keyed_by_the_adapter_s_content(engine: LLMEngine, adapters: dict[str, Path]) -> None:
-    prompt = engine.tokenizer.encode("Describe a long winding road through the hills, " * 4)  # no chat template
+def test_the_prefix_cache_is_keyed_by_the_adapter_s_content(
+    engine: LLMEngine, adapters: dict[str, Path]
+) -> None:
+    prompt = engine.tokenizer.encode(
+        "Describe a long winding road through the hills, " * 4
+    )  # no chat template
 
     def cached(rid: str, lora: str | None) -> int:
         adapter = engine.loras.get(lora) if lora else None
@@ -234,7 +250,9 @@ def test_adapters_with_a_grammar(engine: LLMEngine) -> None:
     json.loads(text)
 
 
-def test_unloading_returns_the_bytes_held_after_the_last_user(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+def test_unloading_returns_the_bytes_held_after_the_last_user(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
     engine = tiny_engine(tiny_model_dir)
     before = engine.loras.nbytes
     adapter = engine.load_lora("x", str(adapters["r64"]))
@@ -252,7 +270,9 @@ def test_unloading_returns_the_bytes_held_after_the_last_user(tiny_model_dir: Pa
     assert engine.lora_slots.resident() == [] and engine.runner.model.lora_slots == [None] * 8
 
 
-@pytest.mark.skipif(not qmatmul_available("auto", torch.device("cpu")), reason="our int8 kernels need AVX2 or newer")
+@pytest.mark.skipif(
+    not qmatmul_available("auto", torch.device("cpu")), reason="our int8 kernels need AVX2 or newer"
+)
 def test_adapters_over_our_int8_kernels(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
     engine = tiny_engine(tiny_model_dir, quantization="int8")
     assert engine.runner.model.layers[0].qkv.quant is not None

@@ -26,7 +26,12 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
 NUM_TOKENS = 12
 NEAR_TIE = 1e-4
 # name -> (rank, alpha, rsLoRA, seed)
-ADAPTERS = {"r8": (8, 16, False, 1), "r64": (64, 8, True, 2), "r8b": (8, 16, False, 3), "r16": (16, 32, False, 4)}
+ADAPTERS = {
+    "r8": (8, 16, False, 1),
+    "r64": (64, 8, True, 2),
+    "r8b": (8, 16, False, 3),
+    "r16": (16, 32, False, 4),
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,13 @@ def adapter_dirs(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def engine(adapter_dirs: dict[str, Path]) -> LLMEngine:
     engine = LLMEngine(
-        EngineConfig(dtype="float32", max_num_seqs=16, max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+        EngineConfig(
+            dtype="float32",
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            kv_cache_memory_bytes=64 << 20,
+            max_model_len=512,
+        )
     )
     for name, path in adapter_dirs.items():
         engine.load_lora(name, str(path))
