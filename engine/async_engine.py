@@ -237,6 +237,9 @@ class AsyncEngine:
     def loras(self) -> dict[str, LoraAdapter]:
         return self.engine.loras.names()
 
+    def lora_bytes(self) -> int:
+        return self.engine.loras.nbytes
+
     def resolve_lora(self, name: str) -> LoraAdapter:
         return self.engine.loras.get(name)
 

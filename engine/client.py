@@ -85,6 +85,10 @@ class EngineClient(Protocol):
         """The LoRA adapters loaded now, by name (each its current version)."""
         ...
 
+    def lora_bytes(self) -> int:
+        """Bytes of adapter weights held now (loaded versions and those still pinned by requests)."""
+        ...
+
     def resolve_lora(self, name: str) -> LoraAdapter:
         """The current version of adapter `name`, for a request to pin (GenerationRequest.lora);
         LoraNotFoundError if it is not loaded."""

@@ -114,7 +114,7 @@ class EngineBackend:
         return {n: a for n, a in self.engine.loras().items() if n in self.lora_owners}
 
     def adapter_bytes(self) -> int:
-        return 0 if self.engine is None else self.engine.stats().lora_bytes
+        return 0 if self.engine is None else self.engine.lora_bytes()
 
     async def load_lora(self, name: str, path: str, tenant: str | None) -> LoraAdapter:
         engine, _ = self._running()

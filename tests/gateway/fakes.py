@@ -104,6 +104,9 @@ class FakeEngine:
     def loras(self) -> dict[str, Any]:
         return {}
 
+    def lora_bytes(self) -> int:
+        return 0
+
     def resolve_lora(self, name: str) -> Any:
         raise LoraNotFoundError(f"the adapter {name!r} is not loaded")
 
