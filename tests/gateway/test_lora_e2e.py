@@ -55,16 +55,20 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     root = tmp_path_factory.mktemp("e2e-loras")
-    return {name: make_adapter(base, root / name, r=8, alpha=8, seed=seed) for seed, name in enumerate("abcd")}
+    return {n: make_adapter(base, root / n, r=8, alpha=8, seed=seed) for seed, n in enumerate("abcd")}
 
 
 @pytest.fixture(scope="module")
 def server(
-    tiny_model_dir: Path, redis_server: str, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path,
+    redis_server: str,
+    adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
     root = tmp_path_factory.mktemp("lora-e2e")
     (root / "tenants.toml").write_text(TENANTS.format(acme=hash_key("sk-acme"), beta=hash_key("sk-beta")))
-    (root / "models.toml").write_text(f'[[loras]]\nname = "acme-tuned"\npath = "{adapters["b"]}"\ntenant = "acme"\n')
+    owned = f'[[loras]]\nname = "acme-tuned"\npath = "{adapters["b"]}"\ntenant = "acme"\n'
+    (root / "models.toml").write_text(owned)
     settings = Settings(
         tenants=str(root / "tenants.toml"),
         redis_url=redis_server,
@@ -76,7 +80,11 @@ def server(
     )
     engine = AsyncEngine.from_config(
         EngineConfig(
-            model=str(tiny_model_dir), served_model_name=BASE, dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 << 20
+            model=str(tiny_model_dir),
+            served_model_name=BASE,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=32 << 20,
         )
     )
     live = LiveServer(create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True))
@@ -146,7 +154,9 @@ def test_adapters_equal_transformers_and_peft_through_http(
     assert len({completion(server, "sk-acme", BASE, prompt, 12), *texts.values()}) == 3
 
 
-def test_the_span_names_the_adapter_version(server: Any, prompt: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_span_names_the_adapter_version(
+    server: Any, prompt: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
