@@ -13,7 +13,9 @@ to the free pool when the last one lets go, and a registered block there keeps i
 it is needed for something else (least recently freed first), so a prompt seen a while ago can
 still hit. Only full blocks are shared and a sequence never writes below its computed tokens, so a
 shared block is never written. The chain starts from a salt (the gateway passes the tenant), so
-one tenant's cache hits are invisible to another: no timing side channel between tenants.
+one tenant's cache hits are invisible to another: no timing side channel between tenants; and
+from the LoRA adapter's content hash, so blocks computed with one adapter (or one version of it)
+are never another's.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ class LLMEngine:
         stage = StepStage.SCHEDULE
         out: SchedulerOutput | None = None
         try:
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule().by_adapter()
             outputs.extend(self._grammar_failed_outputs(out.grammar_failed))
             outputs.extend(self._expired_outputs(out.expired))
             if out.is_empty:

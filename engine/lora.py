@@ -68,34 +68,26 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
 
 
 @dataclass(frozen=True)
-class LoraPart:
-    """One target module's expand: output columns [offset, offset + b.shape[0]) of the fused
-    linear get `shrunk[:, rank_start:rank_start + r] @ b.T` (B already scaled)."""
-
-    offset: int
-    rank_start: int
-    b: torch.Tensor  # [out, r], times the adapter's scale
-
-
-@dataclass(frozen=True)
 class LoraLinear:
-    """The delta of one fused linear (qkv, o, gate_up, down) of one layer: one shrink over the
-    stacked A of its modules (they read the same input), then one expand per module."""
+    """The delta of one fused linear (qkv, o, gate_up, down) of one layer, as two matmuls: its
+    modules read the same input, so their A are stacked into one shrink, and their B (times the
+    adapter's scale) laid block-diagonally over the fused output into one expand, zero where a
+    module is not targeted. Both stored transposed, as the matmuls read them."""
 
-    a: torch.Tensor  # [sum of r, in]
-    parts: tuple[LoraPart, ...]
+    a_t: torch.Tensor  # [in, sum of r]
+    b_t: torch.Tensor  # [sum of r, fused out]
+    modules: tuple[str, ...]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LoraLinear:
-        parts = tuple(LoraPart(p.offset, p.rank_start, p.b.to(device, dtype)) for p in self.parts)
-        return LoraLinear(self.a.to(device, dtype), parts)
+        return LoraLinear(self.a_t.to(device, dtype), self.b_t.to(device, dtype), self.modules)
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | slice) -> None:
-        """y[rows] += this delta of x[rows]."""
-        shrunk = x[rows] @ self.a.T
-        for p in self.parts:
-            r = p.b.shape[1]
-            delta = shrunk[:, p.rank_start : p.rank_start + r] @ p.b.T
-            y[rows, p.offset : p.offset + p.b.shape[0]] += delta
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice) -> None:
+        """y[rows] += this delta of x[rows], in place."""
+        y[rows].addmm_(x[rows] @ self.a_t, self.b_t)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.a_t.numel() + self.b_t.numel()) * self.a_t.element_size()
 
 
 LayerLora = dict[str, LoraLinear]  # fused linear name -> its delta (absent: no delta)
@@ -174,6 +166,18 @@ def _targets(cfg: dict[str, Any], name: str) -> tuple[str, ...]:
     return targets
 
 
+def _fused(parts: list[tuple[str, torch.Tensor, torch.Tensor, int]], width: int) -> LoraLinear:
+    """One fused linear's modules (name, A [r, in], scaled B [out, r], output offset) as one
+    shrink and one block-diagonal expand over the fused output `width`."""
+    a_t = torch.cat([a for _, a, _, _ in parts]).T.contiguous()
+    b_t = torch.zeros(a_t.shape[1], width)
+    rank_start = 0
+    for _, a, b, offset in parts:
+        b_t[rank_start : rank_start + a.shape[0], offset : offset + b.shape[0]] = b.T
+        rank_start += a.shape[0]
+    return LoraLinear(a_t, b_t, tuple(m for m, _, _, _ in parts))
+
+
 def content_hash(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     for file in ("adapter_config.json", "adapter_model.safetensors"):
@@ -216,11 +220,11 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
     if not found:
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    widths = {f: max(o + n for m, (_, n, o) in shapes.items() if TARGETS[m] == f) for f in set(TARGETS.values())}
     layers: list[LayerLora] = []
-    nbytes = 0
     for layer in range(spec.num_layers):
-        by_fused: dict[str, tuple[list[torch.Tensor], list[LoraPart]]] = {}
-        for module in TARGETS:  # in fusion order, so the parts' offsets follow the fused layout
+        by_fused: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, int]]] = {}
+        for module in TARGETS:  # in fusion order
             ab = found.get(layer, {}).get(module)
             if ab is None:
                 continue
@@ -236,13 +240,9 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
                     f" but this base model needs A ({rank}, {fan_in}) and B ({fan_out}, {rank}): "
                     f"it was trained for a different base model"
                 )
-            a_list, parts = by_fused.setdefault(TARGETS[module], ([], []))
-            parts.append(LoraPart(offset, len(a_list) * rank, (b.float() * scale).contiguous()))
-            a_list.append(a.float())
-            nbytes += (a.numel() + b.numel()) * 4
-        layers.append(
-            {f: LoraLinear(torch.cat(a_list).contiguous(), tuple(p)) for f, (a_list, p) in by_fused.items()}
-        )
+            by_fused.setdefault(TARGETS[module], []).append((module, a.float(), b.float() * scale, offset))
+        layers.append({f: _fused(parts, widths[f]) for f, parts in by_fused.items()})
+    nbytes = sum(d.nbytes for layer_lora in layers for d in layer_lora.values())
     return LoraAdapter(
         name=name,
         path=str(folder),

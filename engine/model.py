@@ -168,8 +168,8 @@ class LlamaModel:
     def _add_lora(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch
     ) -> torch.Tensor:
-        """y (the base matmul's output for all rows) plus each row's adapter delta, a group of
-        rows per slot: one shrink over the group's rows, then one expand per target module."""
+        """y (the base matmul's output for all rows) plus each row's adapter delta, in place: per
+        run of rows of one slot, one shrink and one expand (engine/lora.py)."""
         for slot, rows in batch.lora_groups:
             weights = self.lora_slots[slot]
             delta = weights[layer].get(linear) if weights is not None else None

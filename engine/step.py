@@ -10,6 +10,7 @@ Rows are the decodes first, then the prefill chunks, in the scheduler's order.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,18 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    def by_adapter(self) -> SchedulerOutput:
+        """The same step with its decodes and its prefills each ordered by LoRA slot (stable), so
+        the rows of one adapter are consecutive (`lora_groups`); itself when no row has one."""
+        if all(c.seq.lora_slot < 0 for c in self.chunks):
+            return self
+
+        def key(chunk: ScheduledChunk) -> int:
+            return chunk.seq.lora_slot
+
+        decodes, prefills = tuple(sorted(self.decodes, key=key)), tuple(sorted(self.prefills, key=key))
+        return dataclasses.replace(self, decodes=decodes, prefills=prefills)
+
 
 @dataclass
 class StepInputs:
@@ -103,9 +116,8 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
-    # (slot, its token rows) for each LoRA slot some row uses: a slice where the rows are
-    # contiguous, else an index tensor. Empty: the base model only.
-    lora_groups: list[tuple[int, torch.Tensor | slice]] = field(default_factory=list)
+    # (LoRA slot, a run of consecutive token rows using it); empty: the base model only.
+    lora_groups: list[tuple[int, slice]] = field(default_factory=list)
 
 
 @dataclass
@@ -142,24 +154,20 @@ def pack(out: SchedulerOutput) -> StepInputs:
     return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows, lora_slots)
 
 
-def lora_groups(inputs: StepInputs, device: torch.device) -> list[tuple[int, torch.Tensor | slice]]:
-    """The token rows of each LoRA slot the step's rows use (decode row i is token i; prefill
-    chunk j its range), grouped once per step so each linear runs one shrink/expand per slot."""
-    rows: dict[int, list[range]] = {}
-    spans = [range(i, i + 1) for i in range(inputs.num_decode)] + [
-        range(s, e) for s, e, _ in inputs.prefill_ranges
-    ]
-    for slot, span in zip(inputs.lora_slots, spans, strict=True):
-        if slot >= 0:
-            rows.setdefault(slot, []).append(span)
-    groups: list[tuple[int, torch.Tensor | slice]] = []
-    for slot, ranges in rows.items():
-        if all(a.stop == b.start for a, b in zip(ranges, ranges[1:], strict=False)):
-            groups.append((slot, slice(ranges[0].start, ranges[-1].stop)))
+def lora_groups(inputs: StepInputs) -> list[tuple[int, slice]]:
+    """The runs of consecutive token rows that share a LoRA slot (decode row i is token i, prefill
+    chunk j its range): each linear runs one shrink and one expand per run. The engine orders a
+    step's rows by slot (`SchedulerOutput.by_adapter`), so the decodes make one run per adapter."""
+    spans = [(i, i + 1) for i in range(inputs.num_decode)] + [(s, e) for s, e, _ in inputs.prefill_ranges]
+    runs: list[tuple[int, slice]] = []
+    for slot, (start, end) in zip(inputs.lora_slots, spans, strict=True):
+        if slot < 0:
+            continue
+        if runs and runs[-1][0] == slot and runs[-1][1].stop == start:
+            runs[-1] = (slot, slice(runs[-1][1].start, end))
         else:
-            index = [t for r in ranges for t in r]
-            groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
-    return groups
+            runs.append((slot, slice(start, end)))
+    return runs
 
 
 def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -199,5 +207,5 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         decode_lens=decode_lens,
         prefills=prefills,
         logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
-        lora_groups=lora_groups(inputs, device) if inputs.lora_slots else [],
+        lora_groups=lora_groups(inputs) if inputs.lora_slots else [],
     )

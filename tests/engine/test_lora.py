@@ -75,15 +75,18 @@ def test_an_adapter_loads_with_its_rank_scale_targets_and_hash(
 ) -> None:
     a = load_adapter(adapters["r8"], spec, "r8")
     assert (a.rank, a.scale, set(a.target_modules)) == (8, 1.0, set(ALL_TARGETS))
-    per_layer = sum(
-        8 * (i + o) for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]
-    )
+    # A stacked per fused linear; B block-diagonal over the fused output (qkv 128, gate_up 256 wide)
+    per_layer = 64 * 24 + 24 * 128 + 64 * 8 + 8 * 64 + 64 * 16 + 16 * 256 + 128 * 8 + 8 * 64
     assert a.nbytes == spec.num_layers * per_layer * 4
     assert sorted(a.layers[0]) == ["down", "gate_up", "o", "qkv"]
     rs = load_adapter(adapters["r64"], spec)
     assert rs.scale == pytest.approx(8 / 64**0.5)  # rsLoRA: alpha / sqrt(r)
     attn = load_adapter(adapters["attn"], spec)
-    assert sorted(attn.layers[1]) == ["qkv"] and [p.offset for p in attn.layers[1]["qkv"].parts] == [0, 96]
+    qkv = attn.layers[1]["qkv"]
+    assert sorted(attn.layers[1]) == ["qkv"] and qkv.modules == ("q_proj", "v_proj")
+    # q's B in columns 0..63, v's in 96..127 (after k's 32), zero elsewhere
+    nonzero = qkv.b_t.abs().sum(0) > 0
+    assert nonzero[:64].all() and not nonzero[64:96].any() and nonzero[96:].all()
     assert load_adapter(adapters["r8"], spec).content_hash == a.content_hash != rs.content_hash
 
 
