@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--loads", type=int, default=20, help="cold loads timed")
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache memory (a shared machine)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -72,7 +73,12 @@ def main() -> None:
     threads = set_threads(args)
     folder = hf_folder(args.model)
     prompts = chat_token_ids(AutoTokenizer.from_pretrained(folder), workload(args))
-    config: dict[str, Any] = {"max_num_seqs": args.concurrency, "dtype": args.dtype, "max_loras": args.adapters}
+    config: dict[str, Any] = {
+        "max_num_seqs": args.concurrency,
+        "dtype": args.dtype,
+        "max_loras": args.adapters,
+        "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+    }
     if args.model is not None:
         config["model"] = args.model
     engine = LLMEngine(EngineConfig(**config))

@@ -5,7 +5,9 @@ version it started with; an unload gives the memory back."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +214,48 @@ def test_bad_admin_calls_are_clear_errors(server: Any, tmp_path: Path) -> None:
     assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
     assert admin(server, "PUT", "/admin/loras/x", {"tenant": "acme"}).status_code == 400
     assert admin(server, "PUT", f"/admin/loras/{BASE}", {"path": str(tmp_path)}).status_code == 400
+
+
+def test_hot_replace_and_unload_under_concurrent_streams_never_mix_versions(
+    server: Any, prompt: list[int], tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """The CI version of the stress run: rounds of 8 concurrent streams over 2 tenants' adapters
+    and the base; while every stream of a round is running, one adapter is replaced and another
+    loaded or unloaded. Each stream must equal the reference of the version it started with."""
+    n = 32
+    refs = {f: text_of(server, reference(tiny_model_dir, adapters[f], prompt, n)) for f in "acd"}
+    refs["base"] = completion(server, "sk-acme", BASE, prompt, n)
+    held = admin(server, "GET", "/admin/loras").json()["bytes_held"][BASE]
+    folders = ["c", "d", "c"]
+
+    def put(name: str, folder: str, tenant: str | None = None) -> None:
+        body = {"path": str(adapters[folder]), "tenant": tenant}
+        assert admin(server, "PUT", f"/admin/loras/{name}", body).status_code == 200
+
+    def stream(key: str, model: str, started: threading.Semaphore) -> str:
+        request = client(server, key).completions.create
+        chunks = iter(request(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True))
+        first = next(chunks).choices[0].text
+        started.release()
+        return first + "".join(c.choices[0].text for c in chunks)
+
+    put("swap", "c", "acme")
+    with ThreadPoolExecutor(8) as pool:
+        for round_, folder in enumerate(folders):
+            started = threading.Semaphore(0)
+            jobs = [("sk-acme", "swap", folder)] * 4 + [("sk-beta", "public-tuned", "a")] * 2
+            jobs += [("sk-acme", BASE, "base")] * 2
+            futures = [(pool.submit(stream, key, model, started), want) for key, model, want in jobs]
+            for _ in jobs:
+                assert started.acquire(timeout=30)
+            # every stream of the round runs: replace `swap`, and load or unload another adapter
+            put("swap", folders[(round_ + 1) % len(folders)], "acme")
+            if round_ % 2 == 0:
+                put("extra", "d")
+            else:
+                assert admin(server, "DELETE", "/admin/loras/extra?timeout_s=0").status_code == 200
+            for future, want in futures:
+                assert future.result(timeout=60) == refs[want]
+    admin(server, "DELETE", "/admin/loras/extra")
+    assert admin(server, "DELETE", "/admin/loras/swap").json()["released"] is True
+    assert admin(server, "GET", "/admin/loras").json()["bytes_held"][BASE] == held
