@@ -285,3 +285,10 @@ def test_adapters_over_our_int8_kernels(tiny_model_dir: Path, adapters: dict[str
     assert expected[0] != expected[1]
     outs = run_all(engine, [request(engine, f"q{i}", t, lora) for i, (t, lora) in enumerate(cases)])
     assert [tokens_of(outs[(f"q{i}", 0)]) for i in range(len(cases))] == expected
+
+
+def test_an_engine_without_adapter_slots_refuses_to_load_one(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    with pytest.raises(LoraError, match="max_loras is 0"):
+        tiny_engine(tiny_model_dir, max_loras=0).load_lora("r8", str(adapters["r8"]))

@@ -259,3 +259,22 @@ def test_hot_replace_and_unload_under_concurrent_streams_never_mix_versions(
     admin(server, "DELETE", "/admin/loras/extra")
     assert admin(server, "DELETE", "/admin/loras/swap").json()["released"] is True
     assert admin(server, "GET", "/admin/loras").json()["bytes_held"][BASE] == held
+
+
+@pytest.mark.parametrize(
+    ("models_file", "loras", "problem"),
+    [
+        ('[[loras]]\nname = "x"\n', (), "needs a path"),
+        ('[[loras]]\nname = "x"\npath = "/a"\nowner = "acme"\n', (), "unknown field"),
+        ('[[loras]]\nname = "x"\npath = "/a"\n', ("x=/b",), "declared twice"),
+        ("", ("no-path",), "BATCHGATE_LORAS: expected NAME=PATH"),
+    ],
+)
+def test_bad_adapter_declarations_fail_at_start(
+    tmp_path: Path, models_file: str, loras: tuple[str, ...], problem: str
+) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(models_file)
+    environ = {"BATCHGATE_MODELS_FILE": str(path), "BATCHGATE_LORAS": ",".join(loras)}
+    with pytest.raises(ValueError, match=problem):
+        Settings.load(environ=environ)
