@@ -220,7 +220,8 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
     if not found:
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    widths = {f: max(o + n for m, (_, n, o) in shapes.items() if TARGETS[m] == f) for f in set(TARGETS.values())}
+    # each fused linear's output width (qkv: q + k + v, ...)
+    widths = {f: max(o + n for m, (_, n, o) in shapes.items() if TARGETS[m] == f) for f in TARGETS.values()}
     layers: list[LayerLora] = []
     for layer in range(spec.num_layers):
         by_fused: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, int]]] = {}

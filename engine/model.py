@@ -152,29 +152,52 @@ class LlamaModel:
         self.cos = emb.cos().to(self.dtype)  # [max_positions, head_dim]
         self.sin = emb.sin().to(self.dtype)
         self.scale = spec.head_dim**-0.5
-        # Each LoRA slot's per-layer deltas, in this model's device and dtype (None: empty slot).
+        # Each LoRA slot's per-layer deltas, in this model's device and dtype (None: empty slot),
+        # and for decode rows the same stacked over the slots: per layer and linear, A [S, in, R]
+        # and B [S, R, out], R the largest rank any slot has there (zero-padded: exact).
         self.lora_slots: list[list[LayerLora] | None] = [None] * max_loras
+        self.lora_stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.layers]
 
     def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Put `adapter`'s weights into `slot` (None empties it); between steps only."""
-        if adapter is None:
-            self.lora_slots[slot] = None
-            return
-        self.lora_slots[slot] = [
-            {name: delta.to(self.device, self.dtype) for name, delta in layer.items()}
-            for layer in adapter.layers
-        ]
+        """Put `adapter`'s weights into `slot` (None empties it), and restack; between steps only."""
+        self.lora_slots[slot] = (
+            None
+            if adapter is None
+            else [{n: d.to(self.device, self.dtype) for n, d in layer.items()} for layer in adapter.layers]
+        )
+        for i in range(len(self.layers)):
+            self.lora_stacks[i] = {}
+            for linear in ("qkv", "o", "gate_up", "down"):
+                deltas = [(s, w[i][linear]) for s, w in enumerate(self.lora_slots) if w and linear in w[i]]
+                if not deltas:
+                    continue
+                rank = max(d.a_t.shape[1] for _, d in deltas)
+                fan_in, fan_out = deltas[0][1].a_t.shape[0], deltas[0][1].b_t.shape[1]
+                a = torch.zeros(len(self.lora_slots), fan_in, rank, dtype=self.dtype, device=self.device)
+                b = torch.zeros(len(self.lora_slots), rank, fan_out, dtype=self.dtype, device=self.device)
+                for s, d in deltas:
+                    a[s, :, : d.a_t.shape[1]] = d.a_t
+                    b[s, : d.b_t.shape[0]] = d.b_t
+                self.lora_stacks[i][linear] = (a, b)
 
     def _add_lora(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch
     ) -> torch.Tensor:
-        """y (the base matmul's output for all rows) plus each row's adapter delta, in place: per
-        run of rows of one slot, one shrink and one expand (engine/lora.py)."""
+        """y (the base matmul's output for all rows) plus each row's adapter delta, in place: the
+        decode rows of every slot in one batched shrink and expand over the stacked slots; each
+        run of prefill rows of one slot in one shrink and one expand (engine/lora.py)."""
+        plan = batch.lora_decode
+        stack = self.lora_stacks[layer].get(linear)
+        if plan is not None and stack is not None:
+            a, b = stack
+            shrunk = torch.bmm(x.index_select(0, plan.gather).view(a.shape[0], plan.width, -1), a)
+            delta = torch.bmm(shrunk, b).view(-1, b.shape[2])
+            y.index_add_(0, plan.rows, delta.index_select(0, plan.back))
         for slot, rows in batch.lora_groups:
             weights = self.lora_slots[slot]
-            delta = weights[layer].get(linear) if weights is not None else None
-            if delta is not None:
-                delta.add_to(y, x, rows)
+            run = weights[layer].get(linear) if weights is not None else None
+            if run is not None:
+                run.add_to(y, x, rows)
         return y
 
     # ---- the elementwise parts: native fused kernels, or the torch ops they replace ----------
@@ -244,7 +267,7 @@ class LlamaModel:
         # Q4_1 values, the bf16 one rounds them: near-ties of the two can differ.)
         int4_ok = not batch.prefills
         residual: torch.Tensor | None = None
-        lora = self._add_lora if batch.lora_groups else _no_lora
+        lora = self._add_lora if batch.lora_groups or batch.lora_decode is not None else _no_lora
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = hidden
