@@ -42,7 +42,8 @@ def timed(engine: Any, prompts: list[list[int]], loras: list[Any], max_tokens: i
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(GenerationRequest(f"b{time.monotonic_ns()}-{i}", prompt, sampling, lora=loras[i % len(loras)]))
+        request_id = f"b{time.monotonic_ns()}-{i}"
+        engine.add_request(GenerationRequest(request_id, prompt, sampling, lora=loras[i % len(loras)]))
     tokens = 0
     while engine.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in engine.step())
@@ -55,7 +56,9 @@ def rss_mib() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_args(parser)
     parser.set_defaults(dtype="auto")
     parser.add_argument("--adapters", type=int, default=8)
@@ -110,8 +113,10 @@ def main() -> None:
         f"{args.num_requests} requests, concurrency {args.concurrency}, {args.max_tokens} tokens, "
         f"{threads} threads, {args.adapters} adapters of rank {args.rank}\n"
         f"  base: {', '.join(f'{r:.1f}' for r in runs['base'])} tokens/s (mean {base:.1f})\n"
-        f"  lora: {', '.join(f'{r:.1f}' for r in runs['lora'])} tokens/s (mean {lora:.1f}) -> {lora / base:.2f}x base\n"
-        f"  cold load: p50 {statistics.median(loads) * 1e3:.1f} ms, p95 {loads[int(0.95 * (len(loads) - 1))] * 1e3:.1f} ms\n"
+        f"  lora: {', '.join(f'{r:.1f}' for r in runs['lora'])} tokens/s (mean {lora:.1f})"
+        f" -> {lora / base:.2f}x base\n"
+        f"  cold load: p50 {statistics.median(loads) * 1e3:.1f} ms,"
+        f" p95 {loads[int(0.95 * (len(loads) - 1))] * 1e3:.1f} ms\n"
         f"  adapter bytes held {held / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB after unload; "
         f"RSS {rss_before:.0f} -> {rss_after:.0f} MiB after malloc_trim"
     )
