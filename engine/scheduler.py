@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import BATCHING_MODES, EngineConfig
@@ -71,6 +72,9 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.step import ScheduledChunk, SchedulerOutput
 from engine.step_cost import StepCostModel
 from engine.types import GrammarError, Priority
+
+if TYPE_CHECKING:
+    from engine.lora import LoraSlots
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,7 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
+        loras: LoraSlots | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
@@ -219,6 +224,10 @@ class Scheduler:
         # Constrained sequences whose grammar still compiles (WAITING_FOR_GRAMMAR), in arrival
         # order: they join `waiting` at the first step after their compile is done.
         self.compiling: list[Sequence] = []
+        # Sequences whose LoRA adapter has no slot yet (WAITING_FOR_ADAPTER), in arrival order; a
+        # queued or running sequence holds its adapter's slot (engine/lora.py) until it finishes.
+        self.loras = loras
+        self.parked: list[Sequence] = []
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_fairness_preemptions = 0
@@ -242,10 +251,12 @@ class Scheduler:
         self._arrived: dict[Priority, float] = {}
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, num_blocks: int, clock: Callable[[], float]) -> Scheduler:
+    def for_engine(
+        cls, config: EngineConfig, num_blocks: int, clock: Callable[[], float], loras: LoraSlots | None = None
+    ) -> Scheduler:
         """The engine's scheduler, over a block manager of `num_blocks` of its own."""
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        return cls(SchedulerConfig.from_engine_config(config), blocks, clock)
+        return cls(SchedulerConfig.from_engine_config(config), blocks, clock, loras)
 
     # ---- queue operations -------------------------------------------------------------------
 
@@ -255,6 +266,10 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
             self.compiling.append(seq)
             return
+        if not self._take_slot(seq):
+            seq.status = SequenceStatus.WAITING_FOR_ADAPTER
+            self.parked.append(seq)
+            return
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
         self._arrived[seq.priority] = self.clock()
@@ -262,12 +277,35 @@ class Scheduler:
             heapq.heappush(self._deadlines, (seq.deadline, next(self._deadline_order), seq))
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling) or bool(self.parked)
 
     def sequences(self) -> Iterable[Sequence]:
         yield from self.running
         yield from self.waiting
         yield from self.compiling
+        yield from self.parked
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        """Give `seq` its adapter's slot (True), or False: every slot is held by other adapters."""
+        if seq.lora is None or seq.lora_slot >= 0:
+            return True
+        if self.loras is None:
+            raise RuntimeError("a LoRA sequence reached a scheduler without adapter slots")
+        slot = self.loras.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _unpark(self) -> None:
+        """Queue the parked sequences whose adapter now gets a slot, in arrival order."""
+        if self.loras is None:
+            return
+        self.loras.drop_released()
+        for seq in list(self.parked):
+            if self._take_slot(seq):
+                self.parked.remove(seq)
+                self.add(seq)
 
     def wait_for_grammar(self, timeout_s: float) -> None:
         """Block until a compile that a sequence waits for is done, or `timeout_s` passed (for a
@@ -289,6 +327,11 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.compiling:
             self.compiling.remove(seq)
+        if seq in self.parked:
+            self.parked.remove(seq)
+        if seq.lora_slot >= 0 and self.loras is not None:
+            self.loras.release(seq.lora_slot)
+            seq.lora_slot = -1
         self.blocks.free(seq)
         self._long_progress.pop(seq.seq_id, None)
         self._decode_progress.pop(seq.seq_id, None)
@@ -303,6 +346,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         grammar_failed = self._start_compiled()
+        self._unpark()
         expired = self._expire_waiting()
         self._num_steps += 1
         step = _Step(self.config.max_num_batched_tokens, self.config.long_prefill_budget)

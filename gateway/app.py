@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, admission, endpoints, responses, telemetry, usage
+from gateway import admin, admission, endpoints, loras, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
 from gateway.conversations import Conversations
 from gateway.drain import Drain, DrainMiddleware
@@ -70,8 +70,14 @@ class Gateway:
         self.replicas: ReplicaBackend | None = None
         self.metrics = Metrics(lambda: self.engine)
         gateway_only = bool(settings.upstreams) and engine is None
+        adapters = settings.served_loras()
+
+        def adapters_of(model: str | None) -> list[Any]:
+            return [a for a in adapters if a.model == model]
+
         if engine is not None or (not gateway_only and settings.model != "none"):
-            self.engines.append(EngineBackend(settings, self.metrics, engine, engine_factory))
+            main = EngineBackend(settings, self.metrics, engine, engine_factory, loras=adapters_of(None))
+            self.engines.append(main)
         if embedder is not None or (not gateway_only and settings.embedding_model != "none"):
             self.embedders.append(EmbeddingBackend(settings, self.metrics, embedder))
         for spec in settings.served_models():
@@ -79,7 +85,16 @@ class Gateway:
             if spec.task == "embed":
                 self.embedders.append(EmbeddingBackend(own, self.metrics, name=spec.name))
             else:
-                self.engines.append(EngineBackend(own, self.metrics, engine_factory=engine_factory))
+                backend = EngineBackend(
+                    own, self.metrics, engine_factory=engine_factory, loras=adapters_of(spec.name)
+                )
+                self.engines.append(backend)
+        chat_names = {None} | {s.name for s in settings.served_models() if s.task == "generate"}
+        orphans = sorted(
+            a.name for a in adapters if a.model not in chat_names or (a.model is None and not self.engines)
+        )
+        if orphans:
+            raise ValueError(f"LoRA adapter(s) {', '.join(orphans)}: no in-process chat model to attach to")
         if settings.upstreams:
             self.replicas = ReplicaBackend(settings, self.metrics)
             self.metrics.state.upstreams = self.replicas.replicas.counts
@@ -184,9 +199,14 @@ class Gateway:
             body["upstreams"] = len(self.replicas.replicas.healthy())
         return JSONResponse(body)
 
+    async def _caller(self, request: Request) -> admission.Caller:
+        """Who lists the models: with tenants configured the key's tenant (a 401 without one, as
+        OpenAI's /v1/models), so each tenant sees its own adapters; else the open caller."""
+        return await self.pipeline.authenticate(request.headers, None)
+
     async def list_models(self, request: Request) -> Response:
-        """Every model served now; a 503 while none is, because they load or failed."""
-        cards = self.registry.cards()
+        """Every model the caller may use now; a 503 while none is, because they load or failed."""
+        cards = self.registry.cards(await self._caller(request))
         if not cards:
             await self._raise_unless_ready()
         return JSONResponse(responses.model_list([card.body() for card in cards]))
@@ -200,9 +220,10 @@ class Gateway:
     async def get_model(self, request: Request) -> Response:
         """One model's card (no task check: any served model)."""
         model = request.path_params["model"]
+        caller = await self._caller(request)
         if self.replicas is not None:
             await self.replicas.find(model)  # probes replicas marked down when none serves it
-        for card in self.registry.cards():
+        for card in self.registry.cards(caller):
             if card.id == model:
                 return JSONResponse(card.body())
         await self._raise_unless_ready()
@@ -226,7 +247,8 @@ class Gateway:
         served model does (`tasks`), so a gateway refuses a model sent to the wrong endpoint
         before admission, as this server would."""
         admission.check_internal(self.settings.internal_token, request.headers)
-        tasks = {c.id: c.task.value for c in self.registry.cards() if c.task is not None}
+        everything = admission.Caller(name="", internal=True)
+        tasks = {c.id: c.task.value for c in self.registry.cards(everything) if c.task is not None}
         if not self.engines:  # an embedding-only replica: the pool routes by its own in-flight count
             return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
         return JSONResponse({**self.engines[0].stats(), "tasks": tasks})
@@ -343,6 +365,7 @@ def create_app(
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
         *usage_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
+        *loras.LoraRoutes(gateway.engines, settings.admin_key_hash).routes(),
     ]
     app = Starlette(
         routes=routes,

@@ -155,6 +155,7 @@ class ModelCard:
     id: str
     created: int
     task: Task | None = None  # None: a replica's model (the replica knows)
+    owner: str | None = None  # a LoRA adapter's tenant: listed and served to it alone (gateway/loras.py)
 
     def body(self) -> schemas.Model:
         return responses.model_card(self.id, self.created)

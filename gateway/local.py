@@ -21,19 +21,21 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from engine.types import EngineError, GenerationRequest, SamplingParams
+from engine.types import EngineError, GenerationRequest, LoraError, SamplingParams
 from gateway import custom_tools, generation, protocol, responses_output, tools
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
+from gateway.loras import wait_released
 from gateway.metrics import Metrics, TimedStream
 from gateway.responses_request import ResponsesRequest, drop_oldest, to_chat
-from gateway.settings import Settings
+from gateway.settings import LoraSpec, Settings
 from gateway.tokens import Tokenizer, inline_or_thread
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.client import EngineClient
+    from engine.lora import LoraAdapter
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -56,7 +58,9 @@ class EngineBackend:
         metrics: Metrics,
         engine: EngineClient | None = None,
         engine_factory: EngineFactory = default_engine_factory,
+        loras: Sequence[LoraSpec] = (),
     ) -> None:
+        """`loras`: the adapters to load at start (a failure to load one fails the start)."""
         self.settings = settings
         self.metrics = metrics
         self.engine_factory = engine_factory
@@ -65,6 +69,8 @@ class EngineBackend:
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
+        self.lora_specs = tuple(loras)
+        self.lora_owners: dict[str, str | None] = {}  # adapter name -> its tenant (None: public)
         if engine is not None:
             self.tokenizer = Tokenizer(engine.tokenizer)
             self.engine = engine
@@ -72,12 +78,15 @@ class EngineBackend:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model (in a worker thread; errors are kept for /health and /ready)."""
+        """Load the model and its adapters (in a worker thread; errors are kept for /health and
+        /ready)."""
         if self.engine is not None:
+            await self._load_start_loras(self.engine)
             return
         try:
             engine = await anyio.to_thread.run_sync(self.engine_factory, self.settings)
             tokenizer = await anyio.to_thread.run_sync(Tokenizer, engine.tokenizer)
+            await self._load_start_loras(engine)
         except Exception as exc:  # noqa: BLE001 - reported by /health and /ready, and logged
             logger.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -86,6 +95,41 @@ class EngineBackend:
         self.engine = engine
         freeze_startup_heap()
         logger.info("serving %s (max_model_len %d)", self.name, engine.max_model_len)
+
+    async def _load_start_loras(self, engine: EngineClient) -> None:
+        for spec in self.lora_specs:
+            try:
+                await anyio.to_thread.run_sync(engine.load_lora, spec.name, spec.path)
+            except LoraError as exc:
+                self.load_error = f"LoRA adapter {spec.name}: {exc}"
+                raise
+            self.lora_owners[spec.name] = spec.tenant
+
+    # -- LoRA adapters (gateway/loras.py) ----------------------------------------------------
+
+    def adapters(self) -> dict[str, LoraAdapter]:
+        """The adapters this backend serves, by name (those the engine has and we know the owner of)."""
+        if self.engine is None:
+            return {}
+        return {n: a for n, a in self.engine.loras().items() if n in self.lora_owners}
+
+    def adapter_bytes(self) -> int:
+        return 0 if self.engine is None else self.engine.lora_bytes()
+
+    async def load_lora(self, name: str, path: str, tenant: str | None) -> LoraAdapter:
+        engine, _ = self._running()
+        if name == self.name:
+            raise APIError(ErrorKind.INVALID_REQUEST, f"{name!r} is the base model's name.", param="name")
+        adapter = await anyio.to_thread.run_sync(engine.load_lora, name, path)
+        self.lora_owners[name] = tenant
+        return adapter
+
+    async def unload_lora(self, name: str, wait: bool, timeout_s: float) -> bool:
+        """Unload `name`; whether its memory was released within `timeout_s` (see gateway/loras.py)."""
+        engine, _ = self._running()
+        done = engine.unload_lora(name, wait)
+        self.lora_owners.pop(name, None)
+        return await wait_released(done, timeout_s)
 
     async def aclose(self) -> None:
         if self.owns_engine and self.engine is not None:
@@ -103,7 +147,8 @@ class EngineBackend:
         name = self.name
         if self.engine is None or name is None:
             return []
-        return [ModelCard(name, self.created, Task.GENERATE)]
+        adapters = [ModelCard(n, self.created, Task.GENERATE, self.lora_owners[n]) for n in self.adapters()]
+        return [ModelCard(name, self.created, Task.GENERATE), *adapters]
 
     async def find(self, model: str) -> bool:
         return False
@@ -316,6 +361,12 @@ class EngineBackend:
         caller = work.caller
         streams: list[tuple[int, TimedStream]] = []
         try:
+            # The adapter's current version, pinned for the whole request (a replace or an
+            # unload from now on changes nothing it computes); its id and hash go in the span.
+            lora = engine.resolve_lora(work.model) if work.model in self.lora_owners else None
+            if lora is not None:
+                call.span.set("batchgate.lora.id", lora.id)
+                call.span.set("batchgate.lora.content_hash", lora.content_hash)
             for i, prompt in enumerate(prompts):
                 request = GenerationRequest(
                     request_id=work.request_id if len(prompts) == 1 else f"{work.request_id}-{i}",
@@ -325,6 +376,7 @@ class EngineBackend:
                     queue_deadline_s=caller.queue_deadline_s,
                     fairness_key=caller.name,
                     cache_salt=caller.cache_salt if self.settings.prefix_caching == "tenant" else "",
+                    lora=lora,
                 )
                 streams.append((i * params.n, TimedStream(engine.submit(request), self.metrics, call.span)))
         except EngineError as exc:

@@ -81,7 +81,7 @@ class Pipeline:
         body = await read_json(http, self.settings.max_body_bytes)
         req = endpoint.parse(body)
         caller = await self.authenticate(http.headers, req.user)
-        served = await self.registry.resolve(req.model, endpoint)
+        served = await self.registry.resolve(req.model, endpoint, caller)
         work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
         state = self.state if endpoint.stateful else None
         try:
