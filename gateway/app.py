@@ -80,7 +80,7 @@ class Gateway:
             else:
                 self.engines.append(EngineBackend(own, self.metrics, engine_factory=engine_factory))
         if settings.upstreams:
-            self.replicas = ReplicaBackend(settings, self.metrics)
+            self.replicas = ReplicaBackend(settings, self.metrics, tenancy)
             self.metrics.state.upstreams = self.replicas.replicas.counts
         self.backends: list[Backend] = [*self.engines, *self.embedders]
         if self.replicas is not None:
@@ -238,6 +238,15 @@ class Gateway:
             raise APIError(ErrorKind.NOT_FOUND, "No usage report for this request id.")
         return JSONResponse(report.body())
 
+    async def internal_count(self, request: Request) -> Response:
+        """`{"prompt_tokens": n}`: the exact prompt of the chat or completions request in the body
+        (the endpoint's path in `x-batchgate-path`), for a gateway's budget hold (gateway/relay.py)."""
+        path = request.headers.get(admission.PATH_HEADER, "")
+        endpoint = next((e for e in endpoints.COUNTABLE if e.path == path), None)
+        if endpoint is None:
+            raise APIError(ErrorKind.NOT_FOUND, f"No countable endpoint {path[:100]!r}.")
+        return JSONResponse({"prompt_tokens": await self.pipeline.count(endpoint, request)})
+
     async def upstreams(self, request: Request) -> Response:
         admission.check_internal(self.settings.internal_token, request.headers)
         if self.replicas is None:
@@ -336,6 +345,7 @@ def create_app(
         Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
+        Route("/v1/internal/count", gateway.internal_count, methods=["POST"]),
         *usage_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
     ]

@@ -130,6 +130,20 @@ class Pipeline:
             if not handed_over:
                 await lifetime.close()
 
+    async def count(self, endpoint: Endpoint, http: Request) -> int:
+        """The prompt tokens a request would hold here, as `handle` plans it, without running it:
+        a gateway in front asks (`POST /v1/internal/count`) so that a hard budget holds the exact
+        prompt, not its estimate. Only for a gateway (its internal token), and only for
+        endpoints without stored state."""
+        admission.check_internal(self.settings.internal_token, http.headers)
+        body = await read_json(http, self.settings.max_body_bytes)
+        req = endpoint.parse(body)
+        caller = await self.authenticate(http.headers, req.user)
+        served = await self.registry.resolve(req.model, endpoint)
+        work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        plan = await served.backend.plan(work)
+        return plan.num_prompt_tokens
+
     def _refused(self, exc: APIError) -> None:
         if exc.refusal is not None:
             self.metrics.refused(exc.refusal)
@@ -217,7 +231,7 @@ class _Lifetime:
                             ended_at=time.time(),
                         )
                     )
-            if caller.internal and caller.upstream_request_id and self.call.work.stream:
+            if caller.internal and caller.upstream_request_id:
                 report = Report(num_prompt, num_cached, num_completion)
                 self._pipeline.reports.put(caller.upstream_request_id, report)
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)
