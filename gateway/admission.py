@@ -247,12 +247,16 @@ async def admit(
             kind = ErrorKind.UNAVAILABLE
         elif reason == "budget":
             kind = ErrorKind.INSUFFICIENT_QUOTA
-        raise APIError(
+        error = APIError(
             kind,
             decision.message(),
             headers=decision.headers(),
             retry_after_s=(decision.retry_after_s or 1.0) if unavailable else None,
         )
+        refusal = getattr(decision, "budget", None)
+        if refusal is not None:
+            error.budget = (refusal.budget.metric, "key" if refusal.budget.scope.startswith("key") else "tenant")
+        raise error
     assert decision.lease is not None  # an admitted decision carries its lease
     holder = tenancy.hold(decision.lease)
     await holder.__aenter__()

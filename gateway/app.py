@@ -31,7 +31,7 @@ from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
 from gateway.local import EngineBackend, EngineFactory, default_engine_factory, freeze_startup_heap
-from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.metrics import BudgetUse, Metrics, MetricsMiddleware
 from gateway.openapi import build_openapi
 from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
@@ -96,14 +96,34 @@ class Gateway:
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
         if tenancy is not None:
             tenancy.on_soft_limit(self._soft_limit_crossed)
+            self.metrics.state.read_budget_use = self._read_budget_use
+
+    def _plan_label(self, tenant: Any) -> str:
+        """A tenant's plan as a metrics label (bounded: paid, free, open)."""
+        return "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
 
     def _soft_limit_crossed(self, tenant_name: str, budget: Any) -> None:
         tenant = self.tenancy.config.tenant(tenant_name) if self.tenancy is not None else None
-        plan = "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
+        plan = self._plan_label(tenant)
         self.metrics.soft_crossed(plan, budget.metric)
         logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
         if self.webhook is not None:
             self.webhook.crossed(tenant_name, budget)
+
+    async def _read_budget_use(self) -> dict[tuple[str, str], BudgetUse]:
+        """Every tenant's budgets now, summed by plan and metric (the budget gauges)."""
+        assert self.tenancy is not None
+        out: dict[tuple[str, str], BudgetUse] = {}
+        for tenant in list(self.tenancy.config.tenants.values()):
+            if not self.tenancy.budgets_of(tenant):
+                continue
+            for state in await self.tenancy.budget_states(tenant):
+                row = out.setdefault((self._plan_label(tenant), state.budget.metric), BudgetUse())
+                row.used += state.used
+                row.limit += state.budget.limit
+                if state.budget.limit:
+                    row.max_ratio = max(row.max_ratio, state.used / state.budget.limit)
+        return out
 
     @property
     def engine(self) -> EngineClient | None:

@@ -30,7 +30,7 @@ from gateway.backend import Body, Call, Endpoint, Plan, State, Usage, Work
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError
-from gateway.events import UsageEvent, UsageEvents
+from gateway.events import UsageEvent, build_sinks
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
 from gateway.reports import Report, Reports
@@ -65,7 +65,7 @@ class Pipeline:
         self.metrics = metrics
         self.drain = drain
         self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
-        self.events = UsageEvents(settings.usage_events_file) if settings.usage_events_file else None
+        self.events = build_sinks(settings.usage_events_file, settings.usage_events_exporter)
         self.state = state
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
@@ -183,6 +183,8 @@ class _Lifetime:
             )
         except APIError as exc:
             self._pipeline._refused(exc)
+            if exc.budget is not None:
+                self._pipeline.metrics.budget_refused(caller.plan, *exc.budget)
             self._span.event("gen_ai.admission", **{"batchgate.admitted": False})
             self._span.error(exc)
             self._span.end(
