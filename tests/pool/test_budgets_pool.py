@@ -15,15 +15,29 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission import MAX_TOKENS_HEADER, PROMPT_TOKENS_HEADER, PROMPT_WEIGHT_HEADER
 from tenancy.tokens import TokenCounter
-from tests.pool.budget_cluster import BudgetCluster, chat_body, run_exactness, start_budget_cluster
+from tests.conftest_redis import RedisProcess
+from tests.pool.budget_cluster import BudgetCluster, chat_body, run_exactness, run_mixed, start_budget_cluster
 from tests.pool.conftest import INTERNAL_TOKEN
 
 
 @pytest.fixture(scope="module")
+def redis_aof(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """This module's own redis-server, with persistence (AOF), which the mixed run restarts."""
+    server = RedisProcess(tmp_path_factory.mktemp("budget-redis"), persistent=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
 def budget_cluster(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, redis_server: str
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, redis_aof: RedisProcess
 ) -> Iterator[BudgetCluster]:
-    cluster = start_budget_cluster(tmp_path_factory.mktemp("budget-pool"), tiny_model_dir, redis_server)
+    """Two gateways over two replicas (`tiny-0` and the dearer `tiny-1`) and one Redis."""
+    workdir = tmp_path_factory.mktemp("budget-pool")
+    cluster = start_budget_cluster(workdir, tiny_model_dir, redis_aof.url, num_replicas=2)
     try:
         yield cluster
     finally:
@@ -137,3 +151,20 @@ def test_a_hard_budget_holds_the_prompt_as_the_replica_counts_it(budget_cluster:
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (exact, 40)
     (state,) = budget_cluster.budget_state("digits")
     assert state["used"] == exact + 40 == state["limit"] and state["reserved"] == 0
+
+
+def test_a_mixed_run_settles_to_the_token_through_a_redis_restart(
+    budget_cluster: BudgetCluster, redis_aof: RedisProcess
+) -> None:
+    """Whole and streamed answers, streams and whole answers the client left, requests refused
+    before admission and by the replica after it, two models at two prices, and Redis restarted
+    halfway: the ledger equals the usage events (one per admitted request) and the replicas' own
+    token counts, every reported usage is settled as reported, each cost is the prices to the
+    token (bench/ledger_mixed.py runs it at 10,000)."""
+    result = run_mixed(budget_cluster, 240, restart_redis=redis_aof.restart)
+    summary = result.summary(budget_cluster.prices)
+    assert all(summary["checks"].values()) and summary["drift_tokens"] == 0, summary
+    kinds = {o.split()[0] for o in result.outcomes}
+    assert {"whole", "stream", "cut_stream", "bad_param", "bad_model", "fails_upstream"} <= kinds, summary
+    assert any(o.endswith(" cut") for o in result.outcomes), summary  # streams really were cut
+    assert summary["ledger"]["output_tokens"] > 0 and len(budget_cluster.models) == 2
