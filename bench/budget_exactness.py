@@ -24,7 +24,9 @@ from tests.tiny_model import bundled_dir, make_tiny_model
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--room-for", type=int, default=10, help="worst cases the budget holds (and a half)")
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -249,7 +249,9 @@ async def settle_bench(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tenants", type=int, default=1000)
     parser.add_argument("--models", type=int, default=5)
     parser.add_argument("--days", type=int, default=30)

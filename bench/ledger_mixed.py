@@ -29,7 +29,9 @@ from tests.tiny_model import bundled_dir, make_tiny_model
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -44,7 +46,11 @@ def main() -> int:
             cluster = start_budget_cluster(work, model, redis.url, num_replicas=2)
             try:
                 result = run_mixed(
-                    cluster, args.requests, restart_redis=redis.restart, concurrency=args.concurrency, seed=args.seed
+                    cluster,
+                    args.requests,
+                    restart_redis=redis.restart,
+                    concurrency=args.concurrency,
+                    seed=args.seed,
                 )
                 summary = result.summary(cluster.prices)
             finally:

@@ -255,7 +255,10 @@ async def admit(
         )
         refusal = getattr(decision, "budget", None)
         if refusal is not None:
-            error.budget = (refusal.budget.metric, "key" if refusal.budget.scope.startswith("key") else "tenant")
+            error.budget = (
+                refusal.budget.metric,
+                "key" if refusal.budget.scope.startswith("key") else "tenant",
+            )
         raise error
     assert decision.lease is not None  # an admitted decision carries its lease
     holder = tenancy.hold(decision.lease)

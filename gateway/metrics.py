@@ -375,12 +375,17 @@ class Metrics:
 
     async def endpoint(self, request: Request) -> Response:
         state = self.state
-        if state.read_budget_use is not None and time.monotonic() - state.budget_use_read_at >= BUDGET_GAUGE_TTL_S:
+        if (
+            state.read_budget_use is not None
+            and time.monotonic() - state.budget_use_read_at >= BUDGET_GAUGE_TTL_S
+        ):
             try:
                 state.budget_use = await state.read_budget_use()
                 state.budget_use_read_at = time.monotonic()
             except Exception:  # noqa: BLE001 - a store away keeps the last reading
-                logger.warning("budget gauges: could not read the budgets; kept the last reading", exc_info=True)
+                logger.warning(
+                    "budget gauges: could not read the budgets; kept the last reading", exc_info=True
+                )
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 

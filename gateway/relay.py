@@ -375,9 +375,13 @@ class ReplicaBackend:
             )
             if response.status_code == 200:
                 return int(response.json()["prompt_tokens"])
-            logger.info("%s: %s could not count the prompt (%s)", work.request_id, up.url, response.status_code)
+            logger.info(
+                "%s: %s could not count the prompt (%s)", work.request_id, up.url, response.status_code
+            )
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("%s: %s could not count the prompt (%r); held the estimate", work.request_id, up.url, exc)
+            logger.warning(
+                "%s: %s could not count the prompt (%r); held the estimate", work.request_id, up.url, exc
+            )
         return None
 
     def _prompt_hold(self, work: Work, num_prompt_tokens: int) -> dict[str, str]:
@@ -411,9 +415,9 @@ class ReplicaBackend:
             usage.num_cached_tokens = int(report.get("cached_tokens", 0))
             usage.num_completion_tokens = int(report["completion_tokens"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            logger.warning(
-                "%s: no usage report from %s (%s); settled with the estimate", request_id, upstream.url, exc
-            )
+            # Not served: the client left before the replica began (nothing to pay, nothing lost).
+            log = logger.warning if usage.served else logger.info
+            log("%s: no usage report from %s (%s); settled with the estimate", request_id, upstream.url, exc)
 
     async def _relay(
         self,

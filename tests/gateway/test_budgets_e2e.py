@@ -316,7 +316,9 @@ def test_usage_events_go_to_opentelemetry_logs_one_record_per_line(server: Any) 
         sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=max_tokens)
     lines = [json.loads(line) for line in server.events_file.read_text().splitlines()]
     ids = {e["request_id"] for e in lines}
-    logs = server.otlp.wait_for_logs(lambda got: {r.attributes.get("batchgate.request_id") for r in got} >= ids)
+    logs = server.otlp.wait_for_logs(
+        lambda got: {r.attributes.get("batchgate.request_id") for r in got} >= ids
+    )
     records = [r for r in logs if r.attributes.get("batchgate.request_id") in ids]
     assert len(records) == len(lines) == len(ids)  # one to one
     by_id = {r.attributes["batchgate.request_id"]: r for r in records}
@@ -329,8 +331,9 @@ def test_usage_events_go_to_opentelemetry_logs_one_record_per_line(server: Any) 
 def test_budget_gauges_by_plan_and_refusals_by_budget(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """`batchgate_budget_used/limit{plan,metric}` sum the tenants' budgets as the store has them
     (read at scrape time); a budget refusal counts in `batchgate_budget_refusals_total`."""
-    import gateway.metrics
     from prometheus_client.parser import text_string_to_metric_families
+
+    import gateway.metrics
 
     monkeypatch.setattr(gateway.metrics, "BUDGET_GAUGE_TTL_S", 0.0)  # every scrape reads the store
 

@@ -68,7 +68,9 @@ class BudgetCluster:
         key = str(issued.json()["key"])
         deadline = time.monotonic() + 1.0  # every gateway serves it within a second (its poll)
         for g in self.gateways:
-            while httpx.get(g.url + "/v1/usage", headers={"authorization": f"Bearer {key}"}).status_code != 200:
+            while (
+                httpx.get(g.url + "/v1/usage", headers={"authorization": f"Bearer {key}"}).status_code != 200
+            ):
                 assert time.monotonic() < deadline, f"{g.name} does not know tenant {name}'s key after 1 s"
                 time.sleep(0.02)
         return key
@@ -237,7 +239,9 @@ def run_exactness(
             return list(
                 await asyncio.gather(
                     *(
-                        clients[i % len(clients)].post("/v1/chat/completions", json=chat_body(model, max_tokens))
+                        clients[i % len(clients)].post(
+                            "/v1/chat/completions", json=chat_body(model, max_tokens)
+                        )
                         for i in range(num_requests)
                     )
                 )
@@ -254,7 +258,14 @@ def run_exactness(
     (state,) = cluster.budget_state(tenant)
     expected = sum(cluster.cost(model, u) for u in accepted)
     return Exactness(
-        num_requests, accepted, refusals, budget, int(state["used"]), int(state["reserved"]), expected, seconds
+        num_requests,
+        accepted,
+        refusals,
+        budget,
+        int(state["used"]),
+        int(state["reserved"]),
+        expected,
+        seconds,
     )
 
 
@@ -306,7 +317,13 @@ class Mixed:
         for e in self.events:
             row = by_model.setdefault(
                 e["model"],
-                {"num_model_requests": 0, "input_tokens": 0, "input_cached_tokens": 0, "output_tokens": 0, "cost_micros": 0},
+                {
+                    "num_model_requests": 0,
+                    "input_tokens": 0,
+                    "input_cached_tokens": 0,
+                    "output_tokens": 0,
+                    "cost_micros": 0,
+                },
             )
             row["num_model_requests"] += 1
             row["input_tokens"] += e["input_tokens"]
@@ -330,12 +347,16 @@ class Mixed:
             "ledger_equals_events": by_model == self.ledger,
             "every_reported_usage_is_an_event": reported_in_events,
             "ledger_equals_replicas_count": all(
-                (self.ledger.get(m, {}).get("input_tokens", 0), self.ledger.get(m, {}).get("output_tokens", 0))
+                (
+                    self.ledger.get(m, {}).get("input_tokens", 0),
+                    self.ledger.get(m, {}).get("output_tokens", 0),
+                )
                 == counted
                 for m, counted in self.replica_tokens.items()
             ),
             "costs_are_the_prices_to_the_token": all(
-                e["cost_micros"] == prices[e["model"]].cost(e["input_tokens"], e["cached_tokens"], e["output_tokens"])
+                e["cost_micros"]
+                == prices[e["model"]].cost(e["input_tokens"], e["cached_tokens"], e["output_tokens"])
                 for e in self.events
             ),
         }
@@ -382,7 +403,13 @@ def _ledger(cluster: BudgetCluster, tenants: Sequence[str], since: int) -> dict[
                 continue
             row = out.setdefault(
                 r["model"],
-                {"num_model_requests": 0, "input_tokens": 0, "input_cached_tokens": 0, "output_tokens": 0, "cost_micros": 0},
+                {
+                    "num_model_requests": 0,
+                    "input_tokens": 0,
+                    "input_cached_tokens": 0,
+                    "output_tokens": 0,
+                    "cost_micros": 0,
+                },
             )
             for k in row:
                 row[k] += r[k]
@@ -419,7 +446,9 @@ def run_mixed(
         key = keys[rng.choice(list(keys))]
         gateway = cluster.gateways[i % len(cluster.gateways)].url
         headers = {"authorization": f"Bearer {key}"}
-        body = chat_body(model, rng.randint(1, 6), stream=kind in ("stream", "cut_stream"), content=f"req {i}")
+        body = chat_body(
+            model, rng.randint(1, 6), stream=kind in ("stream", "cut_stream"), content=f"req {i}"
+        )
         if kind == "bad_param":
             body["temperature"] = 9
         elif kind == "bad_model":
