@@ -122,30 +122,22 @@ class OTLPReceiver:
         with self._lock:
             self.logs.extend(logs)
 
-    def wait_for_logs(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedLog]:
-        """Poll (bounded) until `predicate(logs)` is true; returns the log records."""
+    def _poll(self, items: list[Any], predicate: Any, timeout_s: float, what: str) -> list[Any]:
+        """Poll (bounded) until `predicate(a copy of items)` is true; returns that copy."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                logs = list(self.logs)
-            if predicate(logs):
-                return logs
-            assert time.monotonic() < deadline, f"log records not received in {timeout_s}s: {len(logs)} came"
+                got = list(items)
+            if predicate(got):
+                return got
+            assert time.monotonic() < deadline, f"{what} not received in {timeout_s}s: {got!r:.2000}"
             time.sleep(0.05)
 
+    def wait_for_logs(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedLog]:
+        return self._poll(self.logs, predicate, timeout_s, "log records")
+
     def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedSpan]:
-        """Poll (bounded) until `predicate(spans)` is true; returns the spans."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                spans = list(self.spans)
-            if predicate(spans):
-                return spans
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"spans not received in {timeout_s}s: {[(s.service, s.name) for s in spans]}"
-                )
-            time.sleep(0.05)
+        return self._poll(self.spans, predicate, timeout_s, "spans")
 
     def stop(self) -> None:
         self._server.shutdown()
