@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from tenancy.billing import Budget, Charge, Price
 from tenancy.config import Plan
@@ -67,7 +68,7 @@ def _row_values(tenant: int, hour: int, model: int) -> tuple[int, int, int, int,
 
 
 def fill_redis(url: str, num_tenants: int, models: list[str], hours: range) -> None:
-    client = open_sync(url)
+    client = redis.Redis.from_url(url, socket_timeout=120)  # pipelines of big hashes: no 0.5 s cap
     try:
         pipe = client.pipeline(transaction=False)
         n = 0
@@ -81,7 +82,7 @@ def fill_redis(url: str, num_tenants: int, models: list[str], hours: range) -> N
                         mapping[prefix + name] = value
                 pipe.hset(ledger_prefix(tenant) + str(hour), mapping=mapping)  # type: ignore[arg-type]
                 n += 1
-                if n % 5000 == 0:
+                if n % 1000 == 0:
                     pipe.execute()
             pipe.zadd(ledger_hours_key(tenant), {str(h): h for h in hours})
         pipe.execute()

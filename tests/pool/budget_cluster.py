@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +206,7 @@ class Exactness:
             "requests": self.num_requests,
             "accepted": len(self.accepted),
             "refused": len(self.refusals),
-            "refusal_kinds": sorted({f"{s} {c}" for s, c in self.refusals}),
+            "refusal_kinds": dict(Counter(f"{s} {c}" for s, c in self.refusals)),
             "budget_micros": self.budget,
             "settled_micros": self.used,
             "expected_micros": self.expected,
