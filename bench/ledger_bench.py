@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
+import redis as redis_client
 
 from tenancy.billing import Budget, Charge, Price
 from tenancy.config import Plan
 from tenancy.keys import hash_key
-from tenancy.keyspace import held_key, leases_key, ledger_hours_key, ledger_prefix, open_async, open_sync
+from tenancy.keyspace import held_key, leases_key, ledger_hours_key, ledger_prefix, open_async
 from tenancy.ledger import COUNTERS, HOUR_S, LEDGER_FILE, MemoryStore, field_prefix, read_redis_ledger
 from tenancy.limiter import MemoryLimiter
 from tenancy.redis_limiter import RedisLimiter
@@ -68,7 +68,7 @@ def _row_values(tenant: int, hour: int, model: int) -> tuple[int, int, int, int,
 
 
 def fill_redis(url: str, num_tenants: int, models: list[str], hours: range) -> None:
-    client = redis.Redis.from_url(url, socket_timeout=120)  # pipelines of big hashes: no 0.5 s cap
+    client = redis_client.Redis.from_url(url, socket_timeout=120)  # pipelines of big hashes: no 0.5 s cap
     try:
         pipe = client.pipeline(transaction=False)
         n = 0
@@ -269,10 +269,11 @@ def main() -> int:
         redis.start()
         try:
             if "query" not in args.skip:
-                out["query"].append(query_bench("redis", work, redis.url, args))
-                out["query"].append(query_bench("sqlite", work, None, args))
+                for backend, url in (("redis", redis.url), ("sqlite", None)):
+                    out["query"].append(query_bench(backend, work, url, args))
+                    print(json.dumps(out["query"][-1]), flush=True)
             if "settle" not in args.skip:
-                open_sync(redis.url).flushall()
+                redis_client.Redis.from_url(redis.url, socket_timeout=300).flushall()
 
                 async def both() -> None:
                     limiter = RedisLimiter(open_async(redis.url))
