@@ -31,7 +31,7 @@ from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
 from gateway.local import EngineBackend, EngineFactory, default_engine_factory, freeze_startup_heap
-from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.metrics import BudgetUse, Metrics, MetricsMiddleware
 from gateway.openapi import build_openapi
 from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
@@ -96,7 +96,7 @@ class Gateway:
         if orphans:
             raise ValueError(f"LoRA adapter(s) {', '.join(orphans)}: no in-process chat model to attach to")
         if settings.upstreams:
-            self.replicas = ReplicaBackend(settings, self.metrics)
+            self.replicas = ReplicaBackend(settings, self.metrics, tenancy)
             self.metrics.state.upstreams = self.replicas.replicas.counts
         self.backends: list[Backend] = [*self.engines, *self.embedders]
         if self.replicas is not None:
@@ -113,14 +113,34 @@ class Gateway:
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
         if tenancy is not None:
             tenancy.on_soft_limit(self._soft_limit_crossed)
+            self.metrics.state.read_budget_use = self._read_budget_use
+
+    def _plan_label(self, tenant: Any) -> str:
+        """A tenant's plan as a metrics label (bounded: paid, free, open)."""
+        return "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
 
     def _soft_limit_crossed(self, tenant_name: str, budget: Any) -> None:
         tenant = self.tenancy.config.tenant(tenant_name) if self.tenancy is not None else None
-        plan = "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
+        plan = self._plan_label(tenant)
         self.metrics.soft_crossed(plan, budget.metric)
         logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
         if self.webhook is not None:
             self.webhook.crossed(tenant_name, budget)
+
+    async def _read_budget_use(self) -> dict[tuple[str, str], BudgetUse]:
+        """Every tenant's budgets now, summed by plan and metric (the budget gauges)."""
+        assert self.tenancy is not None
+        out: dict[tuple[str, str], BudgetUse] = {}
+        for tenant in list(self.tenancy.config.tenants.values()):
+            if not self.tenancy.budgets_of(tenant):
+                continue
+            for state in await self.tenancy.budget_states(tenant):
+                row = out.setdefault((self._plan_label(tenant), state.budget.metric), BudgetUse())
+                row.used += state.used
+                row.limit += state.budget.limit
+                if state.budget.limit:
+                    row.max_ratio = max(row.max_ratio, state.used / state.budget.limit)
+        return out
 
     @property
     def engine(self) -> EngineClient | None:
@@ -262,6 +282,15 @@ class Gateway:
             raise APIError(ErrorKind.NOT_FOUND, "No usage report for this request id.")
         return JSONResponse(report.body())
 
+    async def internal_count(self, request: Request) -> Response:
+        """`{"prompt_tokens": n}`: the exact prompt of the chat or completions request in the body
+        (the endpoint's path in `x-batchgate-path`), for a gateway's budget hold (gateway/relay.py)."""
+        path = request.headers.get(admission.PATH_HEADER, "")
+        endpoint = next((e for e in endpoints.COUNTABLE if e.path == path), None)
+        if endpoint is None:
+            raise APIError(ErrorKind.NOT_FOUND, f"No countable endpoint {path[:100]!r}.")
+        return JSONResponse({"prompt_tokens": await self.pipeline.count(endpoint, request)})
+
     async def upstreams(self, request: Request) -> Response:
         admission.check_internal(self.settings.internal_token, request.headers)
         if self.replicas is None:
@@ -363,6 +392,7 @@ def create_app(
         Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
+        Route("/v1/internal/count", gateway.internal_count, methods=["POST"]),
         *usage_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
         *loras.LoraRoutes(gateway.engines, settings.admin_key_hash).routes(),

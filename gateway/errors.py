@@ -142,6 +142,7 @@ class APIError(Exception):
         # Counted once by the pipeline; None where another count already has it (the engine
         # counts its own deadline refusals).
         self.refusal: Refusal | None = ERROR_TABLE[kind].refusal
+        self.budget: tuple[str, str] | None = None  # a budget refusal's (metric, scope kind)
 
     @property
     def spec(self) -> ErrorSpec:

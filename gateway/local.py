@@ -217,7 +217,7 @@ class EngineBackend:
             max_model_len=engine.max_model_len,
             vocab_size=tokenizer.vocab_size,
         )
-        params = _within_reservation(params, work.caller)
+        params = _within_reservation(params, work.caller, sum(len(p) for p in prompts), len(prompts))
         job = self._job(work, params, params.n * len(prompts), sum(len(p) for p in prompts), tokenizer)
         if req.echo:
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt]
@@ -249,7 +249,7 @@ class EngineBackend:
             vocab_size=tokenizer.vocab_size,
             prompt_param=param,
         )
-        params = _within_reservation(params, work.caller)
+        params = _within_reservation(params, work.caller, len(prompt))
         if output.grammar is not None:
             await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
             params = dataclasses.replace(params, grammar=output.grammar)
@@ -391,10 +391,29 @@ class EngineBackend:
         return dataclasses.asdict(engine.stats())
 
 
-def _within_reservation(params: SamplingParams, caller: Caller) -> SamplingParams:
-    """`params` with max_tokens cut to the completion tokens per choice that a gateway in front
-    reserved (pool mode), so a chat request that names none generates no more than was held."""
+def _within_reservation(
+    params: SamplingParams, caller: Caller, num_prompt_tokens: int, num_prompts: int = 1
+) -> SamplingParams:
+    """`params` with max_tokens cut to what a gateway in front reserved (pool mode): the
+    completion tokens per choice it held, less, when it held a hard budget on a prompt estimate
+    shorter than the exact prompt, the excess (times the completion tokens that pay for one
+    prompt token, tenancy.billing.prompt_excess_weight) spread over the choices: the request then
+    never costs more than its hold; one with no completion token left is refused
+    (insufficient_quota)."""
     cap = caller.max_tokens_cap
+    held = caller.prompt_tokens_held
+    if held is not None and num_prompt_tokens > held:
+        outputs = params.n * num_prompts
+        excess = (num_prompt_tokens - held) * caller.prompt_excess_weight
+        room = min(cap or params.max_tokens, params.max_tokens) * outputs - excess
+        if room < outputs:
+            raise APIError(
+                ErrorKind.INSUFFICIENT_QUOTA,
+                f"The prompt is {num_prompt_tokens} tokens, more than the {held} its budget hold "
+                "allows for with room for the completion; shorten the prompt or lower max_tokens.",
+                headers={"x-should-retry": "false"},
+            )
+        cap = room // outputs
     if cap is None or cap >= params.max_tokens:
         return params
     return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))

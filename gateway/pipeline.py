@@ -31,7 +31,7 @@ from gateway.backend import Body, Call, Endpoint, Plan, State, Usage, Work
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError
-from gateway.events import UsageEvent, UsageEvents
+from gateway.events import UsageEvent, build_sinks
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
 from gateway.reports import Report, Reports
@@ -66,7 +66,7 @@ class Pipeline:
         self.metrics = metrics
         self.drain = drain
         self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
-        self.events = UsageEvents(settings.usage_events_file) if settings.usage_events_file else None
+        self.events = build_sinks(settings.usage_events_file, settings.usage_events_exporter)
         self.state = state
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
@@ -134,6 +134,20 @@ class Pipeline:
             if not handed_over:
                 await lifetime.close()
 
+    async def count(self, endpoint: Endpoint, http: Request) -> int:
+        """The prompt tokens a request would hold here, as `handle` plans it, without running it:
+        a gateway in front asks (`POST /v1/internal/count`) so that a hard budget holds the exact
+        prompt, not its estimate. Only for a gateway (its internal token), and only for
+        endpoints without stored state."""
+        admission.check_internal(self.settings.internal_token, http.headers)
+        body = await read_json(http, self.settings.max_body_bytes)
+        req = endpoint.parse(body)
+        caller = await self.authenticate(http.headers, req.user)
+        served = await self.registry.resolve(req.model, endpoint)
+        work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        plan = await served.backend.plan(work)
+        return plan.num_prompt_tokens
+
     def _refused(self, exc: APIError) -> None:
         if exc.refusal is not None:
             self.metrics.refused(exc.refusal)
@@ -173,6 +187,8 @@ class _Lifetime:
             )
         except APIError as exc:
             self._pipeline._refused(exc)
+            if exc.budget is not None:
+                self._pipeline.metrics.budget_refused(caller.plan, *exc.budget)
             self._span.event("gen_ai.admission", **{"batchgate.admitted": False})
             self._span.error(exc)
             self._span.end(
@@ -221,7 +237,7 @@ class _Lifetime:
                             ended_at=time.time(),
                         )
                     )
-            if caller.internal and caller.upstream_request_id and self.call.work.stream:
+            if caller.internal and caller.upstream_request_id:
                 report = Report(num_prompt, num_cached, num_completion)
                 self._pipeline.reports.put(caller.upstream_request_id, report)
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)

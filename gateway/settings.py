@@ -228,6 +228,13 @@ class Settings:
         "append one JSON line per settled request (tenant, model, key id, tokens, cost, times) to this "
         "file, for a billing pipeline (default: none)",
     )
+    usage_events_exporter: str = _opt(
+        "none",
+        _str,
+        "also send each usage event as an OpenTelemetry log record (otlp: OTLP/HTTP protobuf, to "
+        "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT + /v1/logs)",
+        choices=("none", "otlp"),
+    )
     budget_webhook_url: str | None = _opt(
         None,
         _str,
