@@ -45,7 +45,7 @@ def test_redis_killed_and_restarted_under_load(
 
     try:
         wait_ready([server])
-        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = httpx.get(server.url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
         assert metric(server.url, "batchgate_redis_up") == 1
         before = answered(server.url)
         loaders = [threading.Thread(target=load) for _ in range(2)]
