@@ -206,8 +206,19 @@ class Settings:
         None,
         _str,
         "directory for the state kept without Redis (SQLite files: budgets' use and the usage "
-        "ledger; stored responses and conversations, responses.sqlite3), so a restart keeps it "
+        "ledger; stored responses and conversations, responses.sqlite3; uploaded files and batches, "
+        "batches.sqlite3 and files/), so a restart keeps it "
         "(default: in memory only)",
+    )
+    max_file_bytes: int = _opt(
+        200 * 1000 * 1000, parse_bytes, "largest file /v1/files accepts (OpenAI's: 200 MB)"
+    )
+    batch_max_lines: int = _opt(50_000, _int, "most requests in one batch's input file (OpenAI's: 50,000)")
+    batch_max_concurrent_lines: int = _opt(
+        64,
+        _int,
+        "lines of one tenant's batches in flight at once, where its plan sets no "
+        "batch_max_concurrent_lines (open mode, or a plan without it)",
     )
     ledger_retention_days: int = _opt(
         90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"
@@ -442,9 +453,23 @@ class Settings:
 
 # The settings one model of a models file may set for itself (the engine's); the rest are the server's.
 MODEL_SETTINGS = (
-    "dtype", "device", "block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-    "max_model_len", "kv_cache_memory_fraction", "queue_deadline_s", "num_threads", "quantization",
-    "int4_max_batch", "kernels", "prefix_caching", "batching", "length_buckets", "long_prefill_share",
+    "dtype",
+    "device",
+    "block_size",
+    "kv_cache_memory_bytes",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "kv_cache_memory_fraction",
+    "queue_deadline_s",
+    "num_threads",
+    "quantization",
+    "int4_max_batch",
+    "kernels",
+    "prefix_caching",
+    "batching",
+    "length_buckets",
+    "long_prefill_share",
     "target_itl_ms",
 )
 
@@ -463,14 +488,14 @@ class ModelSpec:
 def load_models_file(path: str) -> list[ModelSpec]:
     """Read a models file::
 
-        [[models]]
-        name = "smollm2-small"   # the id clients send
-        model = "bundled"        # a Hugging Face folder, a .gguf file, or bundled
-        max_num_seqs = 8         # any of MODEL_SETTINGS (names as in Settings)
+    [[models]]
+    name = "smollm2-small"   # the id clients send
+    model = "bundled"        # a Hugging Face folder, a .gguf file, or bundled
+    max_num_seqs = 8         # any of MODEL_SETTINGS (names as in Settings)
 
-        [[models]]
-        name = "minilm"
-        embedding_model = "bundled"
+    [[models]]
+    name = "minilm"
+    embedding_model = "bundled"
     """
     import tomllib
 
