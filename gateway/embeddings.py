@@ -129,7 +129,6 @@ class EmbeddingService:
     def shutdown(self) -> None:
         self.batcher.shutdown()
 
-
 @dataclass(frozen=True)
 class Prepared:
     """A request's inputs as the model takes them, and the tokens that costs."""

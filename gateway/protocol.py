@@ -584,8 +584,6 @@ def _check_common(req: _SamplingFields) -> None:
 MAX_INPUTS = 2048
 MAX_TOKENS_PER_INPUT = 8192
 MAX_TOKENS_PER_REQUEST = 300_000
-
-
 def _input(value: Any) -> Any:
     """str | list[str] | list[int] | list[list[int]] -> a tuple of inputs (str or token-id tuple)."""
 
