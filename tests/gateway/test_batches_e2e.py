@@ -91,7 +91,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         )
     )
     embedder = EmbeddingService(EmbeddingModel.load(None), BatchLimits())
-    app = create_app(settings, engine=engine, embedder=embedder, tenancy=build_tenancy(settings), owns_tenancy=True)
+    app = create_app(
+        settings, engine=engine, embedder=embedder, tenancy=build_tenancy(settings), owns_tenancy=True
+    )
     live = LiveServer(app)
     try:
         yield live
@@ -133,7 +135,10 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]
 def run_batch(client: openai.OpenAI, lines: list[dict[str, Any]], endpoint: str) -> Batch:
     upload = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     batch = client.batches.create(
-        input_file_id=upload.id, endpoint=endpoint, completion_window="24h", metadata={"job": "nightly"}  # type: ignore[arg-type]
+        input_file_id=upload.id,
+        endpoint=endpoint,
+        completion_window="24h",
+        metadata={"job": "nightly"},  # type: ignore[arg-type]
     )
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     return wait_done(client, batch.id)
@@ -151,7 +156,11 @@ def test_a_chat_batch_with_response_format_and_tools_lines(server: LiveServer) -
     batch = run_batch(client, lines, "/v1/chat/completions")
     assert batch.status == "completed", batch
     assert batch.request_counts is not None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        4,
+        3,
+        1,
+    )
     outputs = {line["custom_id"]: line for line in lines_of(client, batch.output_file_id)}
     errors = {line["custom_id"]: line for line in lines_of(client, batch.error_file_id)}
     assert sorted(outputs) == ["json", "plain", "tools"] and list(errors) == ["too-long"]
@@ -177,14 +186,21 @@ def test_a_chat_batch_with_response_format_and_tools_lines(server: LiveServer) -
     ).json()
     results = [r for bucket in spent["data"] for r in bucket["results"] if r.get("batch")]
     assert sum(r["output_tokens"] for r in results) >= batch.usage.output_tokens
-    assert FileObject.model_validate(client.files.retrieve(batch.output_file_id or "")).purpose == "batch_output"
+    assert (
+        FileObject.model_validate(client.files.retrieve(batch.output_file_id or "")).purpose == "batch_output"
+    )
 
 
 def test_an_embeddings_batch(server: LiveServer) -> None:
     client = sdk(server)
     texts = ["the first", "a second text", "third"]
     lines = [
-        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": EMBEDDER, "input": t}}
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": EMBEDDER, "input": t},
+        }
         for i, t in enumerate(texts)
     ]
     batch = run_batch(client, lines, "/v1/embeddings")
@@ -204,17 +220,27 @@ def test_bad_lines_fail_the_batch_naming_each_line(server: LiveServer) -> None:
     raw += jsonl([chat_line("ok"), chat_line("m", model="no-such-model") | {"custom_id": "m"}])
     raw += jsonl([{**chat_line("u"), "url": "/v1/embeddings"}])
     upload = client.files.create(file=("bad.jsonl", io.BytesIO(raw)), purpose="batch")
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = wait_done(client, batch.id)
     assert batch.status == "failed" and batch.errors is not None and batch.errors.data
     found = {(e.line, e.code) for e in batch.errors.data}
     assert found == {(2, "invalid_json_line"), (3, "duplicate_custom_id"), (5, "mismatched_endpoint")}
     # Structural errors first; the model is checked once the lines parse.
     upload = client.files.create(
-        file=("model.jsonl", io.BytesIO(jsonl([good, {**chat_line("m"), "body": {**good["body"], "model": "nope"}}]))),
+        file=(
+            "model.jsonl",
+            io.BytesIO(jsonl([good, {**chat_line("m"), "body": {**good["body"], "model": "nope"}}])),
+        ),
         purpose="batch",
     )
-    batch = wait_done(client, client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    batch = wait_done(
+        client,
+        client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id,
+    )
     assert batch.status == "failed" and batch.errors is not None and batch.errors.data
     assert [(e.line, e.code, e.param) for e in batch.errors.data] == [(2, "model_not_found", "body.model")]
 
@@ -235,14 +261,18 @@ def test_bad_requests_are_refused_at_create(server: LiveServer) -> None:
     assert oversize.value.status_code == 413
     user_data = alice.files.create(file=("notes.txt", io.BytesIO(b"hello")), purpose="user_data")
     with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):
-        alice.batches.create(input_file_id=user_data.id, endpoint="/v1/chat/completions", completion_window="24h")
+        alice.batches.create(
+            input_file_id=user_data.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
     with pytest.raises(openai.BadRequestError):
         alice.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="1h")  # type: ignore[arg-type]
 
 
 def test_files_are_listed_paged_deleted_and_held_to_the_quota(server: LiveServer) -> None:
     bob = sdk(server, "sk-bob")
-    ids = [bob.files.create(file=(f"{i}.txt", io.BytesIO(b"x" * 100)), purpose="user_data").id for i in range(3)]
+    ids = [
+        bob.files.create(file=(f"{i}.txt", io.BytesIO(b"x" * 100)), purpose="user_data").id for i in range(3)
+    ]
     page = bob.files.list(limit=2, order="asc", purpose="user_data")
     assert [f.id for f in page.data] == ids[:2] and page.has_more
     assert [f.id for f in bob.files.list(order="asc", purpose="user_data")] == ids  # the SDK pages on
@@ -262,8 +292,12 @@ def test_batches_are_listed_newest_first_and_cancelled(server: LiveServer) -> No
     # 40 lines at 4 in flight: cancelled while most wait; each custom_id still ends in one line.
     lines = [chat_line(f"c{i}", max_tokens=64, ignore_eos=True) for i in range(40)]
     upload = client.files.create(file=("c.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    first = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    second = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    first = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    second = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     listed = client.batches.list(limit=1)
     assert [b.id for b in listed.data] == [second.id] and listed.has_more
     assert [b.id for b in client.batches.list(after=second.id, limit=1).data] == [first.id]
