@@ -122,11 +122,13 @@ class Gateway:
         loading = [asyncio.ensure_future(b.start()) for b in self.backends]
         if not self.engines:
             freeze_startup_heap()
+        # Batches (resumed or new) start once the models have loaded, not into 503s.
+        resuming = asyncio.ensure_future(self._resume_batches(loading))
         try:
             async with admission.watching(self.tenancy):
-                await self.batches.resume()
                 yield
         finally:
+            resuming.cancel()
             await self.batches.aclose()
             for task in loading:
                 await task  # a load in progress cannot be interrupted; wait, then shut it down
@@ -140,6 +142,10 @@ class Gateway:
                 self.pipeline.events.close()
             if self.webhook is not None:
                 await self.webhook.aclose()
+
+    async def _resume_batches(self, loading: list[asyncio.Future[None]]) -> None:
+        await asyncio.gather(*loading, return_exceptions=True)
+        await self.batches.resume()
 
     # -- the model endpoints -----------------------------------------------------------------
 

@@ -144,6 +144,7 @@ class Batches:
         self._cancelled: set[str] = set()
         self._quota_stopped: set[str] = set()
         self._lanes: dict[str, _Lane] = {}
+        self._started = asyncio.Event()  # set by `resume`: the models are loaded
 
     # -- routes ----------------------------------------------------------------------------------
 
@@ -249,7 +250,9 @@ class Batches:
     # -- the runner ------------------------------------------------------------------------------
 
     async def resume(self) -> None:
-        """Start a runner for every unfinished batch in the store (at start-up)."""
+        """Start a runner for every unfinished batch in the store, and let runners start (the
+        app calls this once its models have loaded)."""
+        self._started.set()
         for stored in await self.store.unfinished():
             if stored.body["status"] == "cancelling":
                 self._cancelled.add(stored.body["id"])
@@ -302,6 +305,7 @@ class Batches:
 
     async def _run(self, stored: StoredBatch) -> None:
         body = stored.body
+        await self._started.wait()
         try:
             caller = self._caller(stored)
             if caller is None:
