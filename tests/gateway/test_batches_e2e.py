@@ -55,6 +55,12 @@ keys = ["{hash_key("sk-alice")}"]
 [tenants.bob]
 plan = "paid"
 keys = ["{hash_key("sk-bob")}"]
+
+[tenants.capped]
+plan = "paid"
+keys = ["{hash_key("sk-capped")}"]
+budget_usd = 0.0001           # 100 micro-dollars: room for a few lines at the batch price
+budget_window = "daily"
 """
 SCHEMA = {
     "type": "object",
@@ -313,3 +319,23 @@ def test_batches_are_listed_newest_first_and_cancelled(server: LiveServer) -> No
         assert stopped and all(line["error"]["code"] == "batch_cancelled" for line in stopped)
     with pytest.raises(openai.BadRequestError, match="Cannot cancel"):
         client.batches.cancel(first.id)
+
+
+def test_a_hard_budget_stops_the_batch_with_insufficient_quota_lines(server: LiveServer) -> None:
+    client = sdk(server, "sk-capped")
+    batch = run_batch(client, [chat_line(f"q{i}") for i in range(12)], "/v1/chat/completions")
+    assert batch.status == "completed" and batch.request_counts is not None
+    served = lines_of(client, batch.output_file_id)
+    refused = lines_of(client, batch.error_file_id)
+    assert served and refused and batch.request_counts.completed == len(served)
+    assert sorted(line["custom_id"] for line in served + refused) == sorted(f"q{i}" for i in range(12))
+    for line in refused:  # refused at admission (a 429 line), or not started once one was
+        code = line["error"]["code"] if line["error"] else line["response"]["body"]["error"]["code"]
+        assert code == "insufficient_quota"
+        assert line["response"] is None or line["response"]["status_code"] == 429
+    spent = httpx.get(
+        server.base_url + "/v1/usage",
+        params={"start_time": int(time.time()) - 3600},
+        headers={"authorization": "Bearer sk-capped"},
+    ).json()
+    assert sum(r["cost_micros"] for bucket in spent["data"] for r in bucket["results"]) <= 100
