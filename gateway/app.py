@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -143,7 +143,7 @@ class Gateway:
             if self.webhook is not None:
                 await self.webhook.aclose()
 
-    async def _resume_batches(self, loading: list[asyncio.Future[None]]) -> None:
+    async def _resume_batches(self, loading: Sequence[asyncio.Future[None]]) -> None:
         await asyncio.gather(*loading, return_exceptions=True)
         await self.batches.resume()
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from gateway import endpoints
 from gateway.backend import Endpoint
+from gateway.conversations import Metadata
 from gateway.errors import APIError
+from gateway.protocol import StrictModel
 from gateway.registry import ModelRegistry
 
 # The endpoints a batch may name (OpenAI's, less those this server does not serve).
@@ -24,6 +28,24 @@ BATCH_ENDPOINTS: dict[str, Endpoint] = {
 }
 # At most this many line errors are reported (OpenAI reports the first ones too).
 MAX_REPORTED_ERRORS = 100
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # OpenAI's bounds on expires_after.seconds
+
+
+class ExpiresAfter(StrictModel):
+    """When a file expires: `seconds` after its creation."""
+
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)]
+
+
+class BatchCreateRequest(StrictModel):
+    """POST /v1/batches."""
+
+    input_file_id: Annotated[str, Field(min_length=1)]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+    completion_window: Literal["24h"]
+    metadata: Metadata | None = None
+    output_expires_after: ExpiresAfter | None = None
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@
             usage: the journal. A line is recorded once (the primary key), so a batch resumed after
             a crash runs only what is not there, and its output has one line per custom_id.
 
-Lists are in creation order (ties by insertion order, SQLite's rowid). Every read names the tenant: another tenant's id is not there (a 404). Calls run in a worker
-thread behind one lock; WAL mode, so a reader never waits on a writer's fsync.
+Lists are in creation order (ties by insertion order, SQLite's rowid). Every read names the tenant:
+another tenant's id is not there (a 404). Calls run in a worker thread behind one lock; WAL mode.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class BatchStore:
         body = batch.body
         await self._run(
             self._db.execute,
-            "INSERT INTO batches VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, id) DO UPDATE SET body = excluded.body",
+            "INSERT INTO batches VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (tenant, id) DO UPDATE SET body = excluded.body",
             (batch.tenant, body["id"], body["created_at"], batch.key_id, orjson.dumps(body)),
         )
 
@@ -179,7 +180,9 @@ class BatchStore:
         """Every batch whose runner is not done (oldest first): what a gateway resumes at start."""
 
         def list_() -> list[StoredBatch]:
-            rows = self._db.execute("SELECT tenant, key_id, body FROM batches ORDER BY created_at, rowid").fetchall()
+            rows = self._db.execute(
+                "SELECT tenant, key_id, body FROM batches ORDER BY created_at, rowid"
+            ).fetchall()
             batches = [StoredBatch(r[0], r[1], dict(orjson.loads(r[2]))) for r in rows]
             return [b for b in batches if b.body["status"] not in FINAL_STATUSES]
 

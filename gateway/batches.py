@@ -47,12 +47,13 @@ from engine.types import Priority
 from gateway import responses
 from gateway.admission import Caller, tenant_caller
 from gateway.backend import Endpoint
-from gateway.batch_input import BATCH_ENDPOINTS, Line, parse_lines, unserved
+from gateway.batch_input import BATCH_ENDPOINTS, BatchCreateRequest, Line, parse_lines, unserved
 from gateway.batch_store import FINAL_STATUSES, SQLITE_FILE, BatchStore, LineResult, StoredBatch
 from gateway.blobs import DirectoryBlobs
 from gateway.body import read_json
+from gateway.conversations import parse_body
 from gateway.errors import APIError, ErrorKind, invalid_request
-from gateway.files import Files, expiry, list_page, list_params
+from gateway.files import Files, expires_at, list_page, list_params
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
@@ -64,7 +65,6 @@ logger = logging.getLogger("batchgate.gateway")
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_BATCH_LIST_LIMIT, DEFAULT_BATCH_LIST_LIMIT = 100, 20
-MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # Refusals that pass: the line waits (Retry-After, at most this long) and runs again.
 RETRIED = frozenset({ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE})
 MAX_RETRY_WAIT_S = 30.0
@@ -149,51 +149,29 @@ class Batches:
     # -- routes ----------------------------------------------------------------------------------
 
     async def create(self, caller: Caller, request: Request) -> Response:
-        body = await read_json(request, self.pipeline.settings.max_body_bytes)
-        if not isinstance(body, dict):
-            raise invalid_request("The request body must be a JSON object.")
-        unknown = sorted(
-            set(body) - {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
-        )
-        if unknown:
-            raise invalid_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-        input_file_id = body.get("input_file_id")
-        if not isinstance(input_file_id, str) or not input_file_id:
-            raise invalid_request(
-                "'input_file_id' is required: the id of a file of purpose 'batch'.", "input_file_id"
-            )
-        endpoint = body.get("endpoint")
-        if endpoint not in BATCH_ENDPOINTS:
-            raise invalid_request(
-                f"Unsupported endpoint {endpoint!r}; supported: {', '.join(BATCH_ENDPOINTS)}.",
-                param="endpoint",
-            )
-        window = body.get("completion_window")
-        if window not in COMPLETION_WINDOWS:
-            raise invalid_request("'completion_window' must be '24h'.", param="completion_window")
-        metadata = _metadata(body.get("metadata"))
-        expiry(body.get("output_expires_after"), "output_expires_after", 0)  # validated; applied per file
-        file = await self.files.find(caller, input_file_id, param="input_file_id")
+        req = parse_body(BatchCreateRequest, await read_json(request, self.pipeline.settings.max_body_bytes))
+        file = await self.files.find(caller, req.input_file_id, param="input_file_id")
         if file["purpose"] != "batch":
             raise invalid_request(
-                f"The file {input_file_id} has purpose '{file['purpose']}'; a batch needs purpose 'batch'.",
+                f"The file {req.input_file_id} has purpose '{file['purpose']}'; "
+                "a batch needs purpose 'batch'.",
                 param="input_file_id",
             )
         now = responses.now()
         batch: dict[str, Any] = {
             "id": f"batch_{hashlib.sha256(f'{caller.name}{time.time_ns()}'.encode()).hexdigest()[:32]}",
             "object": "batch",
-            "endpoint": endpoint,
+            "endpoint": req.endpoint,
             "model": None,
             "errors": None,
-            "input_file_id": input_file_id,
-            "completion_window": window,
+            "input_file_id": req.input_file_id,
+            "completion_window": req.completion_window,
             "status": "validating",
             "output_file_id": None,
             "error_file_id": None,
             "created_at": now,
             "in_progress_at": None,
-            "expires_at": now + COMPLETION_WINDOWS[window],
+            "expires_at": now + COMPLETION_WINDOWS[req.completion_window],
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
@@ -202,8 +180,8 @@ class Batches:
             "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "usage": _usage_object(0, 0, 0),
-            "metadata": metadata,
-            _PRIVATE: body.get("output_expires_after"),
+            "metadata": None if req.metadata is None else dict(req.metadata),
+            _PRIVATE: None if req.output_expires_after is None else req.output_expires_after.seconds,
         }
         stored = StoredBatch(caller.name, caller.key_id, batch)
         await self.store.put_batch(stored)
@@ -434,7 +412,7 @@ class Batches:
         await self.store.put_batch(stored)
         results = await self.store.results(body["id"])
         _tally(body, results)
-        expires_at = expiry(body.get(_PRIVATE), "output_expires_after", responses.now())
+        expiry = expires_at(body.get(_PRIVATE), responses.now())
         for key, failed in (("output_file_id", False), ("error_file_id", True)):
             text = b"".join(r.text + b"\n" for r in results if r.failed == failed)
             if text and body[key] is None:
@@ -444,7 +422,7 @@ class Batches:
                     text,
                     filename=name,
                     purpose="batch_output",
-                    expires_at=expires_at,
+                    expires_at=expiry,
                     check_quota=False,
                 )
                 body[key] = file["id"]
@@ -491,23 +469,6 @@ def _stopped(endpoint: Endpoint, batch_id: str, line: Line, code: str) -> LineRe
 
 def _batch_error(code: str, message: str, param: str | None = None) -> dict[str, Any]:
     return {"code": code, "line": None, "message": message, "param": param}
-
-
-def _metadata(raw: Any) -> dict[str, str] | None:
-    if raw is None:
-        return None
-    if (
-        not isinstance(raw, dict)
-        or len(raw) > MAX_METADATA_KEYS
-        or not all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY for k in raw)
-        or not all(isinstance(v, str) and len(v) <= MAX_METADATA_VALUE for v in raw.values())
-    ):
-        raise invalid_request(
-            f"'metadata' is at most {MAX_METADATA_KEYS} string pairs (keys up to {MAX_METADATA_KEY} "
-            f"characters, values up to {MAX_METADATA_VALUE}).",
-            param="metadata",
-        )
-    return dict(raw)
 
 
 def build_batches(

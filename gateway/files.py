@@ -24,12 +24,13 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import responses
 from gateway.admission import Caller
+from gateway.batch_input import ExpiresAfter
 from gateway.batch_store import BatchStore
 from gateway.blobs import Blobs
+from gateway.conversations import parse_body
 from gateway.errors import APIError, ErrorKind, invalid_request
 
 UPLOAD_PURPOSES = ("batch", "user_data")
-MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # OpenAI's bounds on expires_after.seconds
 MAX_FILE_LIST_LIMIT = 10_000
 
 
@@ -64,23 +65,9 @@ def list_page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     }
 
 
-def expiry(raw: Any, param: str, anchor_time: int) -> int | None:
-    """`expires_after` ({anchor: created_at, seconds}) as an absolute time; None when absent."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or raw.get("anchor") != "created_at" or set(raw) != {"anchor", "seconds"}:
-        raise invalid_request(f'\'{param}\' must be {{"anchor": "created_at", "seconds": N}}.', param=param)
-    seconds = raw["seconds"]
-    if (
-        not isinstance(seconds, int)
-        or isinstance(seconds, bool)
-        or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S
-    ):
-        raise invalid_request(
-            f"'{param}.seconds' must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}.",
-            param=f"{param}.seconds",
-        )
-    return anchor_time + seconds
+def expires_at(seconds: int | None, anchor_time: int) -> int | None:
+    """When a file created at `anchor_time` expires (`expires_after.seconds` after it), or None."""
+    return None if seconds is None else anchor_time + seconds
 
 
 class Files:
@@ -186,15 +173,17 @@ class Files:
             raise self._too_large()
         if purpose == "batch":
             self._check_batch_file(data)
-        raw_expiry = None
+        after = None
         if anchor is not None or seconds is not None:
-            raw_expiry = {
-                "anchor": anchor,
-                "seconds": int(str(seconds)) if str(seconds).isdigit() else seconds,
-            }
-        expires_at = expiry(raw_expiry, "expires_after", responses.now())
+            raw = {"anchor": anchor, "seconds": int(str(seconds)) if str(seconds).isdigit() else seconds}
+            try:
+                after = parse_body(ExpiresAfter, raw).seconds
+            except APIError as exc:
+                exc.param = f"expires_after.{exc.param}" if exc.param else "expires_after"
+                raise
+        expiry = expires_at(after, responses.now())
         return JSONResponse(
-            await self.write(caller, data, filename=filename, purpose=purpose, expires_at=expires_at)
+            await self.write(caller, data, filename=filename, purpose=purpose, expires_at=expiry)
         )
 
     def _too_large(self) -> APIError:
