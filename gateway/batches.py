@@ -36,6 +36,7 @@ import hashlib
 import logging
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,22 +102,28 @@ def _usage(payload: Any) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass
-class _Lane:
-    """One tenant's share of the batch runner: a slot per concurrent line, a minute's tokens."""
+class Lane:
+    """One tenant's share of the batch runner: a slot per concurrent line, and the tokens its lines
+    used in the last minute (a line starts only while they are under `tokens_per_minute`)."""
 
     slots: asyncio.Semaphore
     tokens_per_minute: int | None
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     used: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
+
+    def spent(self, num_tokens: int) -> None:
+        self.used.append((self.clock(), num_tokens))
 
     async def pace(self) -> None:
         """Wait while the last minute's lines used the tenant's batch tokens per minute."""
         while self.tokens_per_minute is not None:
-            now = time.monotonic()
+            now = self.clock()
             while self.used and self.used[0][0] <= now - 60:
                 self.used.popleft()
             if sum(n for _, n in self.used) < self.tokens_per_minute:
                 return
-            await asyncio.sleep(self.used[0][0] + 60 - now)
+            await self.sleep(self.used[0][0] + 60 - now)
 
 
 class Batches:
@@ -143,7 +150,7 @@ class Batches:
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
         self._quota_stopped: set[str] = set()
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, Lane] = {}
         self._started = asyncio.Event()  # set by `resume`: the models are loaded
 
     # -- routes ----------------------------------------------------------------------------------
@@ -262,12 +269,12 @@ class Batches:
             tenant_caller(tenant, stored.key_id), priority=Priority.BATCH, queue_deadline_s=None
         )
 
-    def _lane(self, caller: Caller) -> _Lane:
+    def _lane(self, caller: Caller) -> Lane:
         lane = self._lanes.get(caller.name)
         if lane is None:
             plan = caller.tenant.plan if caller.tenant is not None else None
             slots = (plan.batch_max_concurrent_lines if plan else None) or self.max_concurrent_lines
-            lane = _Lane(asyncio.Semaphore(slots), plan.batch_tokens_per_minute if plan else None)
+            lane = Lane(asyncio.Semaphore(slots), plan.batch_tokens_per_minute if plan else None)
             self._lanes[caller.name] = lane
         return lane
 
@@ -358,12 +365,12 @@ class Batches:
             self.metrics.batch_queued.dec(len(todo) - started)  # those a stop left unstarted
 
     async def _line(
-        self, stored: StoredBatch, endpoint: Endpoint, caller: Caller, line: Line, lane: _Lane
+        self, stored: StoredBatch, endpoint: Endpoint, caller: Caller, line: Line, lane: Lane
     ) -> None:
         self.metrics.batch_in_flight.inc()
         try:
             result, status = await self._answer(stored.body, endpoint, caller, line)
-            lane.used.append((time.monotonic(), result.input_tokens + result.output_tokens))
+            lane.spent(result.input_tokens + result.output_tokens)
             await self._record(stored.body, result, status)
         finally:
             self.metrics.batch_in_flight.dec()
