@@ -31,6 +31,7 @@ from gateway.conversations import parse_body
 from gateway.errors import APIError, ErrorKind, invalid_request
 
 UPLOAD_PURPOSES = ("batch", "user_data")
+FORM_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
 MAX_FILE_LIST_LIMIT = 10_000
 
 
@@ -156,6 +157,9 @@ class Files:
                 f"Uploads are multipart/form-data, got {media_type or 'nothing'!r}.",
             )
         async with request.form(max_files=1, max_fields=8) as form:
+            unknown = sorted(set(form) - FORM_FIELDS)
+            if unknown:
+                raise invalid_request(f"Unrecognized form field: {unknown[0]!r}.", param=unknown[0])
             upload = form.get("file")
             purpose = form.get("purpose")
             if not isinstance(upload, UploadFile):

@@ -507,8 +507,9 @@ _BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"typ
 _UPLOAD = {
     "type": "object",
     "required": ["file", "purpose"],
+    "additionalProperties": False,
     "properties": {
-        "file": {"type": "string", "contentMediaType": "application/octet-stream"},
+        "file": {"description": "The file's bytes (any content: a part with a filename)"},
         "purpose": {"type": "string", "enum": ["batch", "user_data"]},
         "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
         "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},

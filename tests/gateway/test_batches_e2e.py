@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai.types import Batch, CreateEmbeddingResponse, FileObject
@@ -254,7 +255,7 @@ def test_bad_lines_fail_the_batch_naming_each_line(server: LiveServer) -> None:
 def test_bad_requests_are_refused_at_create(server: LiveServer) -> None:
     alice, bob = sdk(server), sdk(server, "sk-bob")
     upload = alice.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a")]))), purpose="batch")
-    with pytest.raises(openai.BadRequestError, match="Unsupported endpoint"):
+    with pytest.raises(openai.BadRequestError, match="Invalid value for .endpoint.: Input should be"):
         alice.batches.create(input_file_id=upload.id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.NotFoundError):  # another tenant's file is not there
         bob.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -339,3 +340,26 @@ def test_a_hard_budget_stops_the_batch_with_insufficient_quota_lines(server: Liv
         headers={"authorization": "Bearer sk-capped"},
     ).json()
     assert sum(r["cost_micros"] for bucket in spent["data"] for r in bucket["results"]) <= 100
+
+
+def test_the_objects_match_the_openapi_document(server: LiveServer) -> None:
+    client = sdk(server)
+    batch = run_batch(client, [chat_line("one")], "/v1/chat/completions")
+    doc = httpx.get(server.base_url + "/openapi.json").json()
+    auth = {"authorization": "Bearer sk-alice"}
+    for path, name in (
+        (f"/v1/batches/{batch.id}", "Batch"),
+        ("/v1/batches?limit=2", "BatchList"),
+        (f"/v1/files/{batch.output_file_id}", "FileObject"),
+        ("/v1/files?limit=3", "FileList"),
+    ):
+        body = httpx.get(server.base_url + path, headers=auth).json()
+        schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        jsonschema.Draft202012Validator(schema).validate(body)
+    unknown = httpx.post(
+        server.base_url + "/v1/files",
+        headers=auth,
+        files={"file": ("a.txt", b"x")},
+        data={"purpose": "user_data", "tenant": "bob"},
+    )
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tenant"
