@@ -13,7 +13,6 @@ another tenant's id is not there (a 404). Calls run in a worker thread behind on
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from typing import Any, TypeVar
 
 import anyio
 import orjson
+
+from gateway.response_store import connect
 
 SQLITE_FILE = "batches.sqlite3"
 
@@ -70,11 +71,8 @@ class BatchStore:
 
     def __init__(self, path: Path | None) -> None:
         self._lock = threading.Lock()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path) if path is not None else ":memory:", check_same_thread=False)
+        self._db = connect(path)
         with self._lock, self._db:
-            self._db.execute("PRAGMA journal_mode=WAL")
             for statement in _SCHEMA:
                 self._db.execute(statement)
 

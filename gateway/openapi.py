@@ -509,7 +509,7 @@ _UPLOAD = {
     "required": ["file", "purpose"],
     "additionalProperties": False,
     "properties": {
-        "file": {"description": "The file's bytes (any content: a part with a filename)"},
+        "file": {"type": "string", "format": "binary"},
         "purpose": {"type": "string", "enum": ["batch", "user_data"]},
         "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
         "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},

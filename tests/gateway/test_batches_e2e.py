@@ -19,8 +19,6 @@ import pytest
 from openai.types import Batch, CreateEmbeddingResponse, FileObject
 from openai.types.chat import ChatCompletion
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
 from gateway.app import create_app
@@ -28,7 +26,7 @@ from gateway.cli import build_tenancy
 from gateway.embeddings import EmbeddingService
 from gateway.settings import Settings
 from tenancy import hash_key
-from tests.gateway.conftest import LiveServer
+from tests.gateway.conftest import LiveServer, tiny_async_engine
 
 MODEL = "tiny"
 EMBEDDER = "all-MiniLM-L6-v2"
@@ -88,15 +86,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         keep_alive_s=1.0,
         max_file_bytes=MAX_FILE_BYTES,
     )
-    engine = AsyncEngine.from_config(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            served_model_name=MODEL,
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=32 << 20,
-        )
-    )
+    engine = tiny_async_engine(tiny_model_dir, MODEL)
     embedder = EmbeddingService(EmbeddingModel.load(None), BatchLimits())
     app = create_app(
         settings, engine=engine, embedder=embedder, tenancy=build_tenancy(settings), owns_tenancy=True

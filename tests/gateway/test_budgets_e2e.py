@@ -12,14 +12,12 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.cli import build_tenancy
 from gateway.settings import Settings
 from tenancy import hash_key
 from tenancy.billing import Price
-from tests.gateway.conftest import LiveServer
+from tests.gateway.conftest import LiveServer, tiny_async_engine
 
 MSG = [{"role": "user", "content": "Hello there"}]
 MODEL = "tiny"
@@ -101,15 +99,7 @@ def server(
         admin_key_hash=hash_key(ADMIN_KEY),
         usage_events_file=str(workdir / "usage.jsonl"),
     )
-    engine = AsyncEngine.from_config(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            served_model_name=MODEL,
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=32 << 20,
-        )
-    )
+    engine = tiny_async_engine(tiny_model_dir, MODEL)
     live = LiveServer(create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True))
     live.events_file = workdir / "usage.jsonl"  # type: ignore[attr-defined]
     live.hooks = hooks  # type: ignore[attr-defined]

@@ -72,6 +72,8 @@ def test_no_server_errors(tiny_server: TinyServer, mode: GenerationMode) -> None
     for operation in operations:
         if mode is GenerationMode.NEGATIVE and operation.method.upper() != "POST":
             continue  # a GET without a body or query has nothing to break
+        if mode is GenerationMode.NEGATIVE and operation.label == "POST /v1/files":
+            continue  # a multipart form carries only strings and bytes: no value breaks its types
 
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(
