@@ -136,6 +136,7 @@ class Gateway:
                 await backend.aclose()
             await self.responses.aclose()
             await self.batches.store.aclose()
+            await self.files.blobs.aclose()
             if self.owns_tenancy and self.tenancy is not None:
                 await self.tenancy.aclose()
             if self.pipeline.events is not None:

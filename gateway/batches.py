@@ -50,7 +50,7 @@ from gateway.admission import Caller, tenant_caller
 from gateway.backend import Endpoint
 from gateway.batch_input import BATCH_ENDPOINTS, BatchCreateRequest, Line, parse_lines, unserved
 from gateway.batch_store import FINAL_STATUSES, SQLITE_FILE, BatchStore, LineResult, StoredBatch
-from gateway.blobs import DirectoryBlobs
+from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
 from gateway.body import read_json
 from gateway.conversations import parse_body
 from gateway.errors import APIError, ErrorKind, invalid_request
@@ -494,9 +494,14 @@ def build_batches(
     def quota(caller: Caller) -> int | None:
         return caller.tenant.plan.storage_quota_bytes if caller.tenant is not None else None
 
+    blobs: Blobs
+    if settings.files_bucket:
+        blobs = S3Blobs(settings.files_bucket, settings.s3_endpoint_url)
+    else:
+        blobs = DirectoryBlobs(root / "files")
     files = Files(
         store,
-        DirectoryBlobs(root / "files"),
+        blobs,
         max_file_bytes=settings.max_file_bytes,
         max_lines=settings.batch_max_lines,
         quota=quota,

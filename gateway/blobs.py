@@ -1,5 +1,6 @@
 """Where the bytes of uploaded files and batch outputs live: one small interface, a directory
-backend (the default: `--storage-dir`/files, a volume in Helm).
+backend (the default: `--storage-dir`/files, a volume in Helm) and an S3-compatible bucket
+(`--files-bucket`).
 
     Blobs.put(key, data) / get(key) -> bytes | None / delete(key) / aclose()
 
@@ -14,7 +15,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 
@@ -75,3 +76,46 @@ class DirectoryBlobs:
 
     async def aclose(self) -> None:
         return None
+
+
+class S3Blobs:
+    """Objects in an S3-compatible bucket (`--files-bucket s3://<bucket>[/<prefix>]`; MinIO or any
+    other S3 API with `--s3-endpoint-url`), so several gateways read the same files. Credentials
+    and region come from boto3's usual sources (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    AWS_DEFAULT_REGION, an instance role). A PUT is atomic in S3. Calls run in a worker thread."""
+
+    def __init__(self, url: str, endpoint_url: str | None = None) -> None:
+        import boto3
+
+        if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
+            raise ValueError(f"expected s3://<bucket>[/<prefix>], got {url!r}")
+        bucket, _, prefix = url[5:].partition("/")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self._s3: Any = boto3.client("s3", endpoint_url=endpoint_url)
+
+    def _key(self, key: str) -> str:
+        if not _KEY.match(key):
+            raise ValueError(f"invalid blob key {key!r}")
+        return self.prefix + key
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            body = self._s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except self._s3.exceptions.NoSuchKey:
+            return None
+        return bytes(body.read())
+
+    async def put(self, key: str, data: bytes) -> None:
+        await anyio.to_thread.run_sync(
+            lambda: self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        )
+
+    async def get(self, key: str) -> bytes | None:
+        return await anyio.to_thread.run_sync(self._get, key)
+
+    async def delete(self, key: str) -> None:
+        await anyio.to_thread.run_sync(lambda: self._s3.delete_object(Bucket=self.bucket, Key=self._key(key)))
+
+    async def aclose(self) -> None:
+        self._s3.close()

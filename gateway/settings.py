@@ -210,6 +210,15 @@ class Settings:
         "batches.sqlite3 and files/), so a restart keeps it "
         "(default: in memory only)",
     )
+    files_bucket: str | None = _opt(
+        None,
+        _str,
+        "s3://<bucket>[/<prefix>]: keep the Batch API's file bytes in this S3-compatible bucket instead "
+        "of the storage directory's files/ (credentials and region from the AWS_* variables)",
+    )
+    s3_endpoint_url: str | None = _opt(
+        None, _str, "the S3 API's URL for --files-bucket, for MinIO or another S3-compatible store"
+    )
     max_file_bytes: int = _opt(
         200 * 1000 * 1000, parse_bytes, "largest file /v1/files accepts (OpenAI's: 200 MB)"
     )
