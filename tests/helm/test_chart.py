@@ -680,6 +680,13 @@ def test_the_gateway_storage_is_a_volume_for_one_pod(rendered):
     mounts = {m["name"]: m["mountPath"] for m in container(gateway, "gateway")["volumeMounts"]}
     assert mounts["storage"] == "/var/lib/batchgate"
     assert gateway["spec"]["strategy"] == {"type": "Recreate"} and gateway["spec"]["replicas"] == 1
+    bucket = (
+        "gateway.storage.filesBucket=s3://files/batchgate",
+        "gateway.storage.s3EndpointUrl=http://minio:9000",
+    )
+    env = env_of(container(one(rendered(sets=bucket), "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert env["BATCHGATE_FILES_BUCKET"]["value"] == "s3://files/batchgate"
+    assert env["BATCHGATE_S3_ENDPOINT_URL"]["value"] == "http://minio:9000"
     docs = rendered(sets=(*sets, "gateway.storage.persistence.existingClaim=mine"))
     assert not find(docs, "PersistentVolumeClaim")
     gateway = one(docs, "Deployment", f"{FULLNAME}-gateway")
