@@ -8,6 +8,9 @@ The file looks like::
     requests_per_minute = 600
     max_concurrent_requests = 32
     queue_deadline_seconds = 10
+    batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches.py): lines in
+    batch_tokens_per_minute = 2000000 # flight, tokens a minute, bytes of files; unset: no limit
+    storage_quota_bytes = 10000000000
 
     budget_usd = 500.0                # optional: or budget_tokens = 2000000 (or both)
     budget_window = "monthly"         # "daily", "monthly" or "none"; UTC calendar windows
