@@ -222,6 +222,20 @@ class BatchStore:
 
         return await self._run(read)
 
+    async def tally(self, batch_id: str) -> tuple[int, int, int, int, int]:
+        """(lines done, of them failed, input, cached and output tokens) of the batch's journal."""
+
+        def count() -> tuple[int, int, int, int, int]:
+            row = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(failed), 0), COALESCE(SUM(input_tokens), 0), "
+                "COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0) "
+                "FROM lines WHERE batch_id = ?",
+                (batch_id,),
+            ).fetchone()
+            return int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4])
+
+        return await self._run(count)
+
     async def aclose(self) -> None:
         with self._lock:
             self._db.close()

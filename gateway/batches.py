@@ -205,8 +205,7 @@ class Batches:
         """The batch as answered: its counts and usage read from the journal while it runs."""
         body = stored.body
         if body["status"] in ("in_progress", "cancelling", "finalizing"):
-            results = await self.store.results(body["id"])
-            _tally(body, results)
+            _count(body, *await self.store.tally(body["id"]))
         return public(body)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
@@ -381,32 +380,36 @@ class Batches:
     ) -> tuple[LineResult, str]:
         """Run one line through the pipeline: its journal entry and its metrics status."""
         line_id, request_id = line_ids(endpoint, body["id"], line.custom_id)
+
+        def answered(status: int, payload: Any, usage: tuple[int, int, int] = (0, 0, 0)) -> LineResult:
+            response = {"status_code": status, "request_id": request_id, "body": payload}
+            text = orjson.dumps(
+                {"id": line_id, "custom_id": line.custom_id, "response": response, "error": None}
+            )
+            return LineResult(line.custom_id, line.number, status != 200, text, *usage)
+
         while True:
             try:
                 reply = await self.pipeline.answer(endpoint, line.body, caller, request_id)
                 break
             except APIError as exc:
                 stop = self._stop_code(body)
-                if exc.kind in RETRIED and stop is None:
+                if exc.kind in RETRIED:
+                    if stop is not None:
+                        return _stopped(endpoint, body["id"], line, stop), stop
                     await asyncio.sleep(min(exc.retry_after_s or 1.0, MAX_RETRY_WAIT_S))
                     continue
-                if stop is not None and exc.kind in RETRIED:
-                    return _stopped(endpoint, body["id"], line, stop), stop
                 if exc.kind is ErrorKind.INSUFFICIENT_QUOTA:
                     self._quota_stopped.add(body["id"])
-                response = {"status_code": exc.status, "request_id": request_id, "body": exc.body()}
-                text = orjson.dumps(
-                    {"id": line_id, "custom_id": line.custom_id, "response": response, "error": None}
-                )
-                status = "insufficient_quota" if exc.kind is ErrorKind.INSUFFICIENT_QUOTA else "failed"
-                return LineResult(line.custom_id, line.number, True, text), status
+                    return answered(exc.status, exc.body()), "insufficient_quota"
+                return answered(exc.status, exc.body()), "failed"
+            except Exception:  # noqa: BLE001 - a bug in one line must not take the batch down
+                logger.exception("batch %s: line %s failed", body["id"], line.custom_id)
+                internal = APIError(ErrorKind.INTERNAL, "The server failed to process this request.")
+                return answered(internal.status, internal.body()), "failed"
         payload = orjson.loads(reply.payload) if isinstance(reply.payload, bytes) else reply.payload
-        num_in, num_cached, num_out = _usage(payload)
-        response = {"status_code": reply.status, "request_id": request_id, "body": payload}
-        text = orjson.dumps({"id": line_id, "custom_id": line.custom_id, "response": response, "error": None})
-        failed = reply.status != 200
-        result = LineResult(line.custom_id, line.number, failed, text, num_in, num_cached, num_out)
-        return result, "failed" if failed else "completed"
+        result = answered(reply.status, payload, _usage(payload))
+        return result, "failed" if result.failed else "completed"
 
     async def _record(self, body: dict[str, Any], result: LineResult, status: str) -> None:
         if await self.store.record(body["id"], result):
@@ -417,8 +420,8 @@ class Batches:
         stop = self._stop_code(body)
         body.update(status="finalizing", finalizing_at=responses.now())
         await self.store.put_batch(stored)
+        _count(body, *await self.store.tally(body["id"]))
         results = await self.store.results(body["id"])
-        _tally(body, results)
         expiry = expires_at(body.get(_PRIVATE), responses.now())
         for key, failed in (("output_file_id", False), ("error_file_id", True)):
             text = b"".join(r.text + b"\n" for r in results if r.failed == failed)
@@ -447,14 +450,12 @@ class Batches:
         await self.store.put_batch(stored)
 
 
-def _tally(body: dict[str, Any], results: list[LineResult]) -> None:
-    failed = sum(1 for r in results if r.failed)
-    body["request_counts"].update(completed=len(results) - failed, failed=failed)
-    body["usage"] = _usage_object(
-        sum(r.input_tokens for r in results),
-        sum(r.cached_tokens for r in results),
-        sum(r.output_tokens for r in results),
-    )
+def _count(
+    body: dict[str, Any], num_done: int, num_failed: int, num_in: int, num_cached: int, num_out: int
+) -> None:
+    """Set the batch's request_counts and usage from its journal's tally."""
+    body["request_counts"].update(completed=num_done - num_failed, failed=num_failed)
+    body["usage"] = _usage_object(num_in, num_cached, num_out)
 
 
 def _usage_object(num_in: int, num_cached: int, num_out: int) -> dict[str, Any]:
