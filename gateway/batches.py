@@ -148,6 +148,7 @@ class Batches:
         self.max_lines = max_lines
         self.max_concurrent_lines = max_concurrent_lines
         self._runners: dict[str, asyncio.Task[None]] = {}
+        self._running: dict[str, StoredBatch] = {}  # the records the runners update
         self._cancelled: set[str] = set()
         self._quota_stopped: set[str] = set()
         self._lanes: dict[str, Lane] = {}
@@ -218,6 +219,7 @@ class Batches:
 
     async def cancel(self, caller: Caller, request: Request) -> Response:
         stored = await self._find(caller, request.path_params["batch_id"])
+        stored = self._running.get(stored.body["id"], stored)  # its runner's copy, which it writes
         body = stored.body
         if body["status"] in FINAL_STATUSES:
             raise APIError(
@@ -253,8 +255,13 @@ class Batches:
         batch_id = stored.body["id"]
         if batch_id not in self._runners:
             task = asyncio.create_task(self._run(stored), name=f"batch-{batch_id}")
-            self._runners[batch_id] = task
-            task.add_done_callback(lambda _: self._runners.pop(batch_id, None))
+            self._runners[batch_id], self._running[batch_id] = task, stored
+
+            def done(_: object) -> None:
+                self._runners.pop(batch_id, None)
+                self._running.pop(batch_id, None)
+
+            task.add_done_callback(done)
 
     def _caller(self, stored: StoredBatch) -> Caller | None:
         """The batch's lines' caller: its tenant (as configured now), in the batch class, with no
@@ -300,9 +307,11 @@ class Batches:
             lines = await self._validate(stored, caller)
             if lines is None:
                 return
-            if body["status"] == "validating":
-                body.update(status="in_progress", in_progress_at=responses.now(), model=lines[0].model)
+            if body["in_progress_at"] is None:
+                body.update(in_progress_at=responses.now(), model=lines[0].model)
                 body["request_counts"]["total"] = len(lines)
+                if body["status"] == "validating":  # (not when cancelled while validating)
+                    body["status"] = "in_progress"
                 await self.store.put_batch(stored)
             await self._execute(stored, caller, lines)
             await self._finalize(stored, caller)

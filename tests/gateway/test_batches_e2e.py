@@ -303,7 +303,7 @@ def test_batches_are_listed_newest_first_and_cancelled(server: LiveServer) -> No
     client.batches.cancel(second.id)
     for batch_id in (first.id, second.id):
         batch = wait_done(client, batch_id)
-        assert batch.status == "cancelled" and batch.cancelled_at is not None
+        assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
         out = lines_of(client, batch.output_file_id) + lines_of(client, batch.error_file_id)
         assert sorted(line["custom_id"] for line in out) == sorted(f"c{i}" for i in range(40))
         stopped = [line for line in out if line["error"] is not None]
