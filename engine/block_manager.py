@@ -13,7 +13,9 @@ to the free pool when the last one lets go, and a registered block there keeps i
 it is needed for something else (least recently freed first), so a prompt seen a while ago can
 still hit. Only full blocks are shared and a sequence never writes below its computed tokens, so a
 shared block is never written. The chain starts from a salt (the gateway passes the tenant), so
-one tenant's cache hits are invisible to another: no timing side channel between tenants.
+one tenant's cache hits are invisible to another: no timing side channel between tenants; and
+from the LoRA adapter's content hash, so blocks computed with one adapter (or one version of it)
+are never another's.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else salt_hash(seq.cache_salt)
+            parent = hashes[-1] if hashes else salt_hash(seq.cache_namespace)
             hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

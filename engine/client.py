@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.grammar import CompiledGrammar
+    from engine.lora import LoraAdapter
 
 
 @runtime_checkable
@@ -78,6 +79,29 @@ class EngineClient(Protocol):
 
     def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """`spec` compiled off the event loop (cached); its failure is a GrammarError."""
+        ...
+
+    def loras(self) -> dict[str, LoraAdapter]:
+        """The LoRA adapters loaded now, by name (each its current version)."""
+        ...
+
+    def lora_bytes(self) -> int:
+        """Bytes of adapter weights held now (loaded versions and those still pinned by requests)."""
+        ...
+
+    def resolve_lora(self, name: str) -> LoraAdapter:
+        """The current version of adapter `name`, for a request to pin (GenerationRequest.lora);
+        LoraNotFoundError if it is not loaded."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Load or replace adapter `name` from a PEFT folder (blocking: reads the files; call it
+        off the event loop); LoraError names what is wrong with it."""
+        ...
+
+    def unload_lora(self, name: str, wait: bool = True) -> Future[None]:
+        """Take `name` from new requests; the future is done once its last user ended and its
+        memory is released. `wait=False`: LoraInUseError (nothing changes) while it is in use."""
         ...
 
     def shutdown(self) -> None:

@@ -77,6 +77,9 @@ class EngineConfig:
     # between requests of the same cache salt, so a repeated prefix (a system prompt, a chat's
     # earlier turns) is not computed again.
     enable_prefix_caching: bool = True
+    # LoRA adapters (engine/lora.py): how many different adapters one step may mix (resident
+    # slots); further ones wait in CPU memory, their requests outside the batch.
+    max_loras: int = 8
     # ---- tensor parallelism (engine/parallel.py) ----
     # Ranks one model copy is split over, one process each (rank 0 is this process and schedules).
     tensor_parallel_size: int = 1
@@ -105,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.collective_timeout_s > 0:

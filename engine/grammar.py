@@ -327,7 +327,10 @@ class LLGuidanceBackend:
         if spec.kind == "json_object":
             return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if spec.kind == "lark":
-            return str(llguidance.LLMatcher.grammar_from_lark(spec.source))
+            if not spec.subgrammars:
+                return str(llguidance.LLMatcher.grammar_from_lark(spec.source))
+            named = [{"name": name, "lark_grammar": text} for name, text in spec.subgrammars]
+            return json.dumps({"grammars": [{"lark_grammar": spec.source}, *named]})
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 

@@ -41,6 +41,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend, MaskFiller, MaskRow, closing_due
 from engine.loader import LoadedModel
+from engine.lora import LoraAdapter, LoraError, LoraRegistry, LoraSlots
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, compile_failure
 from engine.step import SchedulerOutput, StepResult
@@ -93,7 +94,10 @@ class LLMEngine:
         del loaded.weights  # the runner holds (fused) copies
         num_blocks, max_len = self.runner.num_blocks, self.runner.max_model_len
         self.max_model_len = max_len
-        self.scheduler = Scheduler.for_engine(config, num_blocks, clock)
+        # LoRA adapters: every loaded version (CPU memory), and the slots a step may mix.
+        self.loras = LoraRegistry(self.spec)
+        self.lora_slots = LoraSlots(config.max_loras, self.runner.set_lora_slot)
+        self.scheduler = Scheduler.for_engine(config, num_blocks, clock, self.lora_slots)
         self.block_manager = self.scheduler.blocks
         # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar.py).
         self.masks = MaskFiller(self.spec.vocab_size, overlap=device.type == "cuda")
@@ -146,6 +150,15 @@ class LLMEngine:
                 f"for the completion); reduce the prompt or max_tokens"
             )
 
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Load (or replace) adapter `name` from a PEFT folder; from any thread (it reads files).
+        Running requests keep the version they pinned; new ones get this one."""
+        if self.config.max_loras == 0:
+            raise LoraError("this engine serves no LoRA adapters (max_loras is 0)")
+        if self.config.tensor_parallel_size > 1:
+            raise LoraError("LoRA adapters need tensor_parallel_size 1 (sharded adapters are not built yet)")
+        return self.loras.load(name, path)
+
     def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         """The compiled `spec` (a Future; cached); from any thread. The gateway awaits it before
         admission so a bad schema is a 400 up front; its failure is a GrammarError."""
@@ -186,6 +199,9 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue every choice of `request`, or none of them (raises before anything is queued)."""
         self.validate(request)
+        lora = request.lora
+        if lora is not None and not isinstance(lora, LoraAdapter):
+            raise InvalidRequestError(f"the adapter {lora.name!r} was not loaded by this engine")
         if request.request_id in self._seqs:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already in the engine")
         now = self.clock()
@@ -207,6 +223,7 @@ class LLMEngine:
                 fairness_key=request.fairness_key,
                 cache_salt=request.cache_salt,
                 generator=generator,
+                lora=lora,
             )
             seqs.append(seq)
         future = self.grammars.get(p.grammar) if p.grammar is not None else None
@@ -214,6 +231,9 @@ class LLMEngine:
         if failed is not None:
             raise failed  # a schema known to be bad: refused before it is accepted
         detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
+        if lora is not None:
+            for _ in seqs:  # one pin per choice; LoraNotFoundError if it was unloaded meanwhile
+                self.loras.pin(lora)
         self._seqs[request.request_id] = seqs
         for seq, detok in zip(seqs, detoks, strict=True):
             self._detok[seq.seq_id] = detok
@@ -256,7 +276,7 @@ class LLMEngine:
         stage = StepStage.SCHEDULE
         out: SchedulerOutput | None = None
         try:
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule().by_adapter()
             outputs.extend(self._grammar_failed_outputs(out.grammar_failed))
             outputs.extend(self._expired_outputs(out.expired))
             if out.is_empty:
@@ -382,7 +402,7 @@ class LLMEngine:
             for seq in seqs:
                 if seq.finished:
                     continue
-                clean = seq in sched.compiling or (
+                clean = seq in sched.compiling or seq in sched.parked or (
                     seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0
                 )
                 if seq in sched.running or not clean:
@@ -425,6 +445,9 @@ class LLMEngine:
         detok = self._detok[seq.seq_id]
         text = detok.take(final=True) if error is None else ""
         self.scheduler.finish(seq, status)
+        if seq.lora is not None:  # `finish` ran once for this choice (ended is still False)
+            lora, seq.lora = seq.lora, None
+            self.loras.unpin(lora)
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
         out = self._output(seq, new_ids, text, logprob, error)
@@ -517,6 +540,9 @@ class LLMEngine:
             prefix_cache_queried_tokens=self.block_manager.num_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
             step_failures_by_stage={stage.value: n for stage, n in self._step_failures.items()},
+            lora_bytes=self.loras.nbytes,
+            loras_resident=tuple(a.name for a in self.lora_slots.resident()),
+            num_waiting_for_adapter=len(self.scheduler.parked),
         )
 
     def load_snapshot(self) -> LoadSnapshot:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import ModelSpec
+from engine.lora import LayerLora, LoraAdapter
 from engine.quant import Linear, WeightFormat
 from engine.step import ForwardBatch
 
@@ -57,6 +58,10 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling type {kind!r}: expected default, linear or llama3")
 
 
+def _no_lora(y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch) -> torch.Tensor:
+    return y
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
@@ -80,6 +85,7 @@ class LlamaModel:
         kernels: Any = None,
         tp: TensorParallel | None = None,
         paged_decode: Callable[..., torch.Tensor] | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`weights` are cast to `dtype` (default: theirs). `weight_format` (engine/quant.py): the
         projections and LM head quantized from the weights as given (pass float32 for exact
@@ -88,7 +94,8 @@ class LlamaModel:
         rank's share of a tensor-parallel replica, with `spec` and `weights` already this rank's shard
         (engine/parallel.py); o_proj and down_proj then all-reduce their partial sums. `paged_decode`:
         a decode-attention kernel that reads the paged cache through the block table (the Triton one
-        on CUDA, engine/triton_attention.py), where `kernels` does not bring one."""
+        on CUDA, engine/triton_attention.py), where `kernels` does not bring one. `max_loras`: the
+        LoRA slots a batch may mix (engine/lora.py), filled by `set_lora_slot`."""
         self.spec = spec
         self.kernels = kernels
         self.tp = tp
@@ -145,6 +152,53 @@ class LlamaModel:
         self.cos = emb.cos().to(self.dtype)  # [max_positions, head_dim]
         self.sin = emb.sin().to(self.dtype)
         self.scale = spec.head_dim**-0.5
+        # Each LoRA slot's per-layer deltas, in this model's device and dtype (None: empty slot),
+        # and for decode rows the same stacked over the slots: per layer and linear, A [S, in, R]
+        # and B [S, R, out], R the largest rank any slot has there (zero-padded: exact).
+        self.lora_slots: list[list[LayerLora] | None] = [None] * max_loras
+        self.lora_stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.layers]
+
+    def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put `adapter`'s weights into `slot` (None empties it), and restack; between steps only."""
+        self.lora_slots[slot] = (
+            None
+            if adapter is None
+            else [{n: d.to(self.device, self.dtype) for n, d in layer.items()} for layer in adapter.layers]
+        )
+        for i in range(len(self.layers)):
+            self.lora_stacks[i] = {}
+            for linear in ("qkv", "o", "gate_up", "down"):
+                deltas = [(s, w[i][linear]) for s, w in enumerate(self.lora_slots) if w and linear in w[i]]
+                if not deltas:
+                    continue
+                rank = max(d.a_t.shape[1] for _, d in deltas)
+                fan_in, fan_out = deltas[0][1].a_t.shape[0], deltas[0][1].b_t.shape[1]
+                a = torch.zeros(len(self.lora_slots), fan_in, rank, dtype=self.dtype, device=self.device)
+                b = torch.zeros(len(self.lora_slots), rank, fan_out, dtype=self.dtype, device=self.device)
+                for s, d in deltas:
+                    a[s, :, : d.a_t.shape[1]] = d.a_t
+                    b[s, : d.b_t.shape[0]] = d.b_t
+                self.lora_stacks[i][linear] = (a, b)
+
+    def _add_lora(
+        self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """y (the base matmul's output for all rows) plus each row's adapter delta, in place: the
+        decode rows of every slot in one batched shrink and expand over the stacked slots; each
+        run of prefill rows of one slot in one shrink and one expand (engine/lora.py)."""
+        plan = batch.lora_decode
+        stack = self.lora_stacks[layer].get(linear)
+        if plan is not None and stack is not None:
+            a, b = stack
+            shrunk = torch.bmm(x.index_select(0, plan.gather).view(a.shape[0], plan.width, -1), a)
+            delta = torch.bmm(shrunk, b).view(-1, b.shape[2])
+            y.index_add_(0, plan.rows, delta.index_select(0, plan.back))
+        for slot, rows in batch.lora_groups:
+            weights = self.lora_slots[slot]
+            run = weights[layer].get(linear) if weights is not None else None
+            if run is not None:
+                run.add_to(y, x, rows)
+        return y
 
     # ---- the elementwise parts: native fused kernels, or the torch ops they replace ----------
 
@@ -213,17 +267,22 @@ class LlamaModel:
         # Q4_1 values, the bf16 one rounds them: near-ties of the two can differ.)
         int4_ok = not batch.prefills
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        lora = self._add_lora if batch.lora_groups or batch.lora_decode is not None else _no_lora
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = hidden
                 x = self._rms_norm(hidden, layer.input_norm)
             else:
                 x, residual = self._add_rms_norm(hidden, residual, layer.input_norm)
-            q, k, v = self._rope_qkv(layer.qkv(x, int4_ok), batch.positions)
+            qkv = lora(layer.qkv(x, int4_ok), x, i, "qkv", batch)
+            q, k, v = self._rope_qkv(qkv, batch.positions)
             self._write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
-            x, residual = self._add_rms_norm(layer.o(attn, int4_ok), residual, layer.post_norm)
-            hidden = layer.down(self._silu_mul(layer.gate_up(x, int4_ok)), int4_ok)
+            o = lora(layer.o(attn, int4_ok), attn, i, "o", batch)
+            x, residual = self._add_rms_norm(o, residual, layer.post_norm)
+            gate_up = lora(layer.gate_up(x, int4_ok), x, i, "gate_up", batch)
+            act = self._silu_mul(gate_up)
+            hidden = lora(layer.down(act, int4_ok), act, i, "down", batch)
         assert residual is not None
         rows = batch.logits_indices
         last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)

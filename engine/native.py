@@ -7,12 +7,19 @@ Compiled with the machine's C++ compiler on first use (about 20 s on 2 cores) th
 ~/.cache/torch_extensions) and loaded in well under a second. Built for the CPU level it runs at
 (engine/platform.py): `-march=native` at the CPU's own level, the level's x86-64-vN baseline under
 a cap, and cached under a name that says which, so a cache made on another CPU is never loaded
-(it could die with SIGILL). Without a compiler the engine falls back to plain torch ops.
+(it could die with SIGILL). The name also holds a digest of the sources, so two checkouts never
+rebuild each other's cache in place. Without a compiler the engine falls back to plain torch ops.
+
+torch guards a build with a `lock` file that a killed build leaves behind, and every later load
+then waits for it forever; we build under an OS lock (`flock`, released when its holder dies), and
+a `lock` file found while holding it is stale and removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import logging
 import os
 import platform
@@ -35,6 +42,29 @@ _ISA_SOURCES = {"x86_64": [CSRC / "qmatmul_x86.cpp"], "amd64": [CSRC / "qmatmul_
 
 def sources() -> list[str]:
     return [str(p) for p in (SOURCE, *_ISA_SOURCES.get(platform.machine().lower(), []))]
+
+def build_name() -> str:
+    """The cache entry of this build: the CPU level's key and the sources' digest."""
+    digest = hashlib.sha256()
+    for path in sources():
+        digest.update(Path(path).read_bytes())
+    return f"batchgate_kernels_{isa_build_key()}_{digest.hexdigest()[:10]}"
+
+
+@contextlib.contextmanager
+def _build_lock(name: str) -> Any:
+    """Hold the OS lock of build `name`; torch's own `lock` file, if one is there, is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir.parent / f"{name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process of ours building: wait for it
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing a stale build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
 
 _lock = threading.Lock()
 _loaded: Any = None
@@ -80,17 +110,19 @@ def native_kernels() -> Any:
                 from torch.utils.cpp_extension import load
 
                 _put_ninja_on_path()
-                load(
-                    name=f"batchgate_kernels_{isa_build_key()}",
-                    sources=sources(),
-                    # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially
-                    # without it; the runtime is torch's own libgomp (same soname, already loaded).
-                    # -ffp-contract=off: no implicit FMA, so fused ops round as torch's do.
-                    extra_cflags=["-O3", *march_flags(), "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
+                name = build_name()
+                with _build_lock(name):
+                    load(
+                        name=name,
+                        sources=sources(),
+                        # -fopenmp: at::parallel_for is inlined from ATen's headers and runs
+                        # serially without it; the runtime is torch's own libgomp (already loaded).
+                        # -ffp-contract=off: no implicit FMA, so fused ops round as torch's do.
+                        extra_cflags=["-O3", *march_flags(), "-fopenmp", "-ffp-contract=off"],
+                        extra_ldflags=["-fopenmp"],
+                        is_python_module=False,
+                        verbose=False,
+                    )
                 _loaded = torch.ops.batchgate
             except Exception as exc:  # noqa: BLE001 - any build failure means "not available"
                 _error = f"{type(exc).__name__}: {exc}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.lora import LoraAdapter
 from engine.model import LlamaModel
 from engine.parallel import ParallelExecutor
 from engine.sampler import SamplingRow
@@ -50,9 +51,13 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.shutdown()
 
+    def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Install `adapter`'s weights in LoRA slot `slot` (None: empty it); between steps."""
+        self.model.set_lora_slot(slot, adapter)
+
     def forward_batch(self, inputs: StepInputs) -> ForwardBatch:
         """The step's tensors on this rank's device."""
-        return forward_batch(inputs, self.block_size, self.device)
+        return forward_batch(inputs, self.block_size, self.device, len(self.model.lora_slots))
 
     # A step is two calls, so that the engine knows which of them failed (engine/llm_engine.py).
 
@@ -66,7 +71,7 @@ class ModelRunner:
         inputs = pack(out)
         if self.executor is not None:
             return self.executor.run(self.forward_inputs, inputs)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        if self.graphs is not None and not inputs.lora_slots and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
         return self.model.forward(self.forward_batch(inputs), self.kv_caches)
 

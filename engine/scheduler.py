@@ -41,6 +41,16 @@ for `max_long_prefill_stall_steps` steps is scheduled ahead of the admissions wi
 nothing else is interactive, long prefill takes the whole token budget. Until the cost model has
 seen enough steps with prefill, only the token caps apply.
 
+Lower classes yield under the same budget, so a paid request does not wait for free work on a CPU
+where every row lengthens the step: while a higher class has work in the step (running or
+waiting), a lower class's decodes are scheduled after the higher classes' prefills and admissions,
+and join only while the step is predicted within the target; a row left out waits (keeps its
+blocks) and joins first, regardless, once it has waited `max_yield_stall_steps` steps. While a higher class
+has arrived in the last `RECENT_CLASS_S` seconds, a lower class's prefill chunks (short prompts
+too) are cut to what the target leaves beside the step's decodes, so the step a paid arrival waits
+for is short as well (a step's first such chunk gets `min_long_prefill_chunk` tokens even when
+nothing fits). With one class only, nothing yields.
+
 Static batching (the baseline): a batch of up to `max_num_seqs` forms from the waiting queue while
 nothing runs (over several steps if the budget is short), and nobody else is admitted until all of
 it has finished. It keeps the class order but neither preempts for priority nor caps long prompts.
@@ -55,6 +65,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import BATCHING_MODES, EngineConfig
@@ -63,6 +74,9 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.step import ScheduledChunk, SchedulerOutput
 from engine.step_cost import StepCostModel
 from engine.types import GrammarError, Priority
+
+if TYPE_CHECKING:
+    from engine.lora import LoraSlots
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,8 @@ class SchedulerConfig:
     min_long_prefill_chunk: int = 32
     # A long prompt still prefilling progresses at least once in this many steps.
     max_long_prefill_stall_steps: int = 4
+    # A lower class's decode row left out of steps to yield to a higher class joins after this many.
+    max_yield_stall_steps: int = 4
 
     def __post_init__(self) -> None:
         validate_boundaries(self.length_buckets)
@@ -104,6 +120,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_long_prefill_stall_steps must be >= 1, got {self.max_long_prefill_stall_steps}"
             )
+        if self.max_yield_stall_steps < 1:
+            raise ValueError(f"max_yield_stall_steps must be >= 1, got {self.max_yield_stall_steps}")
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
@@ -140,6 +158,10 @@ class _Step:
     memory_preempted: bool = False
     admit_below: int = len(Priority)  # only classes below this may be admitted (priority preemption)
     admitting: bool = True
+    # Classes below these yield to the step-time budget (module docstring): decodes below `lead`,
+    # the highest class with work now; prefill chunks below `recent`, the highest seen lately.
+    lead: int = len(Priority)
+    recent: int = len(Priority)
 
     def add(self, chunk: ScheduledChunk, decode: bool, shared: bool = False, long: bool = False) -> None:
         """`shared`: the chunk counts against `long_budget`; `long`: it is a long prompt's."""
@@ -178,6 +200,11 @@ class _Step:
         return bool(self.decodes) or self.num_short_prefills > 0
 
 
+# How long an arrival of a class makes lower classes keep their prefill chunks within the step-time
+# budget: a paid request that comes back within this time finds short steps.
+RECENT_CLASS_S = 30.0
+
+
 def _rank(seq: Sequence) -> tuple[int, int]:
     """Higher rank is preempted first: lower priority, then the most recently admitted."""
     return (int(seq.priority), seq.admission_order)
@@ -189,6 +216,7 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         clock: Callable[[], float] = time.monotonic,
+        loras: LoraSlots | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
@@ -198,6 +226,10 @@ class Scheduler:
         # Constrained sequences whose grammar still compiles (WAITING_FOR_GRAMMAR), in arrival
         # order: they join `waiting` at the first step after their compile is done.
         self.compiling: list[Sequence] = []
+        # Sequences whose LoRA adapter has no slot yet (WAITING_FOR_ADAPTER), in arrival order; a
+        # queued or running sequence holds its adapter's slot (engine/lora.py) until it finishes.
+        self.loras = loras
+        self.parked: list[Sequence] = []
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_fairness_preemptions = 0
@@ -216,12 +248,17 @@ class Scheduler:
         self.step_cost = StepCostModel()
         self._num_steps = 0
         self._long_progress: dict[tuple[str, int], int] = {}
+        # The step in which each running sequence last decoded, and when each class last arrived.
+        self._decode_progress: dict[tuple[str, int], int] = {}
+        self._arrived: dict[Priority, float] = {}
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, num_blocks: int, clock: Callable[[], float]) -> Scheduler:
+    def for_engine(
+        cls, config: EngineConfig, num_blocks: int, clock: Callable[[], float], loras: LoraSlots | None = None
+    ) -> Scheduler:
         """The engine's scheduler, over a block manager of `num_blocks` of its own."""
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        return cls(SchedulerConfig.from_engine_config(config), blocks, clock)
+        return cls(SchedulerConfig.from_engine_config(config), blocks, clock, loras)
 
     # ---- queue operations -------------------------------------------------------------------
 
@@ -231,18 +268,46 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
             self.compiling.append(seq)
             return
+        if not self._take_slot(seq):
+            seq.status = SequenceStatus.WAITING_FOR_ADAPTER
+            self.parked.append(seq)
+            return
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
+        self._arrived[seq.priority] = self.clock()
         if seq.deadline is not None and not seq.started:
             heapq.heappush(self._deadlines, (seq.deadline, next(self._deadline_order), seq))
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling) or bool(self.parked)
 
     def sequences(self) -> Iterable[Sequence]:
         yield from self.running
         yield from self.waiting
         yield from self.compiling
+        yield from self.parked
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        """Give `seq` its adapter's slot (True), or False: every slot is held by other adapters."""
+        if seq.lora is None or seq.lora_slot >= 0:
+            return True
+        if self.loras is None:
+            raise RuntimeError("a LoRA sequence reached a scheduler without adapter slots")
+        slot = self.loras.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _unpark(self) -> None:
+        """Queue the parked sequences whose adapter now gets a slot, in arrival order."""
+        if self.loras is None:
+            return
+        self.loras.drop_released()
+        for seq in list(self.parked):
+            if self._take_slot(seq):
+                self.parked.remove(seq)
+                self.add(seq)
 
     def wait_for_grammar(self, timeout_s: float) -> None:
         """Block until a compile that a sequence waits for is done, or `timeout_s` passed (for a
@@ -264,8 +329,14 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.compiling:
             self.compiling.remove(seq)
+        if seq in self.parked:
+            self.parked.remove(seq)
+        if seq.lora_slot >= 0 and self.loras is not None:
+            self.loras.release(seq.lora_slot)
+            seq.lora_slot = -1
         self.blocks.free(seq)
         self._long_progress.pop(seq.seq_id, None)
+        self._decode_progress.pop(seq.seq_id, None)
         seq.status = status
 
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
@@ -277,6 +348,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         grammar_failed = self._start_compiled()
+        self._unpark()
         expired = self._expire_waiting()
         self._num_steps += 1
         step = _Step(self.config.max_num_batched_tokens, self.config.long_prefill_budget)
@@ -285,13 +357,19 @@ class Scheduler:
             self._batch_members.clear()
 
         ranked = sorted(self.running, key=_rank)
-        self._schedule_decodes(step, ranked)
+        if self._time_budget_s is not None:
+            step.lead, step.recent = self._lead_classes()
+        # Stalled rows of yielding classes go first too, so the budget's other users see them.
+        first = [s for s in ranked if s.priority <= step.lead or self._decode_stalled(s)]
+        self._schedule_decodes(step, first)
         for priority in sorted(Priority):
             mine = [s for s in ranked if s.priority == priority]
             if self._time_budget_s is None:
                 self._schedule_prefills(step, mine)
                 self._admit(step, priority)
                 continue
+            if priority > step.lead:
+                self._schedule_decodes(step, mine, yielding=True)
             # Short prompts (and long ones stalled too long) first, then admissions, then the
             # other long prompts' chunks, in what is left of the step.
             later = [s for s in mine if self._is_long(s) and not self._stalled(s)]
@@ -305,9 +383,13 @@ class Scheduler:
             tuple(step.decodes), tuple(step.prefills), tuple(step.preempted), tuple(expired), grammar_failed
         )
 
-    def _schedule_decodes(self, step: _Step, ranked: list[Sequence]) -> None:
+    def _schedule_decodes(self, step: _Step, ranked: list[Sequence], yielding: bool = False) -> None:
+        """One token for each running sequence that decodes; `yielding`: only while the step is
+        predicted within the time budget."""
         for seq in ranked:
             if seq.is_prefilling or step.budget < 1 or seq.status != SequenceStatus.RUNNING:
+                continue
+            if seq.seq_id in step.chunks or (yielding and not self._fits_decode(step)):
                 continue
             if self._make_room(step, seq, seq.num_tokens):
                 step.add(ScheduledChunk(seq, 1), decode=True)
@@ -422,6 +504,8 @@ class Scheduler:
             want = max(0, min(want, step.long_budget))
         if want > 0 and self._is_long(seq) and (step.interactive or shorter_waiting):
             want = self._time_limit(step, seq, want, joining)
+        elif want > 0 and seq.priority > step.recent and step.interactive:
+            want = self._yield_limit(step, want)
         return want, shared
 
     # ---- the step-time budget --------------------------------------------------------------------
@@ -467,6 +551,41 @@ class Scheduler:
         if fits >= floor:
             return min(want, fits)
         return min(want, floor) if step.num_long_prefills == 0 else 0
+
+    def _lead_classes(self) -> tuple[int, int]:
+        """The highest class with work now (running or waiting), and the highest that arrived within
+        `RECENT_CLASS_S` (or is here now): the classes below them yield (module docstring)."""
+        lead = min((int(s.priority) for s in self.running), default=len(Priority))
+        lead = min(lead, min((int(s.priority) for s in self.waiting), default=len(Priority)))
+        now = self.clock()
+        recent = min((int(p) for p, t in self._arrived.items() if now - t <= RECENT_CLASS_S), default=lead)
+        return lead, min(lead, recent)
+
+    def _fits_decode(self, step: _Step) -> bool:
+        """Whether one more decode row keeps `step` within the time budget."""
+        budget_s, cost = self._time_budget_s, self.step_cost.cost
+        if budget_s is None or cost is None:
+            return True
+        return cost.predict(step.num_prefill_tokens, len(step.decodes) + 1) <= budget_s
+
+    def _decode_stalled(self, seq: Sequence) -> bool:
+        last = self._decode_progress.get(seq.seq_id)
+        return last is not None and self._num_steps - last >= self.config.max_yield_stall_steps
+
+    def _yield_limit(self, step: _Step, want: int) -> int:
+        """A lower class's chunk: cut to what the time budget leaves beside `step`; the step's first
+        prefill gets the floor (`min_long_prefill_chunk`) even when nothing fits."""
+        budget_s, cost = self._time_budget_s, self.step_cost.cost
+        if budget_s is None or cost is None:
+            return want
+        fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
+        if fits is None:
+            return want
+        fits -= step.num_prefill_tokens
+        floor = self.config.min_long_prefill_chunk
+        if fits >= floor:
+            return min(want, fits)
+        return min(want, floor) if step.num_prefill_tokens == 0 else 0
 
     def _long_prefilling(self, max_priority: Priority) -> bool:
         """Whether a long prompt of class <= `max_priority` is admitted and still prefilling."""
@@ -575,6 +694,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         self._long_progress.pop(seq.seq_id, None)
+        self._decode_progress.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -630,6 +750,8 @@ class Scheduler:
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.register_full_blocks(chunk.seq)
+            if not chunk.seq.finished:
+                self._decode_progress[chunk.seq.seq_id] = self._num_steps
         for chunk in output.prefills:
             seq = chunk.seq
             if self._is_long(seq) and seq.is_prefilling and not seq.finished:

@@ -13,6 +13,7 @@ from engine.types import FinishReason, GrammarError, Priority, SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import CompiledGrammar, Grammar
+    from engine.lora import LoraAdapter
 
 
 class SequenceStatus(enum.IntEnum):
@@ -20,12 +21,13 @@ class SequenceStatus(enum.IntEnum):
 
     WAITING = 0
     WAITING_FOR_GRAMMAR = 1  # queued in the scheduler, not schedulable until its grammar compiled
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    WAITING_FOR_ADAPTER = 2  # queued outside the batch until its LoRA adapter has a slot
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def finished(self) -> bool:
@@ -71,6 +73,7 @@ class Sequence:
         fairness_key: str = "",
         cache_salt: str = "",
         generator: torch.Generator | None = None,
+        lora: LoraAdapter | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -83,6 +86,10 @@ class Sequence:
         self.fairness_key = fairness_key
         self.cache_salt = cache_salt  # prefix-cache namespace (engine/block_manager.py)
         self.generator = generator
+        # The adapter version it computes with (pinned for its whole life, engine/lora.py) and
+        # its resident slot while running (-1: none, or the base model).
+        self.lora = lora
+        self.lora_slot = -1
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -111,6 +118,12 @@ class Sequence:
     @property
     def seq_id(self) -> tuple[str, int]:
         return (self.request_id, self.index)
+
+    @property
+    def cache_namespace(self) -> str:
+        """The prefix cache's namespace: the salt, and the adapter's content (a prefix computed
+        with one adapter, or one version of it, is never another's)."""
+        return self.cache_salt if self.lora is None else f"{self.cache_salt}\0lora:{self.lora.content_hash}"
 
     @property
     def num_tokens(self) -> int:

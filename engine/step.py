@@ -10,7 +10,8 @@ Rows are the decodes first, then the prefill chunks, in the scheduler's order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,6 +67,18 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    def by_adapter(self) -> SchedulerOutput:
+        """The same step with its decodes and its prefills each ordered by LoRA slot (stable), so
+        the rows of one adapter are consecutive (`lora_groups`); itself when no row has one."""
+        if all(c.seq.lora_slot < 0 for c in self.chunks):
+            return self
+
+        def key(chunk: ScheduledChunk) -> int:
+            return chunk.seq.lora_slot
+
+        decodes, prefills = tuple(sorted(self.decodes, key=key)), tuple(sorted(self.prefills, key=key))
+        return dataclasses.replace(self, decodes=decodes, prefills=prefills)
+
 
 @dataclass
 class StepInputs:
@@ -78,6 +91,8 @@ class StepInputs:
     num_decode: int  # the first D tokens (and rows) are single decode tokens
     prefill_ranges: list[tuple[int, int, int]]  # (start, end, context length) of each prefill chunk
     logits_rows: list[int]  # token rows whose next-token logits are wanted
+    # Each row's LoRA slot (engine/lora.py), -1 for the base model; empty: no row has an adapter.
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +116,44 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
+    # (LoRA slot, a run of consecutive prefill rows using it); empty: none.
+    lora_groups: list[tuple[int, slice]] = field(default_factory=list)
+    # The decode rows with an adapter, all slots in one batched shrink/expand; None: none.
+    lora_decode: LoraDecodePlan | None = None
+
+
+@dataclass(frozen=True)
+class LoraDecodePlan:
+    """The decode rows' adapters as one batched matmul over every slot: `gather` [S * width] takes
+    each slot's rows (padded with row 0, whose padded results are never read) into [S, width],
+    and `back` picks each adapter row's result from the flat [S * width] output for `rows`."""
+
+    width: int
+    gather: torch.Tensor
+    rows: torch.Tensor
+    back: torch.Tensor
+
+
+def lora_decode_plan(inputs: StepInputs, num_slots: int, device: torch.device) -> LoraDecodePlan | None:
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(inputs.lora_slots[: inputs.num_decode]):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    if not by_slot:
+        return None
+    width = max(len(r) for r in by_slot.values())
+    gather = [0] * (num_slots * width)
+    rows, back = [], []
+    for slot, slot_rows in by_slot.items():
+        for j, row in enumerate(slot_rows):
+            gather[slot * width + j] = row
+            rows.append(row)
+            back.append(slot * width + j)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return LoraDecodePlan(width, tensor(gather), tensor(rows), tensor(back))
 
 
 @dataclass
@@ -133,7 +186,24 @@ def pack(out: SchedulerOutput) -> StepInputs:
     all_seqs = decode_seqs + [c.seq for c in out.prefills]
     width = max(len(s.block_table) for s in all_seqs)
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in all_seqs]
-    return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows)
+    lora_slots = [s.lora_slot for s in all_seqs] if any(s.lora_slot >= 0 for s in all_seqs) else []
+    return StepInputs(input_ids, positions, tables, len(decode_seqs), prefill_ranges, logits_rows, lora_slots)
+
+
+def lora_groups(inputs: StepInputs) -> list[tuple[int, slice]]:
+    """The runs of consecutive prefill rows that share a LoRA slot (chunk j is its range): each
+    linear runs one shrink and one expand per run. The engine orders a step's prefills by slot
+    (`SchedulerOutput.by_adapter`), so consecutive chunks of one adapter make one run."""
+    spans = [(s, e) for s, e, _ in inputs.prefill_ranges]
+    runs: list[tuple[int, slice]] = []
+    for slot, (start, end) in zip(inputs.lora_slots[inputs.num_decode :], spans, strict=True):
+        if slot < 0:
+            continue
+        if runs and runs[-1][0] == slot and runs[-1][1].stop == start:
+            runs[-1] = (slot, slice(runs[-1][1].start, end))
+        else:
+            runs.append((slot, slice(start, end)))
+    return runs
 
 
 def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -142,7 +212,9 @@ def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> t
     return block_tables[:, pos // block_size] * block_size + pos % block_size
 
 
-def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> ForwardBatch:
+def forward_batch(
+    inputs: StepInputs, block_size: int, device: torch.device, num_lora_slots: int = 0
+) -> ForwardBatch:
     """The step's tensors on `device`."""
     num_decode, prefill_ranges = inputs.num_decode, inputs.prefill_ranges
     tables = torch.tensor(inputs.block_tables, dtype=torch.long, device=device)
@@ -173,4 +245,6 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         decode_lens=decode_lens,
         prefills=prefills,
         logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
+        lora_groups=lora_groups(inputs) if inputs.lora_slots else [],
+        lora_decode=lora_decode_plan(inputs, num_lora_slots, device) if inputs.lora_slots else None,
     )

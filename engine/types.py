@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 
 class Priority(enum.IntEnum):
@@ -46,6 +46,8 @@ class GrammarSpec:
     source: str = ""
     strict: bool = True
     json_only: bool = False
+    # Lark: named grammars the source references as `@name` (name, Lark text), e.g. a custom tool's.
+    subgrammars: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
@@ -56,8 +58,20 @@ class GrammarSpec:
         return cls("json_object")
 
     @classmethod
-    def lark(cls, grammar: str, json_only: bool = False) -> GrammarSpec:
-        return cls("lark", grammar, json_only=json_only)
+    def lark(
+        cls, grammar: str, json_only: bool = False, subgrammars: tuple[tuple[str, str], ...] = ()
+    ) -> GrammarSpec:
+        return cls("lark", grammar, json_only=json_only, subgrammars=subgrammars)
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        """The whole output matches `pattern` (a Lark grammar of one regex terminal)."""
+        return cls("lark", regex_as_lark(pattern))
+
+
+def regex_as_lark(pattern: str) -> str:
+    """A Lark grammar whose language is `pattern`'s (a regex as a `/.../` terminal)."""
+    return "start: /" + pattern.replace("\\/", "/").replace("/", "\\/") + "/\n"
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,19 @@ class SamplingParams:
         return (() if self.ignore_eos else eos_token_ids) + self.stop_token_ids
 
 
+class AdapterVersion(Protocol):
+    """One loaded version of a LoRA adapter (engine/lora.py's LoraAdapter), as a request names it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def content_hash(self) -> str: ...
+
+
 @dataclass
 class GenerationRequest:
     """What a caller submits: prompt token ids plus sampling settings and scheduling hints."""
@@ -128,6 +155,9 @@ class GenerationRequest:
     # Prefix-cache namespace: requests share cached prompt blocks only with requests of the same
     # salt (the gateway passes the tenant, so tenants cannot observe each other's prompts).
     cache_salt: str = ""
+    # The LoRA adapter version it runs with (`resolve_lora`), pinned by the engine from admission
+    # to the end; None: the base model.
+    lora: AdapterVersion | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +244,25 @@ class GrammarError(EngineError, ValueError):
     code = "invalid_grammar"
 
 
+class LoraError(EngineError, ValueError):
+    """A LoRA adapter that cannot be served (bad files, wrong base shapes, unsupported settings);
+    the message names the adapter and the problem."""
+
+    code = "invalid_adapter"
+
+
+class LoraNotFoundError(EngineError):
+    """No adapter of that name is loaded (or it was unloaded before the request reached the engine)."""
+
+    code = "adapter_not_found"
+
+
+class LoraInUseError(EngineError):
+    """An unload asked not to wait, while requests still use the adapter."""
+
+    code = "adapter_in_use"
+
+
 class GenerationFailedError(EngineError):
     """A failure in an engine step ended this request (see `StepStage`).
 
@@ -290,3 +339,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # of those, found there (not computed)
     # Failed engine steps (or one sequence's output processing) so far, by `StepStage` value.
     step_failures_by_stage: dict[str, int] = field(default_factory=dict)
+    # LoRA adapters (engine/lora.py): bytes of adapter weights held (loaded versions and those
+    # still pinned by requests), the names resident in a slot, and requests waiting for a slot.
+    lora_bytes: int = 0
+    loras_resident: tuple[str, ...] = ()
+    num_waiting_for_adapter: int = 0

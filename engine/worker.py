@@ -116,6 +116,7 @@ def build_runner(
         kernels=kernels,
         tp=tp,
         paged_decode=triton_decode_attention() if use_triton else None,
+        max_loras=config.max_loras,
     )
     # With graphs, one block more than the block manager hands out: padding rows write there.
     kv_caches = allocate_kv_caches(spec, num_blocks + int(use_graphs), config.block_size, dtype, device)

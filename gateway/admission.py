@@ -51,6 +51,8 @@ class Caller:
     # Set by a gateway in front (pool mode), so what runs here never exceeds what it reserved:
     upstream_request_id: str = ""  # its request id: this replica keeps the usage for it to read
     max_tokens_cap: int | None = None  # completion tokens per choice it reserved
+    prompt_tokens_held: int | None = None  # prompt tokens it held against a hard budget
+    prompt_excess_weight: int = 1  # completion tokens that pay for one prompt token past that
 
     @property
     def cache_salt(self) -> str:
@@ -73,6 +75,11 @@ USAGE_HEADER = "x-batchgate-usage"
 # keeps the request's final usage (read at /v1/internal/usage/{id} when a stream was cut short).
 REQUEST_ID_HEADER = "x-batchgate-request-id"
 MAX_TOKENS_HEADER = "x-batchgate-max-tokens"
+# The prompt tokens held against a hard budget (the gateway's estimate): a longer exact prompt
+# takes its excess out of the completion tokens, so the request never costs more than its hold.
+PROMPT_TOKENS_HEADER = "x-batchgate-prompt-tokens"
+PROMPT_WEIGHT_HEADER = "x-batchgate-prompt-weight"  # tenancy.billing.prompt_excess_weight
+PATH_HEADER = "x-batchgate-path"  # the endpoint a `POST /v1/internal/count` body is for
 
 
 _PRIORITIES = {p.name.lower(): p for p in Priority}  # the priority header's values
@@ -140,6 +147,8 @@ def internal_caller(token: str | None, headers: Mapping[str, str], user: str | N
         report_usage=headers.get(USAGE_HEADER) == "1",
         upstream_request_id=headers.get(REQUEST_ID_HEADER, "")[:200],
         max_tokens_cap=_positive_int(headers.get(MAX_TOKENS_HEADER)),
+        prompt_tokens_held=_positive_int(headers.get(PROMPT_TOKENS_HEADER)),
+        prompt_excess_weight=_positive_int(headers.get(PROMPT_WEIGHT_HEADER)) or 1,
     )
 
 
@@ -247,12 +256,19 @@ async def admit(
             kind = ErrorKind.UNAVAILABLE
         elif reason == "budget":
             kind = ErrorKind.INSUFFICIENT_QUOTA
-        raise APIError(
+        error = APIError(
             kind,
             decision.message(),
             headers=decision.headers(),
             retry_after_s=(decision.retry_after_s or 1.0) if unavailable else None,
         )
+        refusal = getattr(decision, "budget", None)
+        if refusal is not None:
+            error.budget = (
+                refusal.budget.metric,
+                "key" if refusal.budget.scope.startswith("key") else "tenant",
+            )
+        raise error
     assert decision.lease is not None  # an admitted decision carries its lease
     holder = tenancy.hold(decision.lease)
     await holder.__aenter__()

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, admission, endpoints, responses, telemetry, usage
+from gateway import admin, admission, endpoints, loras, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
 from gateway.batches import build_batches
 from gateway.conversations import Conversations
@@ -32,11 +32,12 @@ from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
 from gateway.local import EngineBackend, EngineFactory, default_engine_factory, freeze_startup_heap
-from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.metrics import BudgetUse, Metrics, MetricsMiddleware
 from gateway.openapi import build_openapi
 from gateway.pipeline import Pipeline
 from gateway.registry import ModelRegistry
 from gateway.relay import ReplicaBackend
+from gateway.responses_background import BackgroundRuns
 from gateway.responses_state import ResponsesState, build_store
 from gateway.settings import Settings
 from gateway.webhooks import BudgetWebhook
@@ -70,8 +71,14 @@ class Gateway:
         self.replicas: ReplicaBackend | None = None
         self.metrics = Metrics(lambda: self.engine)
         gateway_only = bool(settings.upstreams) and engine is None
+        adapters = settings.served_loras()
+
+        def adapters_of(model: str | None) -> list[Any]:
+            return [a for a in adapters if a.model == model]
+
         if engine is not None or (not gateway_only and settings.model != "none"):
-            self.engines.append(EngineBackend(settings, self.metrics, engine, engine_factory))
+            main = EngineBackend(settings, self.metrics, engine, engine_factory, loras=adapters_of(None))
+            self.engines.append(main)
         if embedder is not None or (not gateway_only and settings.embedding_model != "none"):
             self.embedders.append(EmbeddingBackend(settings, self.metrics, embedder))
         for spec in settings.served_models():
@@ -79,9 +86,18 @@ class Gateway:
             if spec.task == "embed":
                 self.embedders.append(EmbeddingBackend(own, self.metrics, name=spec.name))
             else:
-                self.engines.append(EngineBackend(own, self.metrics, engine_factory=engine_factory))
+                backend = EngineBackend(
+                    own, self.metrics, engine_factory=engine_factory, loras=adapters_of(spec.name)
+                )
+                self.engines.append(backend)
+        chat_names = {None} | {s.name for s in settings.served_models() if s.task == "generate"}
+        orphans = sorted(
+            a.name for a in adapters if a.model not in chat_names or (a.model is None and not self.engines)
+        )
+        if orphans:
+            raise ValueError(f"LoRA adapter(s) {', '.join(orphans)}: no in-process chat model to attach to")
         if settings.upstreams:
-            self.replicas = ReplicaBackend(settings, self.metrics)
+            self.replicas = ReplicaBackend(settings, self.metrics, tenancy)
             self.metrics.state.upstreams = self.replicas.replicas.counts
         self.backends: list[Backend] = [*self.engines, *self.embedders]
         if self.replicas is not None:
@@ -90,7 +106,8 @@ class Gateway:
         self.drain = Drain()
         store = build_store(settings, self.metrics)
         self.conversations = Conversations(store, settings.max_body_bytes)
-        self.responses = ResponsesState(store, self.conversations)
+        background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
+        self.responses = ResponsesState(store, self.conversations, background)
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         self.metrics.state.draining = lambda: self.drain.draining
@@ -98,14 +115,34 @@ class Gateway:
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
         if tenancy is not None:
             tenancy.on_soft_limit(self._soft_limit_crossed)
+            self.metrics.state.read_budget_use = self._read_budget_use
+
+    def _plan_label(self, tenant: Any) -> str:
+        """A tenant's plan as a metrics label (bounded: paid, free, open)."""
+        return "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
 
     def _soft_limit_crossed(self, tenant_name: str, budget: Any) -> None:
         tenant = self.tenancy.config.tenant(tenant_name) if self.tenancy is not None else None
-        plan = "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
+        plan = self._plan_label(tenant)
         self.metrics.soft_crossed(plan, budget.metric)
         logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
         if self.webhook is not None:
             self.webhook.crossed(tenant_name, budget)
+
+    async def _read_budget_use(self) -> dict[tuple[str, str], BudgetUse]:
+        """Every tenant's budgets now, summed by plan and metric (the budget gauges)."""
+        assert self.tenancy is not None
+        out: dict[tuple[str, str], BudgetUse] = {}
+        for tenant in list(self.tenancy.config.tenants.values()):
+            if not self.tenancy.budgets_of(tenant):
+                continue
+            for state in await self.tenancy.budget_states(tenant):
+                row = out.setdefault((self._plan_label(tenant), state.budget.metric), BudgetUse())
+                row.used += state.used
+                row.limit += state.budget.limit
+                if state.budget.limit:
+                    row.max_ratio = max(row.max_ratio, state.used / state.budget.limit)
+        return out
 
     @property
     def engine(self) -> EngineClient | None:
@@ -194,9 +231,14 @@ class Gateway:
             body["upstreams"] = len(self.replicas.replicas.healthy())
         return JSONResponse(body)
 
+    async def _caller(self, request: Request) -> admission.Caller:
+        """Who lists the models: with tenants configured the key's tenant (a 401 without one, as
+        OpenAI's /v1/models), so each tenant sees its own adapters; else the open caller."""
+        return await self.pipeline.authenticate(request.headers, None)
+
     async def list_models(self, request: Request) -> Response:
-        """Every model served now; a 503 while none is, because they load or failed."""
-        cards = self.registry.cards()
+        """Every model the caller may use now; a 503 while none is, because they load or failed."""
+        cards = self.registry.cards(await self._caller(request))
         if not cards:
             await self._raise_unless_ready()
         return JSONResponse(responses.model_list([card.body() for card in cards]))
@@ -210,9 +252,10 @@ class Gateway:
     async def get_model(self, request: Request) -> Response:
         """One model's card (no task check: any served model)."""
         model = request.path_params["model"]
+        caller = await self._caller(request)
         if self.replicas is not None:
             await self.replicas.find(model)  # probes replicas marked down when none serves it
-        for card in self.registry.cards():
+        for card in self.registry.cards(caller):
             if card.id == model:
                 return JSONResponse(card.body())
         await self._raise_unless_ready()
@@ -236,7 +279,8 @@ class Gateway:
         served model does (`tasks`), so a gateway refuses a model sent to the wrong endpoint
         before admission, as this server would."""
         admission.check_internal(self.settings.internal_token, request.headers)
-        tasks = {c.id: c.task.value for c in self.registry.cards() if c.task is not None}
+        everything = admission.Caller(name="", internal=True)
+        tasks = {c.id: c.task.value for c in self.registry.cards(everything) if c.task is not None}
         if not self.engines:  # an embedding-only replica: the pool routes by its own in-flight count
             return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
         return JSONResponse({**self.engines[0].stats(), "tasks": tasks})
@@ -249,6 +293,15 @@ class Gateway:
         if report is None:
             raise APIError(ErrorKind.NOT_FOUND, "No usage report for this request id.")
         return JSONResponse(report.body())
+
+    async def internal_count(self, request: Request) -> Response:
+        """`{"prompt_tokens": n}`: the exact prompt of the chat or completions request in the body
+        (the endpoint's path in `x-batchgate-path`), for a gateway's budget hold (gateway/relay.py)."""
+        path = request.headers.get(admission.PATH_HEADER, "")
+        endpoint = next((e for e in endpoints.COUNTABLE if e.path == path), None)
+        if endpoint is None:
+            raise APIError(ErrorKind.NOT_FOUND, f"No countable endpoint {path[:100]!r}.")
+        return JSONResponse({"prompt_tokens": await self.pipeline.count(endpoint, request)})
 
     async def upstreams(self, request: Request) -> Response:
         admission.check_internal(self.settings.internal_token, request.headers)
@@ -315,6 +368,9 @@ def create_app(
         Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.delete), methods=["DELETE"]),
         Route(
+            "/v1/responses/{response_id}/cancel", gateway.stored(gateway.responses.cancel), methods=["POST"]
+        ),
+        Route(
             "/v1/responses/{response_id}/input_items",
             gateway.stored(gateway.responses.input_items),
             methods=["GET"],
@@ -364,9 +420,11 @@ def create_app(
         Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
         Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
+        Route("/v1/internal/count", gateway.internal_count, methods=["POST"]),
         *usage_routes(gateway),
         *batch_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
+        *loras.LoraRoutes(gateway.engines, settings.admin_key_hash).routes(),
     ]
     app = Starlette(
         routes=routes,

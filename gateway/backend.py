@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from gateway import responses, schemas
 from gateway.admission import Caller
@@ -131,6 +132,8 @@ class Stream:
     frames: AsyncIterator[bytes]
     ready: bool
     headers: dict[str, str] = field(default_factory=dict)
+    # The event a drain deadline ends it with, when not the chat-shaped `error` (gateway/drain.py).
+    stop_frame: Callable[[], bytes] | None = None
 
 
 Reply = Body | Stream
@@ -152,6 +155,7 @@ class ModelCard:
     id: str
     created: int
     task: Task | None = None  # None: a replica's model (the replica knows)
+    owner: str | None = None  # a LoRA adapter's tenant: listed and served to it alone (gateway/loras.py)
 
     def body(self) -> schemas.Model:
         return responses.model_card(self.id, self.created)
@@ -179,6 +183,16 @@ class State(Protocol):
     async def prepare(self, work: Work) -> None: ...
 
     def wrap(self, work: Work, plan: Plan) -> Plan: ...
+
+    def in_background(self, work: Work) -> bool:
+        """Whether the admitted `work` runs on without its client (`run_in_background`)."""
+        ...
+
+    async def run_in_background(
+        self, work: Work, plan: Plan, call: Call, close: Callable[[], Awaitable[None]]
+    ) -> Response:
+        """Start the run (it calls `close` when it ends) and answer the client at once."""
+        ...
 
 
 class Backend(Protocol):

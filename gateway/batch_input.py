@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from gateway import endpoints
+from gateway.admission import Caller
 from gateway.backend import Endpoint
 from gateway.conversations import Metadata
 from gateway.errors import APIError
@@ -127,7 +128,9 @@ def parse_lines(data: bytes, endpoint: Endpoint) -> tuple[list[Line], list[dict[
     return lines, errors
 
 
-async def unserved(lines: list[Line], endpoint: Endpoint, registry: ModelRegistry) -> list[dict[str, Any]]:
+async def unserved(
+    lines: list[Line], endpoint: Endpoint, registry: ModelRegistry, caller: Caller
+) -> list[dict[str, Any]]:
     """An error for each line whose model is not served for `endpoint` (each model resolved once;
     a 503 while models load is raised, so validation is retried rather than failed)."""
     refused: dict[str, APIError | None] = {}
@@ -135,7 +138,7 @@ async def unserved(lines: list[Line], endpoint: Endpoint, registry: ModelRegistr
     for line in lines:
         if line.model not in refused:
             try:
-                await registry.resolve(line.model, endpoint)
+                await registry.resolve(line.model, endpoint, caller)
                 refused[line.model] = None
             except APIError as exc:
                 if exc.status >= 500:

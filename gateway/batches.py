@@ -339,7 +339,7 @@ class Batches:
             )
         while not errors:
             try:
-                errors = await unserved(lines, endpoint, self.pipeline.registry)
+                errors = await unserved(lines, endpoint, self.pipeline.registry, caller)
                 break
             except APIError as exc:  # models still loading: validate when they are served
                 await asyncio.sleep(min(exc.retry_after_s or 1.0, MAX_RETRY_WAIT_S))

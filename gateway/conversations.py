@@ -41,7 +41,14 @@ T = TypeVar("T")
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 MAX_ITEMS_PER_ADD = 20  # OpenAI's, for create and items.create
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ITEM_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "reasoning": "rs",
+}
 
 
 def item_id(prefix: str) -> str:

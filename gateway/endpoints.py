@@ -118,3 +118,5 @@ RESPONSE_INPUT_TOKENS = Endpoint(
 )
 
 ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES, RESPONSE_INPUT_TOKENS)
+# What a replica counts for a gateway's budget hold (`POST /v1/internal/count`): no stored state.
+COUNTABLE = (CHAT, COMPLETIONS)

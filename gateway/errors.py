@@ -40,6 +40,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = "not_found"
     MODEL_NOT_FOUND = "model_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONFLICT = "conflict"
     REQUEST_TOO_LARGE = "request_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     RATE_LIMITED = "rate_limited"
@@ -76,6 +77,7 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
     ErrorKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     ErrorKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
+    ErrorKind.CONFLICT: ErrorSpec(409, "invalid_request_error", "conflict"),
     ErrorKind.REQUEST_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "request_too_large"),
     ErrorKind.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
     ErrorKind.RATE_LIMITED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded", Refusal.RATE_LIMIT),
@@ -96,6 +98,9 @@ ENGINE_ERROR_KINDS: dict[str, ErrorKind] = {
     "generation_failed": ErrorKind.GENERATION_FAILED,
     "invalid_grammar": ErrorKind.INVALID_REQUEST,
     "invalid_request": ErrorKind.INVALID_REQUEST,
+    "invalid_adapter": ErrorKind.INVALID_REQUEST,
+    "adapter_not_found": ErrorKind.MODEL_NOT_FOUND,
+    "adapter_in_use": ErrorKind.CONFLICT,
 }
 
 # Starlette raises HTTPException for routing and protocol problems; these are the ones it raises.
@@ -137,6 +142,7 @@ class APIError(Exception):
         # Counted once by the pipeline; None where another count already has it (the engine
         # counts its own deadline refusals).
         self.refusal: Refusal | None = ERROR_TABLE[kind].refusal
+        self.budget: tuple[str, str] | None = None  # a budget refusal's (metric, scope kind)
 
     @property
     def spec(self) -> ErrorSpec:

@@ -21,19 +21,21 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from engine.types import EngineError, GenerationRequest, SamplingParams
-from gateway import generation, protocol, responses_output, tools
+from engine.types import EngineError, GenerationRequest, LoraError, SamplingParams
+from gateway import custom_tools, generation, protocol, responses_output, tools
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
+from gateway.loras import wait_released
 from gateway.metrics import Metrics, TimedStream
-from gateway.responses_request import ResponsesRequest, to_chat
-from gateway.settings import Settings
+from gateway.responses_request import ResponsesRequest, drop_oldest, to_chat
+from gateway.settings import LoraSpec, Settings
 from gateway.tokens import Tokenizer, inline_or_thread
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.client import EngineClient
+    from engine.lora import LoraAdapter
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -56,7 +58,9 @@ class EngineBackend:
         metrics: Metrics,
         engine: EngineClient | None = None,
         engine_factory: EngineFactory = default_engine_factory,
+        loras: Sequence[LoraSpec] = (),
     ) -> None:
+        """`loras`: the adapters to load at start (a failure to load one fails the start)."""
         self.settings = settings
         self.metrics = metrics
         self.engine_factory = engine_factory
@@ -65,6 +69,8 @@ class EngineBackend:
         self.tokenizer: Tokenizer | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
+        self.lora_specs = tuple(loras)
+        self.lora_owners: dict[str, str | None] = {}  # adapter name -> its tenant (None: public)
         if engine is not None:
             self.tokenizer = Tokenizer(engine.tokenizer)
             self.engine = engine
@@ -72,12 +78,15 @@ class EngineBackend:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model (in a worker thread; errors are kept for /health and /ready)."""
+        """Load the model and its adapters (in a worker thread; errors are kept for /health and
+        /ready)."""
         if self.engine is not None:
+            await self._load_start_loras(self.engine)
             return
         try:
             engine = await anyio.to_thread.run_sync(self.engine_factory, self.settings)
             tokenizer = await anyio.to_thread.run_sync(Tokenizer, engine.tokenizer)
+            await self._load_start_loras(engine)
         except Exception as exc:  # noqa: BLE001 - reported by /health and /ready, and logged
             logger.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -86,6 +95,41 @@ class EngineBackend:
         self.engine = engine
         freeze_startup_heap()
         logger.info("serving %s (max_model_len %d)", self.name, engine.max_model_len)
+
+    async def _load_start_loras(self, engine: EngineClient) -> None:
+        for spec in self.lora_specs:
+            try:
+                await anyio.to_thread.run_sync(engine.load_lora, spec.name, spec.path)
+            except LoraError as exc:
+                self.load_error = f"LoRA adapter {spec.name}: {exc}"
+                raise
+            self.lora_owners[spec.name] = spec.tenant
+
+    # -- LoRA adapters (gateway/loras.py) ----------------------------------------------------
+
+    def adapters(self) -> dict[str, LoraAdapter]:
+        """The adapters this backend serves, by name (those the engine has and we know the owner of)."""
+        if self.engine is None:
+            return {}
+        return {n: a for n, a in self.engine.loras().items() if n in self.lora_owners}
+
+    def adapter_bytes(self) -> int:
+        return 0 if self.engine is None else self.engine.lora_bytes()
+
+    async def load_lora(self, name: str, path: str, tenant: str | None) -> LoraAdapter:
+        engine, _ = self._running()
+        if name == self.name:
+            raise APIError(ErrorKind.INVALID_REQUEST, f"{name!r} is the base model's name.", param="name")
+        adapter = await anyio.to_thread.run_sync(engine.load_lora, name, path)
+        self.lora_owners[name] = tenant
+        return adapter
+
+    async def unload_lora(self, name: str, wait: bool, timeout_s: float) -> bool:
+        """Unload `name`; whether its memory was released within `timeout_s` (see gateway/loras.py)."""
+        engine, _ = self._running()
+        done = engine.unload_lora(name, wait)
+        self.lora_owners.pop(name, None)
+        return await wait_released(done, timeout_s)
 
     async def aclose(self) -> None:
         if self.owns_engine and self.engine is not None:
@@ -103,7 +147,8 @@ class EngineBackend:
         name = self.name
         if self.engine is None or name is None:
             return []
-        return [ModelCard(name, self.created, Task.GENERATE)]
+        adapters = [ModelCard(n, self.created, Task.GENERATE, self.lora_owners[n]) for n in self.adapters()]
+        return [ModelCard(name, self.created, Task.GENERATE), *adapters]
 
     async def find(self, model: str) -> bool:
         return False
@@ -148,7 +193,17 @@ class EngineBackend:
         if isinstance(req, ResponsesRequest):
             if work.endpoint.count_only:
                 return await self._plan_count(to_chat(req), tokenizer)
-            return await self._plan_chat(work, to_chat(req), engine, tokenizer, param="input")
+            while True:
+                try:
+                    chat = to_chat(req)
+                    output = custom_tools.plan_output(req, chat, self._closed_arguments)
+                    return await self._plan_chat(work, chat, engine, tokenizer, param="input", output=output)
+                except APIError as exc:
+                    # truncation "auto": the oldest items go until the conversation fits (OpenAI's rule)
+                    shorter = drop_oldest(req) if req.truncation == "auto" else None
+                    if exc.kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED or shorter is None:
+                        raise
+                    req = shorter
         if isinstance(req, protocol.ChatCompletionRequest):
             return await self._plan_chat(work, req, engine, tokenizer, param="messages")
         assert isinstance(req, protocol.CompletionRequest)
@@ -162,7 +217,7 @@ class EngineBackend:
             max_model_len=engine.max_model_len,
             vocab_size=tokenizer.vocab_size,
         )
-        params = _within_reservation(params, work.caller)
+        params = _within_reservation(params, work.caller, sum(len(p) for p in prompts), len(prompts))
         job = self._job(work, params, params.n * len(prompts), sum(len(p) for p in prompts), tokenizer)
         if req.echo:
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt]
@@ -177,10 +232,12 @@ class EngineBackend:
         tokenizer: Tokenizer,
         *,
         param: str,
+        output: tools.OutputPlan | None = None,
     ) -> Plan:
-        """A chat request's plan; a Responses request is planned as the chat request it renders."""
-        # response_format and tools (gateway/tools.py)
-        output = tools.plan_output(req, closed_arguments=self.settings.tool_arguments == "declared")
+        """A chat request's plan; a Responses request is planned as the chat request it renders
+        (with its own `output` plan: custom tools, its field names)."""
+        if output is None:  # response_format and tools (gateway/tools.py)
+            output = tools.plan_output(req, closed_arguments=self._closed_arguments)
         size = sum(len(m.text) for m in req.messages)
         prompt = await inline_or_thread(
             lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
@@ -192,13 +249,17 @@ class EngineBackend:
             vocab_size=tokenizer.vocab_size,
             prompt_param=param,
         )
-        params = _within_reservation(params, work.caller)
+        params = _within_reservation(params, work.caller, len(prompt))
         if output.grammar is not None:
             await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
             params = dataclasses.replace(params, grammar=output.grammar)
         job = self._job(work, params, params.n, len(prompt), tokenizer)
         job.parse_tool_calls = output.parse_tool_calls
         return self._plan(work, job, [prompt], params, param=param)
+
+    @property
+    def _closed_arguments(self) -> bool:
+        return self.settings.tool_arguments == "declared"
 
     async def _plan_count(self, req: protocol.ChatCompletionRequest, tokenizer: Tokenizer) -> Plan:
         """The prompt's exact token count, as `POST /v1/responses/input_tokens` answers it."""
@@ -300,6 +361,12 @@ class EngineBackend:
         caller = work.caller
         streams: list[tuple[int, TimedStream]] = []
         try:
+            # The adapter's current version, pinned for the whole request (a replace or an
+            # unload from now on changes nothing it computes); its id and hash go in the span.
+            lora = engine.resolve_lora(work.model) if work.model in self.lora_owners else None
+            if lora is not None:
+                call.span.set("batchgate.lora.id", lora.id)
+                call.span.set("batchgate.lora.content_hash", lora.content_hash)
             for i, prompt in enumerate(prompts):
                 request = GenerationRequest(
                     request_id=work.request_id if len(prompts) == 1 else f"{work.request_id}-{i}",
@@ -309,6 +376,7 @@ class EngineBackend:
                     queue_deadline_s=caller.queue_deadline_s,
                     fairness_key=caller.name,
                     cache_salt=caller.cache_salt if self.settings.prefix_caching == "tenant" else "",
+                    lora=lora,
                 )
                 streams.append((i * params.n, TimedStream(engine.submit(request), self.metrics, call.span)))
         except EngineError as exc:
@@ -323,10 +391,29 @@ class EngineBackend:
         return dataclasses.asdict(engine.stats())
 
 
-def _within_reservation(params: SamplingParams, caller: Caller) -> SamplingParams:
-    """`params` with max_tokens cut to the completion tokens per choice that a gateway in front
-    reserved (pool mode), so a chat request that names none generates no more than was held."""
+def _within_reservation(
+    params: SamplingParams, caller: Caller, num_prompt_tokens: int, num_prompts: int = 1
+) -> SamplingParams:
+    """`params` with max_tokens cut to what a gateway in front reserved (pool mode): the
+    completion tokens per choice it held, less, when it held a hard budget on a prompt estimate
+    shorter than the exact prompt, the excess (times the completion tokens that pay for one
+    prompt token, tenancy.billing.prompt_excess_weight) spread over the choices: the request then
+    never costs more than its hold; one with no completion token left is refused
+    (insufficient_quota)."""
     cap = caller.max_tokens_cap
+    held = caller.prompt_tokens_held
+    if held is not None and num_prompt_tokens > held:
+        outputs = params.n * num_prompts
+        excess = (num_prompt_tokens - held) * caller.prompt_excess_weight
+        room = min(cap or params.max_tokens, params.max_tokens) * outputs - excess
+        if room < outputs:
+            raise APIError(
+                ErrorKind.INSUFFICIENT_QUOTA,
+                f"The prompt is {num_prompt_tokens} tokens, more than the {held} its budget hold "
+                "allows for with room for the completion; shorten the prompt or lower max_tokens.",
+                headers={"x-should-retry": "false"},
+            )
+        cap = room // outputs
     if cap is None or cap >= params.max_tokens:
         return params
     return dataclasses.replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))

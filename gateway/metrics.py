@@ -24,6 +24,13 @@ any other client-controlled string.
     batchgate_spend_micros_total{plan}         counter (micro-dollars settled at the configured prices)
     batchgate_budget_soft_crossings_total{plan,metric} counter (a budget's soft threshold crossed;
                                                once per window and budget; metric usd|tokens)
+    batchgate_budget_refusals_total{plan,metric,scope} counter (requests a hard budget refused;
+                                               scope tenant|key)
+    batchgate_budget_used{plan,metric}         gauge (tenants' budgets: used in their current window,
+                                               summed by plan; usd in micro-dollars; read from the
+                                               store at most every BUDGET_GAUGE_TTL_S at scrape time)
+    batchgate_budget_limit{plan,metric}        gauge (their limits, summed: used / limit is the plan's use)
+    batchgate_budget_use_max_ratio{plan,metric} gauge (the highest tenant's used / limit in the plan)
     batchgate_requests_total{code}             counter (chat, completions, embeddings; by status class)
     batchgate_engine_up                        gauge (1: the engine loop runs; 0: dead, shut down or loading)
     batchgate_engine_stalled_seconds           gauge (since the engine's last step while work waits; 0 idle)
@@ -44,8 +51,9 @@ any other client-controlled string.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,6 +76,8 @@ from engine.types import EngineStats, RequestOutput, StepStage
 from gateway.errors import Refusal
 from gateway.telemetry import ChatSpan
 
+logger = logging.getLogger("batchgate.gateway")
+
 if TYPE_CHECKING:
     from engine.client import EngineClient, EngineStream
 
@@ -75,6 +85,9 @@ PRIORITIES = ("paid", "free", "batch")
 PLANS = ("paid", "free", "open")
 REFUSAL_REASONS = tuple(r.value for r in Refusal)
 BUDGET_METRICS = ("usd", "tokens")
+BUDGET_SCOPES = ("tenant", "key")
+# The budget gauges read every tenant's budgets from the store; a scrape reuses a read this recent.
+BUDGET_GAUGE_TTL_S = 10.0
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 BATCH_LINE_STATUSES = ("completed", "failed", "expired", "cancelled", "insufficient_quota")
 # The endpoints that run a model: counted by status, waited for and refused by a drain.
@@ -187,7 +200,32 @@ class _GatewayCollector(Collector):
             )
             healthy_gauge.add_metric([], healthy)
             out += [total_gauge, healthy_gauge]
+        use = state.budget_use
+        if use is not None:
+            families = [
+                GaugeMetricFamily(name, doc, labels=["plan", "metric"])
+                for name, doc in (
+                    ("batchgate_budget_used", "Tenants' budgets used in their window, summed by plan"),
+                    ("batchgate_budget_limit", "Tenants' budget limits, summed by plan"),
+                    ("batchgate_budget_use_max_ratio", "The highest tenant's budget used / limit, by plan"),
+                )
+            ]
+            for plan in PLANS:
+                for metric in BUDGET_METRICS:
+                    row = use.get((plan, metric), BudgetUse())
+                    for family, value in zip(families, (row.used, row.limit, row.max_ratio), strict=True):
+                        family.add_metric([plan, metric], value)
+            out += families
         return out
+
+
+@dataclass
+class BudgetUse:
+    """One plan's budgets of one metric, summed over its tenants."""
+
+    used: int = 0
+    limit: int = 0
+    max_ratio: float = 0.0
 
 
 @dataclass
@@ -197,6 +235,10 @@ class GatewayState:
     draining: Callable[[], bool] = lambda: False
     redis_up: Callable[[], bool | None] = lambda: None
     upstreams: Callable[[], tuple[int, int] | None] = lambda: None  # (healthy, total)
+    # With budgets: refreshed before a scrape by `read_budget_use` (None: no budget gauges).
+    budget_use: dict[tuple[str, str], BudgetUse] | None = None
+    read_budget_use: Callable[[], Awaitable[dict[tuple[str, str], BudgetUse]]] | None = None
+    budget_use_read_at: float = float("-inf")
 
 
 def _by_priority(counts: dict[str, int], priority: str) -> int:
@@ -255,6 +297,12 @@ class Metrics:
             ["plan", "metric"],
             registry=r,
         )
+        self.budget_refusals = Counter(
+            "batchgate_budget_refusals",
+            "Requests a hard budget refused (429 insufficient_quota), by plan, metric and scope",
+            ["plan", "metric", "scope"],
+            registry=r,
+        )
         self.response_evictions = Counter(
             "batchgate_response_store_evictions",
             "Stored responses evicted (least recently used first) to keep the store within its bound",
@@ -299,6 +347,8 @@ class Metrics:
                 self.tokens.labels(direction, plan)
             for metric in BUDGET_METRICS:
                 self.soft_crossings.labels(plan, metric)
+                for scope in BUDGET_SCOPES:
+                    self.budget_refusals.labels(plan, metric, scope)
         for code in CODE_CLASSES:
             self.requests.labels(code)
         for status in BATCH_LINE_STATUSES:
@@ -329,6 +379,10 @@ class Metrics:
         if metric in BUDGET_METRICS:
             self.soft_crossings.labels(plan if plan in PLANS else "open", metric).inc()
 
+    def budget_refused(self, plan: str, metric: str, scope: str) -> None:
+        if metric in BUDGET_METRICS and scope in BUDGET_SCOPES:
+            self.budget_refusals.labels(plan if plan in PLANS else "open", metric, scope).inc()
+
     def observe_embedding_batch(self, record: BatchRecord) -> None:
         """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""
         self.embedding_batch_inputs.observe(record.num_inputs)
@@ -343,6 +397,18 @@ class Metrics:
         self.e2e.observe(seconds)
 
     async def endpoint(self, request: Request) -> Response:
+        state = self.state
+        if (
+            state.read_budget_use is not None
+            and time.monotonic() - state.budget_use_read_at >= BUDGET_GAUGE_TTL_S
+        ):
+            try:
+                state.budget_use = await state.read_budget_use()
+                state.budget_use_read_at = time.monotonic()
+            except Exception:  # noqa: BLE001 - a store away keeps the last reading
+                logger.warning(
+                    "budget gauges: could not read the budgets; kept the last reading", exc_info=True
+                )
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -340,6 +340,13 @@ def _paths() -> dict[str, Any]:
                 "responses": {"200": _json("Deleted", "ResponseDeleted"), **_STORED_ERRORS},
             },
         },
+        "/v1/responses/{response_id}/cancel": {
+            "post": {
+                "summary": "Cancel a background response (on any gateway of the pool)",
+                "parameters": [_RESPONSE_ID],
+                "responses": {"200": _json("The response, cancelled", "Response"), **_STORED_ERRORS},
+            }
+        },
         "/v1/responses/{response_id}/input_items": {
             "get": {
                 "summary": "List a stored response's input items",

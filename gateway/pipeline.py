@@ -2,8 +2,9 @@
 
     read body -> parse (400) -> authenticate (401) -> resolve the model (404) -> [stateful
       endpoints: resolve stored state (404)] -> backend.plan: model checks, tokens (400; 503
-      while loading) -> admit (429) -> plan.execute [and store the answer] -> respond or
-      stream -> close: settle usage, release the hold, end the span, count the tokens
+      while loading) -> admit (429) -> plan.execute [and store the answer; or, `background`,
+      run on without the client] -> respond or stream -> close: settle usage, release the hold,
+      end the span, count the tokens
 
 Authentication comes before the model is looked up, so an anonymous caller learns nothing of
 what the server serves. What an endpoint adds is only its request model and span (gateway/
@@ -30,7 +31,7 @@ from gateway.backend import APIRequest, Body, Call, Endpoint, Plan, Reply, State
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError, ErrorKind
-from gateway.events import UsageEvent, UsageEvents
+from gateway.events import UsageEvent, build_sinks
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
 from gateway.reports import Report, Reports
@@ -65,7 +66,7 @@ class Pipeline:
         self.metrics = metrics
         self.drain = drain
         self.reports = Reports()  # usage kept for gateways in front (pool mode; gateway/reports.py)
-        self.events = UsageEvents(settings.usage_events_file) if settings.usage_events_file else None
+        self.events = build_sinks(settings.usage_events_file, settings.usage_events_exporter)
         self.state = state
 
     async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
@@ -86,7 +87,7 @@ class Pipeline:
         request_id: str | None = None,
     ) -> _Lifetime:
         """Resolve, plan and admit one parsed request: its lifetime, to execute then close."""
-        served = await self.registry.resolve(req.model, endpoint)
+        served = await self.registry.resolve(req.model, endpoint, caller)
         work = Work(
             endpoint, req, body, caller, req.model, request_id or responses.new_id(endpoint.id_prefix)
         )
@@ -131,6 +132,10 @@ class Pipeline:
         work, span = lifetime.call.work, lifetime.span
         handed_over = False
         try:
+            state = self.state if endpoint.stateful else None
+            if state is not None and state.in_background(work):
+                handed_over = True  # the background run closes the lifetime when it ends
+                return await state.run_in_background(work, lifetime.plan, lifetime.call, lifetime.close)
             reply = await unless_disconnected(http, lifetime.call_plan())
             if reply is None:
                 logger.info("%s: client disconnected before the answer; ended", work.request_id)
@@ -151,7 +156,7 @@ class Pipeline:
                 on_close=lifetime.close,
                 keep_alive_first=not reply.ready,
                 stop=self.drain,
-                stop_frame=deadline_frame(),
+                stop_frame=reply.stop_frame or deadline_frame(),
             )
             handed_over = True  # the response closes the lifetime when the stream ends
             return response
@@ -163,6 +168,20 @@ class Pipeline:
         finally:
             if not handed_over:
                 await lifetime.close()
+
+    async def count(self, endpoint: Endpoint, http: Request) -> int:
+        """The prompt tokens a request would hold here, as `handle` plans it, without running it:
+        a gateway in front asks (`POST /v1/internal/count`) so that a hard budget holds the exact
+        prompt, not its estimate. Only for a gateway (its internal token), and only for
+        endpoints without stored state."""
+        admission.check_internal(self.settings.internal_token, http.headers)
+        body = await read_json(http, self.settings.max_body_bytes)
+        req = endpoint.parse(body)
+        caller = await self.authenticate(http.headers, req.user)
+        served = await self.registry.resolve(req.model, endpoint)
+        work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        plan = await served.backend.plan(work)
+        return plan.num_prompt_tokens
 
     def _refused(self, exc: APIError) -> None:
         if exc.refusal is not None:
@@ -184,7 +203,7 @@ class _Lifetime:
         self, pipeline: Pipeline, work: Work, plan: Plan, span: ChatSpan, http: Request | None
     ) -> None:
         self._pipeline = pipeline
-        self._plan = plan
+        self.plan = plan
         self.span = span
         self._batch = http is None
         self._held: admission.Admission | None = None
@@ -200,25 +219,27 @@ class _Lifetime:
             self._held = await admission.admit(
                 None if caller.internal else self._pipeline.tenancy,
                 caller,
-                num_prompt_tokens=self._plan.num_prompt_tokens,
-                max_num_tokens=self._plan.max_num_tokens,
+                num_prompt_tokens=self.plan.num_prompt_tokens,
+                max_num_tokens=self.plan.max_num_tokens,
                 request_id=work.request_id,
                 model=work.model,
                 batch=self._batch,
             )
         except APIError as exc:
             self._pipeline._refused(exc)
+            if exc.budget is not None:
+                self._pipeline.metrics.budget_refused(caller.plan, *exc.budget)
             self.span.event("gen_ai.admission", **{"batchgate.admitted": False})
             self.span.error(exc)
             self.span.end(
-                response_id=work.request_id, input_tokens=self._plan.num_prompt_tokens, output_tokens=0
+                response_id=work.request_id, input_tokens=self.plan.num_prompt_tokens, output_tokens=0
             )
             raise
         self.span.event("gen_ai.admission", **{"batchgate.admitted": True})
         self.headers = dict(self._held.headers)
 
     def call_plan(self) -> Awaitable[Reply]:
-        return self._plan.execute(self.call)
+        return self.plan.execute(self.call)
 
     async def close(self) -> None:
         """Release everything, once: the backend's resources, then the hold settled with the
@@ -259,7 +280,7 @@ class _Lifetime:
                             ended_at=time.time(),
                         )
                     )
-            if caller.internal and caller.upstream_request_id and self.call.work.stream:
+            if caller.internal and caller.upstream_request_id:
                 report = Report(num_prompt, num_cached, num_completion)
                 self._pipeline.reports.put(caller.upstream_request_id, report)
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)

@@ -5,7 +5,8 @@ their own names and settings (the `models` file, gateway/settings.py), an embedd
 whatever the replicas behind `--upstream` report (each replica's /v1/models; a gateway can
 front replica sets of different models). `/v1/models` lists them all. A name is looked up after
 the caller is authenticated: an unknown one is a 404 `model_not_found`, or a 503 while a backend
-that might serve it is loading or has no healthy replica.
+that might serve it is loading or has no healthy replica. A tenant's LoRA adapter (a card with an
+`owner`, gateway/loras.py) exists only for that tenant: listed to it alone, a 404 for anyone else.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.admission import Caller
 from gateway.backend import Backend, Endpoint, ModelCard, Task
 from gateway.errors import invalid_request, model_not_found
+from gateway.loras import visible
 
 
 @dataclass(frozen=True)
@@ -30,43 +33,46 @@ class ModelRegistry:
     def __init__(self, backends: Sequence[Backend]) -> None:
         self.backends = tuple(backends)
 
-    def cards(self) -> list[ModelCard]:
+    def cards(self, caller: Caller | None = None) -> list[ModelCard]:
+        """The models `caller` may use (None: the public ones)."""
         seen: dict[str, ModelCard] = {}
         for backend in self.backends:
             for card in backend.models():
-                seen.setdefault(card.id, card)
+                if visible(card.owner, caller):
+                    seen.setdefault(card.id, card)
         return list(seen.values())
 
-    def _lookup(self, model: str) -> ServedModel | None:
+    def _lookup(self, model: str, caller: Caller | None) -> ServedModel | None:
         for backend in self.backends:
             for card in backend.models():
-                if card.id == model:
+                if card.id == model and visible(card.owner, caller):
                     return ServedModel(card.id, backend, card.task)
         return None
 
-    async def resolve(self, model: str, endpoint: Endpoint) -> ServedModel:
-        """The model `endpoint` asks for; APIError 404 (unknown), 400 (it does not do what the
-        endpoint asks), or 503 (unknown while a backend loads or has no healthy replica)."""
-        served = self._lookup(model)
+    async def resolve(self, model: str, endpoint: Endpoint, caller: Caller | None = None) -> ServedModel:
+        """The model `endpoint` asks for; APIError 404 (unknown, or another tenant's adapter), 400
+        (it does not do what the endpoint asks), or 503 (unknown while a backend loads or has no
+        healthy replica)."""
+        served = self._lookup(model, caller)
         if served is None:
             for backend in self.backends:
                 if await backend.find(model):  # replicas marked down are probed first
-                    served = self._lookup(model) or ServedModel(model, backend, None)
+                    served = self._lookup(model, caller) or ServedModel(model, backend, None)
                     break
         if served is None:
             for backend in self.backends:
                 not_ready = await backend.not_ready()
                 if not_ready is not None:
                     raise not_ready.error()
-            raise model_not_found(model, self._listing(endpoint.task))
+            raise model_not_found(model, self._listing(endpoint.task, caller))
         if served.task is not None and served.task is not endpoint.task:
             raise invalid_request(
-                _wrong_task(model, served.task, self._listing(endpoint.task)), param="model"
+                _wrong_task(model, served.task, self._listing(endpoint.task, caller)), param="model"
             )
         return served
 
-    def _listing(self, task: Task) -> str:
-        names = [c.id for c in self.cards() if c.task in (task, None)]
+    def _listing(self, task: Task, caller: Caller | None) -> str:
+        names = [c.id for c in self.cards(caller) if c.task in (task, None)]
         if not names:
             kind = "chat" if task is Task.GENERATE else "embedding"
             return f" This server serves no {kind} model."

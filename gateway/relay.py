@@ -9,10 +9,12 @@ replica is called with the internal token and takes priority, deadline and plan 
 has seen the prompt: it is estimated here (tiktoken, gateway-side) and settled with the exact
 count the replica reports. The replica is told the completion tokens per choice reserved and
 keeps within them, so a chat request without `max_tokens` generates no more than the gateway held
-for it (the prompt's estimate may still be short of the exact count: budgets then hold a little
-less input than is settled). A stream the client cut before the replica's final usage chunk is
-settled with the usage the replica kept for it (`/v1/internal/usage/{id}`, gateway/reports.py),
-so the ledger is exact in pool mode too.
+for it. Under a hard budget the replica is also told the prompt tokens held (the estimate): an
+exact prompt longer than that takes its excess out of the completion tokens (gateway/local.py),
+so no request costs more than its hold. A request the client left before the replica's answer (a
+stream cut before its final usage chunk, a whole response not yet come) is settled with the
+usage the replica kept for it (`/v1/internal/usage/{id}`, gateway/reports.py), so the ledger is
+exact in pool mode too.
 
 The request goes to the replica routing picks (gateway/routing.py) among the healthy ones that
 serve its model (gateway/replicas.py). A replica that fails before the client got its first byte
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from gateway import admission, embeddings, protocol
+from gateway import admission, embeddings, endpoints, protocol
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Usage, Work
 from gateway.drain import DRAINING_HEADER
 from gateway.errors import APIError, ErrorKind, Refusal, sse_error_event
@@ -47,6 +49,7 @@ from gateway.sse import DONE
 from gateway.telemetry import ChatSpan
 
 if TYPE_CHECKING:
+    from tenancy.service import Tenancy
     from tenancy.tokens import TokenCounter
 
 logger = logging.getLogger("batchgate.pool")
@@ -87,9 +90,10 @@ class _Sent:
 class ReplicaBackend:
     """Every model the `--upstream` replicas serve, relayed to them."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, tenancy: Tenancy | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.tenancy = tenancy  # its prices and budgets say how a prompt excess is paid for
         self.replicas = ReplicaSet(
             settings.upstreams,
             settings.internal_token,
@@ -164,6 +168,9 @@ class ReplicaBackend:
             num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
             max_tokens = 0
 
+        if work.endpoint in endpoints.COUNTABLE and self._budget_weight(work):
+            num_prompt = await self._exact_prompt(work) or num_prompt
+
         per_choice = 0 if isinstance(req, protocol.EmbeddingsRequest) else (req.requested_max_tokens or 0)
         if isinstance(req, protocol.ChatCompletionRequest):
             per_choice = per_choice or DEFAULT_CHAT_MAX_TOKENS
@@ -186,8 +193,8 @@ class ReplicaBackend:
         }
         if max_tokens_per_choice:
             headers[admission.MAX_TOKENS_HEADER] = str(max_tokens_per_choice)
-        if work.stream:
-            headers[admission.REQUEST_ID_HEADER] = work.request_id
+            headers.update(self._prompt_hold(work, call.usage.num_prompt_tokens))
+        headers[admission.REQUEST_ID_HEADER] = work.request_id
         if caller.queue_deadline_s is not None:
             headers[admission.DEADLINE_HEADER] = repr(float(caller.queue_deadline_s))
         # Settlement and metrics need the replica's exact token count, which a stream only
@@ -203,6 +210,14 @@ class ReplicaBackend:
         routed = work.endpoint.task is Task.GENERATE  # embeddings share no KV cache and are short
         observer = _Observer(call.usage, call.span)
         started = time.perf_counter()
+        # The replica a request is on while no answer came back (the client may leave meanwhile).
+        unanswered: list[Upstream] = []
+
+        async def settle_unanswered() -> None:
+            if unanswered:
+                await self._read_report(unanswered[-1], work.request_id, call.usage)
+
+        call.on_close(settle_unanswered)
         with call.span.use():
             _inject_trace_context(headers)
             sent, response, first, frames = await self._send(
@@ -214,14 +229,16 @@ class ReplicaBackend:
                 work.stream,
                 affinity_key(caller, body) if routed and self.settings.route_affinity_tokens else b"",
                 call.usage.num_prompt_tokens if routed else 0,
+                unanswered,
             )
+            unanswered.clear()  # answered: the response (or its stream's close) settles it
 
         async def close() -> None:
             if isinstance(first, asyncio.Task):
                 await _stop(first)  # the relay may never have started (client gone at once)
             await response.aclose()
             sent.release()
-            if isinstance(first, asyncio.Task) and call.usage.served and not observer.reported:
+            if isinstance(first, asyncio.Task) and not observer.reported:
                 await self._read_report(sent.upstream, work.request_id, call.usage)
 
         call.on_close(close)
@@ -252,8 +269,10 @@ class ReplicaBackend:
         stream: bool,
         affinity: bytes = b"",
         num_prompt_tokens: int = 0,
+        unanswered: list[Upstream] | None = None,
     ) -> tuple[_Sent, httpx.Response, bytes | asyncio.Task[bytes], AsyncGenerator[bytes, None]]:
-        """Send to the least-loaded healthy replica, failing over until one answers.
+        """Send to the least-loaded healthy replica, failing over until one answers; while one
+        has the request, it is the last of `unanswered`.
 
         Returns the call, the response, and: for a 200 stream, the future of its first SSE frame
         (awaited up to keep_alive_s here, so a replica that dies before that is retried elsewhere;
@@ -282,6 +301,8 @@ class ReplicaBackend:
                         retry_after_s=1.0,
                     )
                 tried.add(up.url)
+                if unanswered is not None:
+                    unanswered.append(up)
                 sent = _Sent(up, tokens)
                 response: httpx.Response | None = None
                 first: asyncio.Task[bytes] | None = None
@@ -307,6 +328,8 @@ class ReplicaBackend:
                     return sent, response, payload, _no_frames()
                 except (httpx.HTTPError, _UpstreamEnded, StopAsyncIteration) as exc:
                     sent.release()
+                    if unanswered:
+                        unanswered.pop()  # it failed: nothing ran there to pay for
                     if response is not None:
                         await response.aclose()
                     self.replicas.mark_down(up, f"{type(exc).__name__}: {exc}")
@@ -322,9 +345,60 @@ class ReplicaBackend:
             if last is not None:  # an answer kept for failover, not returned
                 last[0].release()
 
+    def _budget_weight(self, work: Work) -> int:
+        """0 when no hard budget holds the request; else how many completion tokens pay for a
+        prompt token past the hold (tenancy.billing.prompt_excess_weight)."""
+        tenant = work.caller.tenant
+        if self.tenancy is None or tenant is None:
+            return 0
+        from tenancy.billing import prompt_excess_weight
+
+        budgets = self.tenancy.budgets_of(tenant) + tuple(work.caller.key_budgets)
+        return prompt_excess_weight(budgets, self.tenancy.config.price(work.model))
+
+    async def _exact_prompt(self, work: Work) -> int | None:
+        """The prompt's exact token count from a replica that serves the model (its tokenizer and
+        chat template), for a hard budget's hold; None (the estimate stays) if none can say."""
+        up = self.replicas.pick(work.model, set())
+        if up is None:
+            return None
+        try:
+            response = await self.replicas.client.post(
+                up.url + "/v1/internal/count",
+                content=json.dumps(work.body, ensure_ascii=False).encode(),
+                headers={
+                    "content-type": "application/json",
+                    admission.PATH_HEADER: work.endpoint.path,
+                    **self.replicas.internal_headers(),
+                },
+                timeout=REPORT_TIMEOUT_S,
+            )
+            if response.status_code == 200:
+                return int(response.json()["prompt_tokens"])
+            logger.info(
+                "%s: %s could not count the prompt (%s)", work.request_id, up.url, response.status_code
+            )
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.warning(
+                "%s: %s could not count the prompt (%r); held the estimate", work.request_id, up.url, exc
+            )
+        return None
+
+    def _prompt_hold(self, work: Work, num_prompt_tokens: int) -> dict[str, str]:
+        """The headers that keep a replica within a hard budget's hold on its prompt count."""
+        weight = self._budget_weight(work)
+        if not weight:
+            return {}
+        return {
+            admission.PROMPT_TOKENS_HEADER: str(max(num_prompt_tokens, 1)),
+            admission.PROMPT_WEIGHT_HEADER: str(weight),
+        }
+
     async def _read_report(self, upstream: Upstream, request_id: str, usage: Usage) -> None:
-        """Settle a stream cut before its usage chunk with what the replica says it sent; the
-        estimate (one token per chunk) stays when the replica cannot say (it died, or is old)."""
+        """Settle a request its client left before the replica's usage (a stream cut before its
+        usage chunk, a whole response not yet come) with what the replica says it used; the
+        estimate (one token per chunk seen) stays when the replica cannot say (it died, or is
+        old)."""
         try:
             response = await self.replicas.client.get(
                 f"{upstream.url}/v1/internal/usage/{request_id}",
@@ -334,13 +408,16 @@ class ReplicaBackend:
             if response.status_code != 200:
                 raise ValueError(f"status {response.status_code}")
             report = response.json()
+            if not usage.served and not (report["prompt_tokens"] or report["completion_tokens"]):
+                return  # nothing ran there: nothing to pay
+            usage.served = True
             usage.num_prompt_tokens = int(report["prompt_tokens"])
             usage.num_cached_tokens = int(report.get("cached_tokens", 0))
             usage.num_completion_tokens = int(report["completion_tokens"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            logger.warning(
-                "%s: no usage report from %s (%s); settled with the estimate", request_id, upstream.url, exc
-            )
+            # Not served: the client left before the replica began (nothing to pay, nothing lost).
+            log = logger.warning if usage.served else logger.info
+            log("%s: no usage report from %s (%s); settled with the estimate", request_id, upstream.url, exc)
 
     async def _relay(
         self,

@@ -40,6 +40,8 @@ class StoredResponse:
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     history: list[dict[str, Any]]
+    # A background run's lease (epoch seconds; gateway/responses_background.py): None when none runs.
+    lease_until: float | None = None
 
     @property
     def response_id(self) -> str:
@@ -50,14 +52,19 @@ class StoredResponse:
         return [*self.history, *self.input_items, *self.response.get("output", ())]
 
     def dumps(self) -> bytes:
-        return orjson.dumps(
-            {"response": self.response, "input_items": self.input_items, "history": self.history}
-        )
+        record: dict[str, Any] = {
+            "response": self.response,
+            "input_items": self.input_items,
+            "history": self.history,
+        }
+        if self.lease_until is not None:
+            record["lease_until"] = self.lease_until
+        return orjson.dumps(record)
 
     @classmethod
     def loads(cls, raw: bytes) -> StoredResponse:
         data = orjson.loads(raw)
-        return cls(data["response"], data["input_items"], data["history"])
+        return cls(data["response"], data["input_items"], data["history"], data.get("lease_until"))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import TokenLogprob
-from gateway import generation, responses, tools
+from gateway import custom_tools, generation, responses
 from gateway.errors import APIError
 from gateway.generation import Job, Outputs
 from gateway.responses_request import (
@@ -65,7 +65,7 @@ def skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) 
         "object": "response",
         "created_at": created,
         "status": "in_progress",
-        "background": False,
+        "background": bool(req.background),
         "completed_at": None,
         "error": None,
         "incomplete_details": None,
@@ -83,12 +83,14 @@ def skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) 
         "service_tier": "default",
         "store": req.stores,
         "temperature": 1.0 if req.temperature is None else req.temperature,
+        "presence_penalty": 0.0,  # not request fields here; Open Responses' object requires them
+        "frequency_penalty": 0.0,
         "text": text_echo(req),
         "tool_choice": tool_choice_echo(req),
         "tools": tools_echo(req),
         "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "usage": None,
         "user": req.user,
         "metadata": dict(req.metadata or {}),
@@ -156,16 +158,46 @@ def response_body(req: ResponsesRequest, job: Job, choice: responses.Choice) -> 
     length = choice.final_reason == "length"
     status = "incomplete" if length else "completed"
     logprobs = _logprobs(job, choice.logprobs, with_bytes=True) if job.logprobs else []
-    if job.parse_tool_calls:
-        content, calls = tools.parse_message(choice.text)
-    else:
-        content, calls = choice.text, []
-    if content is not None and (content or not calls):
+    content, calls = _split(choice.text) if job.parse_tool_calls else (choice.text, [])
+    if content.strip() or not calls:
         body["output"].append(_message(content, status, logprobs))
     for call in calls:
-        fn = call["function"]
-        body["output"].append(_function_call(req, call["id"], fn["name"], fn["arguments"], status))
+        if call["type"] == "function_call":
+            item = _function_call(req, call["call_id"], call["name"], call["arguments"], status)
+        else:
+            item = _custom_call(call["call_id"], call["name"], call["input"])
+        body["output"].append(item)
     return finish(body, length, choice.num_output_tokens, job)
+
+
+def _split(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """A whole output -> its text and its calls (function and custom, in order), by the stream's
+    own parser, so a streamed response assembles to exactly the non-streamed one."""
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    functions: dict[int, dict[str, Any]] = {}
+    for event in custom_tools.CallSplitter().feed(text, final=True):
+        if isinstance(event, custom_tools.CustomStart):
+            call = {"type": "custom_tool_call", "call_id": event.call_id, "name": event.name}
+            calls.append({**call, "input": ""})
+        elif isinstance(event, custom_tools.CustomInput):
+            calls[-1]["input"] += event.text
+        elif isinstance(event, custom_tools.CustomEnd):
+            continue
+        elif "content" in event:
+            content.append(event["content"] or "")
+        else:
+            for part in event["tool_calls"]:
+                if "id" in part:
+                    call = {"type": "function_call", "call_id": part["id"], "name": part["function"]["name"]}
+                    functions[part["index"]] = {**call, "arguments": ""}
+                    calls.append(functions[part["index"]])
+                functions[part["index"]]["arguments"] += part.get("function", {}).get("arguments", "")
+    return "".join(content), calls
+
+
+def _custom_call(call_id: str, name: str, text: str) -> dict[str, Any]:
+    return {"id": item_id("ctc"), "type": "custom_tool_call", "call_id": call_id, "name": name, "input": text}
 
 
 def failed(body: dict[str, Any], error: APIError) -> dict[str, Any]:
@@ -241,6 +273,26 @@ class _Writer:
         frames.append(self.emit("response.output_item.added", output_index=self.index, item=self.open_item))
         return frames
 
+    def custom_start(self, call_id: str, name: str) -> list[bytes]:
+        frames = self.close_item("completed")
+        self.open_item = _custom_call(call_id, name, "")
+        self.args = []
+        frames.append(self.emit("response.output_item.added", output_index=self.index, item=self.open_item))
+        return frames
+
+    def custom_delta(self, fragment: str) -> list[bytes]:
+        if self.open_item is None or not fragment:
+            return []
+        self.args.append(fragment)
+        return [
+            self.emit(
+                "response.custom_tool_call_input.delta",
+                item_id=self.open_item["id"],
+                output_index=self.index,
+                delta=fragment,
+            )
+        ]
+
     def call_delta(self, fragment: str) -> list[bytes]:
         if self.open_item is None or not fragment:
             return []
@@ -283,6 +335,16 @@ class _Writer:
                 )
             )
             self.text, self.logprobs = [], []
+        elif item["type"] == "custom_tool_call":
+            done = {**item, "input": "".join(self.args)}
+            frames.append(
+                self.emit(
+                    "response.custom_tool_call_input.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    input=done["input"],
+                )
+            )
         else:
             arguments = "".join(self.args)
             done = {**item, "arguments": arguments, "status": status}
@@ -305,7 +367,7 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
     writer = _Writer(req, job, skeleton(req, job.request_id, job.created, job.model))
     yield writer.emit("response.created", response=writer.snapshot())
     yield writer.emit("response.in_progress", response=writer.snapshot())
-    parser = tools.ToolCallParser() if job.parse_tool_calls else None
+    parser = custom_tools.CallSplitter() if job.parse_tool_calls else None
     num_output, length = 0, False
     try:
         async for index, out in outputs:
@@ -321,6 +383,18 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
             else:
                 deltas = list(parser.feed(out.new_text, final=out.finished))
             for delta in deltas:
+                if isinstance(delta, custom_tools.CustomStart):
+                    for frame in writer.custom_start(delta.call_id, delta.name):
+                        yield frame
+                    continue
+                if isinstance(delta, custom_tools.CustomInput):
+                    for frame in writer.custom_delta(delta.text):
+                        yield frame
+                    continue
+                if isinstance(delta, custom_tools.CustomEnd):
+                    for frame in writer.close_item("completed"):
+                        yield frame
+                    continue
                 if "content" in delta:
                     for frame in writer.text_delta(delta["content"] or "", logprobs):
                         yield frame

@@ -22,6 +22,7 @@ history's items, then this turn's, so a continuation's prompt starts with its pr
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
@@ -82,14 +83,13 @@ IGNORED_FIELDS = (
 )
 # OpenAI fields we do not implement: accepted only with these values ("not asked for").
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "background": (None, False),
     "prompt": (None,),
     "context_management": (None,),
 }
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 MAX_METADATA_KEYS = 16
 # Fields of ResponsesRequest that parsing derives (never sent by a client; not in the document).
-DERIVED_FIELDS = ("functions", "namespaces", "ignored", "history")
+DERIVED_FIELDS = ("functions", "customs", "namespaces", "ignored", "history")
 _INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
 
 
@@ -108,11 +108,13 @@ def _tool_choice(value: Any) -> Any:
     kind = value.get("type")
     if kind == "function":
         return FunctionToolChoice.model_validate(value)
+    if kind == "custom":
+        return CustomToolChoice.model_validate(value)
     if kind == "allowed_tools":
         return ToolChoiceAllowed.model_validate(value)
     raise ValueError(
-        "must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "
-        "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]}"
+        "must be 'none', 'auto', 'required', {'type': 'function', 'name': ...}, "
+        "{'type': 'custom', 'name': ...} or {'type': 'allowed_tools', 'mode': ..., 'tools': [...]}"
     )
 
 
@@ -174,6 +176,29 @@ class FunctionCallOutputItem(StrictModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class CustomToolCallItem(StrictModel):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    namespace: str | None = None
+    caller: Any = None
+    async_: Annotated[bool | None, Field(alias="async")] = None
+
+
+class CustomToolCallOutputItem(StrictModel):
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    caller: Any = None
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
 class ReasoningItem(StrictModel):
     """Accepted and skipped: an open model's own reasoning is not carried between turns."""
 
@@ -186,9 +211,24 @@ class ReasoningItem(StrictModel):
 
 
 Item = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Field(discriminator="type")
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem,
+    Field(discriminator="type"),
 ]
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "reasoning",
+)
+CALL_ITEMS = (FunctionCallItem, CustomToolCallItem)
+OUTPUT_ITEMS = (FunctionCallOutputItem, CustomToolCallOutputItem)
 
 
 class FunctionTool(StrictModel):
@@ -207,6 +247,27 @@ class NamespaceTool(StrictModel):
     name: str
     description: str | None = None
     tools: list[FunctionTool]
+
+
+class FreeTextFormat(StrictModel):
+    type: Literal["text"]
+
+
+class GrammarFormat(StrictModel):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: Annotated[str, Field(min_length=1)]
+
+
+class CustomTool(StrictModel):
+    """A tool whose input is free text, or text in a Lark or regex grammar (engine/grammar.py
+    enforces it, so the input always parses)."""
+
+    type: Literal["custom"]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    format: Annotated[FreeTextFormat | GrammarFormat, Field(discriminator="type")] | None = None
+    defer_loading: bool | None = None
 
 
 class JsonSchemaText(StrictModel):
@@ -238,8 +299,13 @@ class FunctionToolChoice(StrictModel):
     name: str
 
 
+class CustomToolChoice(StrictModel):
+    type: Literal["custom"]
+    name: str
+
+
 class AllowedTool(StrictModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -250,7 +316,7 @@ class ToolChoiceAllowed(StrictModel):
 
 
 ToolChoice = Annotated[
-    Literal["none", "auto", "required"] | FunctionToolChoice | ToolChoiceAllowed,
+    Literal["none", "auto", "required"] | FunctionToolChoice | CustomToolChoice | ToolChoiceAllowed,
     BeforeValidator(_tool_choice),
 ]
 MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None
@@ -283,7 +349,8 @@ class ResponsesRequest(StrictModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
     # Accepted and ignored, whatever their value (IGNORED_FIELDS; parsing takes them out first).
     reasoning: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
     client_metadata: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
@@ -293,6 +360,7 @@ class ResponsesRequest(StrictModel):
     stream_options: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
     # Filled by parse_responses_request, not by the client:
     functions: Annotated[tuple[FunctionTool, ...], Field(exclude=True)] = ()
+    customs: Annotated[tuple[CustomTool, ...], Field(exclude=True)] = ()
     namespaces: Annotated[dict[str, str], Field(exclude=True)] = {}  # function name -> its namespace
     ignored: Annotated[tuple[str, ...], Field(exclude=True)] = ()
     # The conversation before this turn (from previous_response_id), as items.
@@ -345,12 +413,6 @@ def _check_unsupported(body: dict[str, Any]) -> None:
                     f"'{name}' is not supported by this server; remove it from the request.", param=name
                 )
             del body[name]
-    if body.get("truncation") == "auto":
-        raise invalid_request(
-            "'truncation': 'auto' is not supported: a conversation longer than the context is a 400; "
-            "use 'disabled'.",
-            param="truncation",
-        )
 
 
 def _check_media(items: Any) -> None:
@@ -379,10 +441,19 @@ def _check_media(items: Any) -> None:
                 )
 
 
-def _tools(raw: list[Any] | None) -> tuple[tuple[FunctionTool, ...], dict[str, str], list[str]]:
+@dataclass(frozen=True)
+class _Tools:
+    functions: tuple[FunctionTool, ...]
+    customs: tuple[CustomTool, ...]
+    namespaces: dict[str, str]
+    ignored: list[str]
+
+
+def _tools(raw: list[Any] | None) -> _Tools:
     """The function tools offered to the model (namespaces flattened), which namespace each came
-    from, and the hosted tools ignored."""
+    from, the custom tools, and the hosted tools ignored."""
     functions: list[FunctionTool] = []
+    customs: list[CustomTool] = []
     namespaces: dict[str, str] = {}
     ignored: list[str] = []
     for i, tool in enumerate(raw or ()):
@@ -397,19 +468,16 @@ def _tools(raw: list[Any] | None) -> tuple[tuple[FunctionTool, ...], dict[str, s
             elif kind in HOSTED_TOOLS:
                 ignored.append(f"tools[{i}]={kind}")
             elif kind == "custom":
-                raise invalid_request(
-                    "Custom tools are not supported by this server yet; use a function tool.",
-                    param=f"tools[{i}].type",
-                )
+                customs.append(CustomTool.model_validate(tool))
             else:
                 raise invalid_request(f"Unknown tool type {kind!r}.", param=f"tools[{i}].type")
         except ValidationError as exc:
             raise _nested_error(exc, f"tools[{i}]") from None
-    names = [f.name for f in functions]
+    names = [f.name for f in functions] + [c.name for c in customs]
     for i, name in enumerate(names):
         if name in names[:i]:
             raise invalid_request(f"Duplicate tool name '{name}' in 'tools'.", param="tools")
-    return tuple(functions), namespaces, ignored
+    return _Tools(tuple(functions), tuple(customs), namespaces, ignored)
 
 
 def _nested_error(exc: ValidationError, where: str) -> APIError:
@@ -434,23 +502,36 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid_request("Invalid value for 'tools': must be an array.", param="tools")
-    functions, namespaces, hosted = _tools(tools)
+    offered = _tools(tools)
     try:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
     if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
         raise invalid_request(f"'metadata' may hold at most {MAX_METADATA_KEYS} keys.", param="metadata")
-    _check_tool_choice(req, functions)
+    _check_tool_choice(req, offered)
     if req.conversation is not None and req.previous_response_id is not None:
         raise invalid_request(
             "'conversation' and 'previous_response_id' cannot be used together; give one of them.",
             param="conversation",
         )
+    if req.background and req.stream:
+        raise invalid_request(
+            "'stream' with 'background' is not supported by this server: create the response with "
+            "'background' alone and poll GET /v1/responses/{response_id}.",
+            param="stream",
+        )
+    if req.background and not req.stores:
+        raise invalid_request("'background' requires 'store': true.", param="background")
     if req.text is not None and req.text.verbosity is not None:
         ignored.append("text.verbosity")
     return req.model_copy(
-        update={"functions": functions, "namespaces": namespaces, "ignored": (*ignored, *hosted)}
+        update={
+            "functions": offered.functions,
+            "customs": offered.customs,
+            "namespaces": offered.namespaces,
+            "ignored": (*ignored, *offered.ignored),
+        }
     )
 
 
@@ -468,25 +549,57 @@ def parse_input_tokens_request(body: Any) -> ResponsesRequest:
     return parse_responses_request(body).model_copy(update={"store": False})
 
 
-def _check_tool_choice(req: ResponsesRequest, functions: tuple[FunctionTool, ...]) -> None:
+def _check_tool_choice(req: ResponsesRequest, offered: _Tools) -> None:
     choice = req.tool_choice
-    names = {f.name for f in functions}
+    kinds = {f.name: "function" for f in offered.functions} | {c.name: "custom" for c in offered.customs}
     if choice is None or choice in ("auto", "none"):
         return
-    if not names:
-        raise invalid_request("'tool_choice' requires function tools in 'tools'.", param="tool_choice")
+    if not kinds:
+        raise invalid_request(
+            "'tool_choice' requires function or custom tools in 'tools'.", param="tool_choice"
+        )
     wanted = (
-        [choice.name]
-        if isinstance(choice, FunctionToolChoice)
-        else [t.name for t in choice.tools]
+        [(choice.type, choice.name)]
+        if isinstance(choice, FunctionToolChoice | CustomToolChoice)
+        else [(t.type, t.name) for t in choice.tools]
         if isinstance(choice, ToolChoiceAllowed)
         else []
     )
-    for name in wanted:
-        if name not in names:
+    for kind, name in wanted:
+        if kinds.get(name) != kind:
             raise invalid_request(
-                f"'tool_choice' names function '{name}', which is not in 'tools'.", param="tool_choice"
+                f"'tool_choice' names {kind} tool '{name}', which is not in 'tools'.", param="tool_choice"
             )
+
+
+def tool_param(req: ResponsesRequest, name: str) -> str:
+    """Where the tool `name` is in the request: `tools[i]`, or `tools[i].tools[j]` in a namespace."""
+    for i, tool in enumerate(req.tools or ()):
+        if not isinstance(tool, dict):
+            continue
+        if tool.get("name") == name and tool.get("type") in ("function", "custom"):
+            return f"tools[{i}]"
+        for j, inner in enumerate(tool.get("tools") or () if tool.get("type") == "namespace" else ()):
+            if isinstance(inner, dict) and inner.get("name") == name:
+                return f"tools[{i}].tools[{j}]"
+    return "tools"
+
+
+def offered_tools(req: ResponsesRequest) -> tuple[tuple[FunctionTool, ...], tuple[CustomTool, ...]]:
+    """The function and custom tools `tool_choice` lets the model call."""
+    choice = req.tool_choice
+    if choice == "none":
+        return (), ()
+    if isinstance(choice, FunctionToolChoice | CustomToolChoice):
+        allowed = {(choice.type, choice.name)}
+    elif isinstance(choice, ToolChoiceAllowed):
+        allowed = {(t.type, t.name) for t in choice.tools}
+    else:
+        return req.functions, req.customs
+    return (
+        tuple(f for f in req.functions if ("function", f.name) in allowed),
+        tuple(c for c in req.customs if ("custom", c.name) in allowed),
+    )
 
 
 def items_of(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -506,6 +619,22 @@ def items_of(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
+def drop_oldest(req: ResponsesRequest) -> ResponsesRequest | None:
+    """`req` without the oldest item of its conversation (history, then input), and without the
+    outputs of calls no longer in it; None when one item is all that is left (`truncation: auto`)."""
+    items = [*req.history, *req.input]
+    if len(items) <= 1:
+        return None
+    rest = items[1:]
+    calls = {i.call_id for i in rest if isinstance(i, CALL_ITEMS)}
+    kept = [i for i in rest if not isinstance(i, OUTPUT_ITEMS) or i.call_id in calls]
+    if not kept:
+        return None
+    in_history = {id(i) for i in req.history}
+    history = tuple(i for i in kept if id(i) in in_history)
+    return req.model_copy(update={"history": history, "input": [i for i in kept if id(i) not in in_history]})
+
+
 def parse_items(raw: list[dict[str, Any]]) -> tuple[Item, ...]:
     """Stored items back into their models (they were validated when they came in)."""
     return tuple(ResponsesRequest.model_validate({"model": "", "input": raw}).input)
@@ -517,8 +646,10 @@ def parse_items(raw: list[dict[str, Any]]) -> tuple[Item, ...]:
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that renders `req`: instructions, then its history, then its input."""
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
+    _, customs = offered_tools(req)
+    system = "\n\n".join(t for t in (req.instructions, custom_tools_prompt(customs)) if t)
+    if system:
+        messages.append({"role": "system", "content": system})
     calls: set[str] = set()
     for where, item in [("history", i) for i in req.history] + [
         (f"input[{n}]", i) for n, i in enumerate(req.input)
@@ -544,6 +675,22 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                     param=f"{where}.call_id",
                 )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+        elif isinstance(item, CustomToolCallItem):
+            calls.add(item.call_id)
+            block = custom_call_block(item.name, item.input)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
+                last["content"] = f"{last['content']}\n{block}" if last["content"] else block
+            else:
+                messages.append({"role": "assistant", "content": block})
+        elif isinstance(item, CustomToolCallOutputItem):
+            if item.call_id not in calls:
+                raise invalid_request(
+                    "No custom_tool_call found for the custom_tool_call_output with call_id "
+                    f"{item.call_id!r}.",
+                    param=f"{where}.call_id",
+                )
+            messages.append({"role": "user", "content": f"<tool_response>\n{item.text}\n</tool_response>"})
     if not messages:
         raise invalid_request("'input' must hold at least one message or item.", param="input")
     body: dict[str, Any] = {"model": req.model, "messages": messages}
@@ -578,13 +725,15 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _chat_tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
-    functions = req.functions
+    """The function tools as chat's `tools` and `tool_choice`. With custom tools offered, the
+    output plan is gateway/custom_tools.py's, which reads the choice from `req` itself."""
+    functions, customs = offered_tools(req)
     choice = req.tool_choice
-    if not functions or choice == "none":
+    if not functions:
         return
+    if customs:  # the choice is read from `req` by gateway/custom_tools.py
+        choice = None
     if isinstance(choice, ToolChoiceAllowed):
-        allowed = {t.name for t in choice.tools}
-        functions = tuple(f for f in functions if f.name in allowed)
         body["tool_choice"] = choice.mode
     elif isinstance(choice, FunctionToolChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
@@ -600,8 +749,9 @@ def _chat_tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
 
 
 def tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """`tools` as a response echoes them: the function tools, strict as applied."""
-    return [
+    """`tools` as a response echoes them: the function tools, strict as applied, then the custom
+    tools."""
+    functions: list[dict[str, Any]] = [
         {
             "type": "function",
             "name": f.name,
@@ -611,6 +761,7 @@ def tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
         }
         for f in req.functions
     ]
+    return functions + [c.model_dump(mode="json", exclude_none=True) for c in req.customs]
 
 
 def tool_choice_echo(req: ResponsesRequest) -> Any:
@@ -627,6 +778,36 @@ def text_echo(req: ResponsesRequest) -> dict[str, Any]:
     if fmt is None:
         return {"format": {"type": "text"}}
     return {"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)}
+
+
+# How a custom tool call reads in the model's output (and in the prompt of a later turn): its
+# input as written, between these tags (gateway/custom_tools.py's grammar and parser).
+CUSTOM_CALL_OPEN = '<custom_tool_call name="{name}">'
+CUSTOM_CALL_CLOSE = "</custom_tool_call>"
+CUSTOM_TOOLS_PROMPT = (
+    "You can also call tools that take text input. To call one, reply with\n"
+    + CUSTOM_CALL_OPEN.format(name="<tool name>")
+    + "<input>"
+    + CUSTOM_CALL_CLOSE
+    + "\nThe tools:\n{tools}"
+)
+
+
+def custom_call_block(name: str, text: str) -> str:
+    return CUSTOM_CALL_OPEN.format(name=name) + text + CUSTOM_CALL_CLOSE
+
+
+def custom_tools_prompt(customs: tuple[CustomTool, ...]) -> str:
+    """The system prompt's list of the custom tools offered ("" for none)."""
+    if not customs:
+        return ""
+    lines = []
+    for c in customs:
+        line = f"- {c.name}: {c.description or ''}".rstrip()
+        if isinstance(c.format, GrammarFormat):
+            line += f"\n  Its input follows this {c.format.syntax} grammar:\n{c.format.definition}"
+        lines.append(line)
+    return CUSTOM_TOOLS_PROMPT.format(tools="\n".join(lines))
 
 
 def dumps(value: Any) -> str:

@@ -1,5 +1,5 @@
-"""The Responses API's state: continuing from a stored response, storing answers, and the
-`/v1/responses/{id}` routes (retrieve, delete, input_items).
+"""The Responses API's state: continuing from a stored response, storing answers, background
+runs, and the `/v1/responses/{id}` routes (retrieve, delete, input_items, cancel).
 
 The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint around its backend:
 
@@ -9,6 +9,8 @@ The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint ar
     wrap(work, plan): the answer (a body, or the stream's terminal event) is stored under its id
                    with this turn's input items, when the request `store`s (OpenAI's default), and
                    with `conversation` its input and output items are appended to the conversation
+    background(work, plan, call, close): a `background` request, once admitted, runs on without
+                   its client (gateway/responses_background.py); the client gets it `queued`
 
 A replica behind a gateway (an internal caller) neither resolves nor stores: its gateway did and
 will, so any gateway of a pool continues any conversation from the shared store.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -28,15 +31,19 @@ from starlette.responses import JSONResponse, Response
 from gateway.admission import Caller
 from gateway.backend import Body, Call, Plan, Reply, Stream, Work
 from gateway.conversations import Conversations, guarded, page, with_ids
+from gateway.drain import deadline_error
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
-from gateway.responses_output import TERMINAL_EVENTS
+from gateway.responses import now
+from gateway.responses_background import BackgroundRuns, Job
+from gateway.responses_output import TERMINAL_EVENTS, skeleton
 from gateway.responses_request import ResponsesRequest, items_of, parse_items
 from gateway.settings import Settings
 
 logger = logging.getLogger("batchgate.gateway")
 
+Saver = Callable[[dict[str, Any]], Awaitable[None]]
 # The accepted-and-ignored fields of a request (gateway/responses_request.py), comma-separated.
 IGNORED_HEADER = "x-batchgate-ignored"
 
@@ -60,9 +67,12 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 class ResponsesState:
     """The stateful endpoint hooks and routes over one `ResponseStore` (see the module docstring)."""
 
-    def __init__(self, store: ResponseStore, conversations: Conversations) -> None:
+    def __init__(
+        self, store: ResponseStore, conversations: Conversations, background: BackgroundRuns
+    ) -> None:
         self.store = store
         self.conversations = conversations
+        self.background = background
 
     async def _load(self, tenant: str, response_id: str) -> StoredResponse | None:
         if not response_id.startswith("resp_"):
@@ -79,6 +89,8 @@ class ResponsesState:
             logger.info("%s: accepted and ignored: %s", work.request_id, ", ".join(req.ignored))
         if work.caller.internal:
             return
+        if "background" in work.body:  # a replica runs it in the foreground; this gateway waits
+            work.body = {k: v for k, v in work.body.items() if k != "background"}
         conversation_id = req.conversation_id
         if conversation_id is not None:
             history = (await self.conversations.load(work.caller.name, conversation_id, "conversation")).items
@@ -93,10 +105,11 @@ class ResponsesState:
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
 
-    def wrap(self, work: Work, plan: Plan) -> Plan:
+    def _saver(self, work: Work) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]], Saver]:
+        """Whether `work`'s answer is stored, its input items and history as stored, and the
+        function that stores an answer (and appends it to its conversation)."""
         req = work.request
         assert isinstance(req, ResponsesRequest)
-        execute = plan.execute
         conversation_id = None if work.caller.internal else req.conversation_id
         store = (req.stores or conversation_id is not None) and not work.caller.internal
         tenant = work.caller.name
@@ -110,22 +123,56 @@ class ResponsesState:
             if conversation_id is not None:  # the turn's items join the conversation
                 await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
 
+        return store, input_items, history, save
+
+    def wrap(self, work: Work, plan: Plan) -> Plan:
+        req = work.request
+        assert isinstance(req, ResponsesRequest)
+        execute = plan.execute
+        store, _, _, save = self._saver(work)
+        if self.in_background(work):
+            store = False  # stored by the background run (its lease and cancel mark first)
+
         async def run(call: Call) -> Reply:
             reply = await execute(call)
             if work.endpoint.count_only:
                 call.usage.served = False  # counting generates nothing: its hold is refunded whole
             if req.ignored:
                 reply.headers[IGNORED_HEADER] = ", ".join(req.ignored)
-            if not store:
-                return reply
             if isinstance(reply, Body):
-                if reply.status == 200:
+                if store and reply.status == 200:
                     payload = reply.payload
                     await save(json.loads(payload) if isinstance(payload, bytes) else dict(payload))
                 return reply
-            return Stream(_saving(reply.frames, save), reply.ready, reply.headers)
+            events = _Events(_saving(reply.frames, save) if store else reply.frames)
+            return Stream(events, reply.ready, reply.headers, stop_frame=events.deadline_frame)
 
         return Plan(plan.num_prompt_tokens, plan.max_num_tokens, run)
+
+    def in_background(self, work: Work) -> bool:
+        req = work.request
+        return isinstance(req, ResponsesRequest) and bool(req.background) and not work.caller.internal
+
+    async def run_in_background(
+        self, work: Work, plan: Plan, call: Call, close: Callable[[], Awaitable[None]]
+    ) -> Response:
+        """The admitted `work` run on without its client; the answer is the queued response."""
+        req = work.request
+        assert isinstance(req, ResponsesRequest)
+        _, input_items, history, save = self._saver(work)
+        response = skeleton(req, work.request_id, now(), work.model)
+
+        async def finish(answer: dict[str, Any]) -> None:
+            await save({**answer, "id": work.request_id})  # a replica's own id is not this one
+
+        record = StoredResponse(response, input_items, history)
+        queued = await self.background.start(
+            work.caller.name, record, Job(lambda: plan.execute(call), finish, close)
+        )
+        headers = {"x-request-id": work.request_id}
+        if req.ignored:
+            headers[IGNORED_HEADER] = ", ".join(req.ignored)
+        return JSONResponse(queued, headers=headers)
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -133,12 +180,14 @@ class ResponsesState:
         record = await self._load(caller.name, response_id)
         if record is None:
             raise _not_found(response_id)
-        return record
+        return await self.background.view(caller.name, record)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
         if request.query_params.get("stream") in ("true", "1"):
             raise invalid_request(
-                "'stream' replays only background responses, which this server does not run.", param="stream"
+                "'stream' replay of a background response is not supported by this server; poll "
+                "GET /v1/responses/{response_id} until its status is final.",
+                param="stream",
             )
         record = await self._get(caller, request.path_params["response_id"])
         return JSONResponse(record.response)
@@ -153,8 +202,51 @@ class ResponsesState:
         record = await self._get(caller, request.path_params["response_id"])
         return JSONResponse(page(record.input_items, request))
 
+    async def cancel(self, caller: Caller, request: Request) -> Response:
+        record = await self._get(caller, request.path_params["response_id"])
+        return JSONResponse(await self.background.cancel(caller.name, record))
+
     async def aclose(self) -> None:
+        await self.background.aclose()
         await self.store.aclose()
+
+
+class _Events:
+    """A Responses event stream that remembers its last sequence number, so that the event a drain
+    deadline ends it with is Responses-shaped and next in sequence (a chat stream's is not)."""
+
+    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+        self._frames = frames
+        self._seq = -1
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> bytes:
+        frame = await anext(self._frames)
+        found = _SEQUENCE.search(frame, 0, 200)
+        if found is not None:
+            self._seq = int(found.group(1))
+        return frame
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._frames, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def deadline_frame(self) -> bytes:
+        detail = deadline_error().body()["error"]
+        event = {
+            "type": "error",
+            "sequence_number": self._seq + 1,
+            "code": detail["code"],
+            "message": detail["message"],
+            "param": None,
+        }
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+_SEQUENCE = re.compile(rb'"sequence_number":(\d+)')
 
 
 async def _saving(frames: AsyncIterator[bytes], save: Any) -> AsyncIterator[bytes]:

@@ -268,6 +268,14 @@ class ResponseFunctionToolCall(TypedDict):
     namespace: NotRequired[str]
 
 
+class ResponseCustomToolCall(TypedDict):
+    id: str
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: Annotated[str, Field(description="the tool's input as the model wrote it (in its grammar)")]
+
+
 class ResponseInputTokensDetails(TypedDict):
     cached_tokens: NonNegativeInt
     cache_write_tokens: NonNegativeInt
@@ -303,7 +311,7 @@ class Response(TypedDict):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     background: bool
     completed_at: int | None
     error: ResponseError | None
@@ -312,7 +320,7 @@ class Response(TypedDict):
     max_output_tokens: int | None
     max_tool_calls: int | None
     model: str
-    output: list[ResponseOutputMessage | ResponseFunctionToolCall]
+    output: list[ResponseOutputMessage | ResponseFunctionToolCall | ResponseCustomToolCall]
     parallel_tool_calls: bool
     previous_response_id: str | None
     conversation: dict[str, str] | None
@@ -322,12 +330,14 @@ class Response(TypedDict):
     service_tier: str
     store: bool
     temperature: float
+    presence_penalty: float
+    frequency_penalty: float
     text: dict[str, object]
     tool_choice: str | dict[str, object]
     tools: list[dict[str, object]]
     top_logprobs: NonNegativeInt
     top_p: float
-    truncation: Literal["disabled"]
+    truncation: Literal["auto", "disabled"]
     usage: ResponseUsage | None
     user: str | None
     metadata: dict[str, str]

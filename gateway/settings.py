@@ -74,6 +74,16 @@ def _urls(text: str) -> tuple[str, ...]:
     return urls
 
 
+def _loras(text: str) -> tuple[str, ...]:
+    """'a=/x, b=/y' -> ('a=/x', 'b=/y'), each NAME=PATH (gateway/loras.py splits them)."""
+    items = tuple(item.strip() for item in text.split(",") if item.strip())
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"expected NAME=PATH (a PEFT adapter folder), got {item!r}")
+    return items
+
+
 def _opt(
     default: Any,
     parse: Callable[[str], Any],
@@ -238,6 +248,13 @@ class Settings:
         "append one JSON line per settled request (tenant, model, key id, tokens, cost, times) to this "
         "file, for a billing pipeline (default: none)",
     )
+    usage_events_exporter: str = _opt(
+        "none",
+        _str,
+        "also send each usage event as an OpenTelemetry log record (otlp: OTLP/HTTP protobuf, to "
+        "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT + /v1/logs)",
+        choices=("none", "otlp"),
+    )
     budget_webhook_url: str | None = _opt(
         None,
         _str,
@@ -250,6 +267,20 @@ class Settings:
         "(`batchgate keys hash`); without it those routes answer 401",
     )
     keep_alive_s: float = _opt(15.0, _float, "seconds between SSE keep-alive comments", flag="--keep-alive")
+    loras: tuple[str, ...] = _opt(
+        (),
+        _loras,
+        "a public LoRA adapter of the chat model, NAME=PATH of a PEFT folder (repeatable; the variable "
+        "takes a comma-separated list), served as model NAME; tenant-owned ones: the models file's [[loras]]",
+        flag="--lora",
+        env="BATCHGATE_LORAS",
+        multi=True,
+    )
+    max_loras: int = _opt(
+        EngineConfig.max_loras,
+        _int,
+        "LoRA adapters one engine step may mix (resident slots); requests of further ones wait",
+    )
     upstreams: tuple[str, ...] = _opt(
         (),
         _urls,
@@ -344,6 +375,13 @@ class Settings:
         "with --redis-url: seconds a stored response is kept after it was written",
         flag="--responses-ttl",
     )
+    responses_background_lease_s: float = _opt(
+        15.0,
+        _float,
+        "a background response's lease in the response store, renewed while its gateway runs it: "
+        "one whose gateway died reads failed once this many seconds have passed",
+        flag="--responses-background-lease",
+    )
     log_level: str = _opt(
         "info", _str, "log level", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -377,6 +415,10 @@ class Settings:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         if self.responses_max_stored < 1:
             raise ValueError(f"responses_max_stored must be >= 1, got {self.responses_max_stored}")
+        if self.responses_background_lease_s <= 0:
+            raise ValueError(
+                f"responses_background_lease_s must be > 0, got {self.responses_background_lease_s}"
+            )
         if self.responses_ttl_s < 1:
             raise ValueError(f"responses_ttl_s must be >= 1, got {self.responses_ttl_s}")
         if not self.engine_stall_timeout_s > 0:
@@ -391,6 +433,7 @@ class Settings:
         self.embedding_batch_limits()  # likewise BatchLimits
         for spec in self.served_models():  # and each declared model's own settings
             self.for_model(spec)
+        self.served_loras()
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -415,7 +458,18 @@ class Settings:
             long_prefill_share=self.long_prefill_share,
             target_itl_ms=self.target_itl_ms,
             tensor_parallel_size=self.tensor_parallel_size,
+            max_loras=self.max_loras,
         )
+
+    def served_loras(self) -> list[LoraSpec]:
+        """The adapters `--lora` (public, of the chat model) and the models file's [[loras]] declare."""
+        flags = [LoraSpec(*(part.strip() for part in item.split("=", 1))) for item in self.loras]
+        declared = [] if self.models_file is None else load_lora_specs(self.models_file)
+        names = [spec.name for spec in flags + declared]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"LoRA adapter name(s) declared twice: {', '.join(twice)}")
+        return flags + declared
 
     def served_models(self) -> list[ModelSpec]:
         """The models `models_file` declares (none without one); ValueError naming what is wrong."""
@@ -427,7 +481,7 @@ class Settings:
             return dataclasses.replace(self, embedding_model=spec.source, models_file=None)
         model = None if spec.source == "bundled" else spec.source
         return dataclasses.replace(
-            self, model=model, served_model_name=spec.name, models_file=None, **spec.overrides
+            self, model=model, served_model_name=spec.name, models_file=None, loras=(), **spec.overrides
         )
 
     def embedding_batch_limits(self) -> BatchLimits:
@@ -462,24 +516,10 @@ class Settings:
 
 # The settings one model of a models file may set for itself (the engine's); the rest are the server's.
 MODEL_SETTINGS = (
-    "dtype",
-    "device",
-    "block_size",
-    "kv_cache_memory_bytes",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "kv_cache_memory_fraction",
-    "queue_deadline_s",
-    "num_threads",
-    "quantization",
-    "int4_max_batch",
-    "kernels",
-    "prefix_caching",
-    "batching",
-    "length_buckets",
-    "long_prefill_share",
-    "target_itl_ms",
+    "dtype", "device", "block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+    "max_model_len", "kv_cache_memory_fraction", "queue_deadline_s", "num_threads", "quantization",
+    "int4_max_batch", "kernels", "prefix_caching", "batching", "length_buckets", "long_prefill_share",
+    "target_itl_ms", "max_loras",
 )
 
 
@@ -494,18 +534,18 @@ class ModelSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def load_models_file(path: str) -> list[ModelSpec]:
-    """Read a models file::
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter to load at start: served as `name`, owned by `tenant` (None: public), over
+    the chat model named `model` (None: the main one, `--model`)."""
 
-    [[models]]
-    name = "smollm2-small"   # the id clients send
-    model = "bundled"        # a Hugging Face folder, a .gguf file, or bundled
-    max_num_seqs = 8         # any of MODEL_SETTINGS (names as in Settings)
+    name: str
+    path: str
+    tenant: str | None = None
+    model: str | None = None
 
-    [[models]]
-    name = "minilm"
-    embedding_model = "bundled"
-    """
+
+def _read_models_file(path: str) -> dict[str, Any]:
     import tomllib
 
     try:
@@ -513,12 +553,55 @@ def load_models_file(path: str) -> list[ModelSpec]:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"models file {path}: {exc}") from None
-    extra = sorted(set(data) - {"models"})
-    if extra or not isinstance(data.get("models"), list):
-        raise ValueError(f"models file {path}: expected only [[models]] tables, got {extra or 'none'}")
+    extra = sorted(set(data) - {"models", "loras"})
+    if extra or not isinstance(data.get("models", []), list) or not isinstance(data.get("loras", []), list):
+        raise ValueError(f"models file {path}: expected only [[models]] and [[loras]] tables, got {extra}")
+    return data
+
+
+def load_lora_specs(path: str) -> list[LoraSpec]:
+    """A models file's adapters::
+
+        [[loras]]
+        name = "acme-support"    # the model id clients send
+        path = "/adapters/acme"  # a PEFT folder (adapter_config.json + adapter_model.safetensors)
+        tenant = "acme"          # its owner: only acme's keys see and use it (omit: public)
+        model = "smollm2-small"  # optional: a [[models]] chat model (default: the main --model)
+    """
+    specs: list[LoraSpec] = []
+    for i, entry in enumerate(_read_models_file(path).get("loras", [])):
+        where = f"models file {path}, lora {i + 1}"
+        extra = sorted(set(entry) - {"name", "path", "tenant", "model"})
+        if extra:
+            raise ValueError(
+                f"{where}: unknown field(s) {', '.join(extra)}; expected name, path, tenant, model"
+            )
+        for key in ("name", "path"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise ValueError(f"{where}: needs a {key}")
+        for key in ("tenant", "model"):
+            if key in entry and not isinstance(entry[key], str):
+                raise ValueError(f"{where} ({entry['name']}): {key} must be a string")
+        specs.append(LoraSpec(entry["name"], entry["path"], entry.get("tenant"), entry.get("model")))
+    return specs
+
+
+def load_models_file(path: str) -> list[ModelSpec]:
+    """Read a models file::
+
+        [[models]]
+        name = "smollm2-small"   # the id clients send
+        model = "bundled"        # a Hugging Face folder, a .gguf file, or bundled
+        max_num_seqs = 8         # any of MODEL_SETTINGS (names as in Settings)
+
+        [[models]]
+        name = "minilm"
+        embedding_model = "bundled"
+    """
+    data = _read_models_file(path)
     by_name = {f.name: f for f in dataclasses.fields(Settings)}
     specs: list[ModelSpec] = []
-    for i, entry in enumerate(data["models"]):
+    for i, entry in enumerate(data.get("models", [])):
         where = f"models file {path}, model {i + 1}"
         name = entry.get("name")
         if not isinstance(name, str) or not name:

@@ -69,7 +69,7 @@ class EventStreamResponse(Response):
         on_close: Callable[[], Awaitable[None]] | None = None,
         keep_alive_first: bool = False,
         stop: StopSignal | None = None,
-        stop_frame: bytes = b"",
+        stop_frame: bytes | Callable[[], bytes] = b"",
     ) -> None:
         if keep_alive_s <= 0:
             raise ValueError(f"keep_alive_s must be positive, got {keep_alive_s}")
@@ -142,7 +142,8 @@ class EventStreamResponse(Response):
                 await self._close_events()
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                for frame in (self.stop_frame, DONE):
+                last = self.stop_frame() if callable(self.stop_frame) else self.stop_frame
+                for frame in (last, DONE):
                     if frame:
                         await send({"type": "http.response.body", "body": frame, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

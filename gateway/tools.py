@@ -76,7 +76,7 @@ def plan_output(req: ChatCompletionRequest, closed_arguments: bool = True) -> Ou
     tools = tuple(req.tools or ())
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if tools and choice != "none":
-        checks = tuple((_parameters_spec(t), f"tools[{i}].function.parameters") for i, t in enumerate(tools))
+        checks = tuple((parameters_spec(t), f"tools[{i}].function.parameters") for i, t in enumerate(tools))
         answer = _answer_schema(fmt) if choice == "auto" else None
         grammar = GrammarSpec.lark(
             tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, answer, closed_arguments),
@@ -108,7 +108,7 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else _EMPTY_PARAMETERS
 
 
-def _parameters_spec(tool: Tool) -> GrammarSpec:
+def parameters_spec(tool: Tool) -> GrammarSpec:
     return GrammarSpec.json_schema(_parameters(tool), strict=tool.function.strict is not False)
 
 
@@ -136,9 +136,11 @@ def tool_call_grammar(
     parallel: bool,
     answer: dict[str, Any] | None = None,
     closed_arguments: bool = True,
+    other_calls: Sequence[tuple[str, str]] = (),
 ) -> str:
     """A Lark grammar (llguidance's dialect) for the calls `choice` allows, or (auto) free text, or
-    with `answer` (a JSON schema: response_format beside tools) a JSON answer instead."""
+    with `answer` (a JSON schema: response_format beside tools) a JSON answer instead.
+    `other_calls`: further kinds of call, each a rule's name and its Lark lines (custom tools)."""
     close = closed_schema if closed_arguments else (lambda schema: schema)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
@@ -156,8 +158,14 @@ def tool_call_grammar(
     ]
     lenient = any(t.function.strict is False for t in tools)
     schema = {"anyOf": options, "x-guidance": {**_COMPACT, **({"lenient": True} if lenient else {})}}
-    lines = [
-        f"call: {json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}",
+    kinds = [name for name, _ in other_calls]
+    lines = [line for _, rule in other_calls for line in rule.splitlines()]
+    if options:
+        kinds.insert(0, "function_call")
+        call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
+        lines.append(f"function_call: {call}")
+    lines += [
+        f"call: {' | '.join(kinds)}",
         f'calls: call ("\\n" call)~0..{MAX_PARALLEL_TOOL_CALLS - 1}' if parallel else "calls: call",
     ]
     if choice == "auto" and answer is not None:
@@ -279,7 +287,7 @@ class ToolCallParser:
             before, self._buffer = self._buffer[:start], self._buffer[start + len(TOOL_CALL_OPEN) :]
             self._in_call, self._args_start, self._args_sent = True, -1, 0
             return self._content(before)
-        keep = 0 if final else _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+        keep = 0 if final else partial_suffix(self._buffer, TOOL_CALL_OPEN)
         emit, self._buffer = (
             self._buffer[: len(self._buffer) - keep],
             self._buffer[len(self._buffer) - keep :],
@@ -334,7 +342,7 @@ class ToolCallParser:
         return {"tool_calls": [{"index": self.num_calls, "function": {"arguments": fragment}}]}
 
 
-def _partial_suffix(text: str, token: str) -> int:
+def partial_suffix(text: str, token: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `token`."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if text.endswith(token[:n]):

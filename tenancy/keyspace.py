@@ -108,6 +108,10 @@ def tenant_of_usage_key(key: str) -> str | None:
     return None
 
 
+# Connections one process opens to Redis at most (each request makes one or two calls at a time).
+MAX_CONNECTIONS = 256
+
+
 def connection_kwargs(
     connect_timeout_s: float = CONNECT_TIMEOUT_S, operation_timeout_s: float = OPERATION_TIMEOUT_S
 ) -> dict[str, Any]:
@@ -130,12 +134,17 @@ def open_async(
     connect_timeout_s: float = CONNECT_TIMEOUT_S,
     operation_timeout_s: float = OPERATION_TIMEOUT_S,
 ) -> aioredis.Redis:
-    """An asyncio Redis client for ``url`` with tenancy's short timeouts (no I/O yet)."""
-    return aioredis.from_url(
+    """An asyncio Redis client for ``url`` with tenancy's short timeouts (no I/O yet). Its pool
+    makes a call wait (up to the operation timeout) for a connection when MAX_CONNECTIONS are
+    busy, instead of failing it: redis-py's default pool refuses the 101st concurrent call."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=operation_timeout_s,
         retry=Retry(NoBackoff(), 1),
         **connection_kwargs(connect_timeout_s, operation_timeout_s),
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def open_sync(url: str) -> redis.Redis:

@@ -116,6 +116,7 @@ class RedisLimiter:
         self.policy = FailurePolicy.parse(policy)
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
+        self._skew_s = 0.0  # Redis's clock minus ours, as last seen (names the ledger's hour)
         self._deadline_s = call_deadline_s
         self._admit = client.register_script(ADMIT_SCRIPT)
         self._settle = client.register_script(SETTLE_SCRIPT)
@@ -227,6 +228,7 @@ class RedisLimiter:
         except LimiterUnavailableError:
             return self._unavailable(tenant, tokens, request_id, charge)
         step, now = _parse_step(raw)
+        self._skew_s = now - time.time()
         refusal = None
         if step.reason is Reason.BUDGET:
             index, used, reserved, window = (int(float(_text(v))) for v in raw[6:10])
@@ -284,6 +286,7 @@ class RedisLimiter:
             held_key(tenant),
             settled_key(tenant, lease.request_id),
             ledger_hours_key(tenant),
+            "",  # the hour's ledger hash, below
         ]
         keys += [budget_key(tenant, b.name) for b in charge.budgets]
         unused = lease.reserved_tokens - (prompt_tokens + completion_tokens) if limits else 0
@@ -306,7 +309,16 @@ class RedisLimiter:
         for budget, amount in zip(charge.budgets, amounts, strict=True):
             soft = soft_threshold(budget)
             args += [budget.limit, window_code(budget.window), amount, "" if soft is None else soft]
-        raw = await self._call("settle", self._settle, keys, args)
+        now = float(self._clock()) if self._clock else time.time() + self._skew_s
+        hour = int(now // 3600)
+        for _ in range(3):  # the script names the hour when ours is not Redis's (see tenancy.scripts)
+            keys[6] = ledger_prefix(tenant) + str(hour)
+            raw = await self._call("settle", self._settle, keys, args)
+            if _text(raw[0]) != "hour":
+                break
+            hour = int(float(_text(raw[1])))
+        else:
+            raise LimiterUnavailableError(f"settling {lease.request_id}: Redis's hour keeps moving")
         live, _duplicate, *crossed = (_text(v) for v in raw)
         for index in crossed:
             self.on_soft_limit(tenant, charge.budgets[int(index) - 1])

@@ -7,8 +7,10 @@ Budget holds: an admitted request's worst case is written to the tenant's ``held
 its lease id (``"<budget key> <window> <amount>"`` lines), and a budget's reserved amount is the
 sum of the holds of live leases, computed at each admission. A lease that expires (its gateway
 died) is pruned with its hold, so a crashed holder can never leave a phantom reservation behind.
-The ledger's hourly hash and the settlement marker are named inside the script from Redis's
-clock and the request id; they carry the tenant's hash tag, so they live in its slot.
+Every key a script touches is declared in KEYS (Redis Cluster routes on them). The ledger's
+hourly hash depends on Redis's clock, which the caller cannot read in the same step: it names the
+hash of the hour it expects, and the script, finding another hour (the call crossed an hour
+boundary, or the gateway's clock is off), writes nothing and answers that hour for a retry.
 """
 
 from __future__ import annotations
@@ -142,19 +144,24 @@ return {'1', 'ok', '0', fmt(tok), fmt(req), fmt(now)}
 """
 )
 
-# KEYS: tokens, leases, usage, held, settled marker, ledger hours index, budget_1 .. budget_n
+# KEYS: tokens, leases, usage, held, settled marker, ledger hours index, ledger hash of the hour
+#       (ledger key prefix .. hour index), budget_1 .. budget_n
 # ARGV: lease_id ('' for an untracked lease), unused_tokens (reserved - used; may be < 0),
 #       tokens_per_minute, prompt_tokens, completion_tokens, now_override, cached_tokens,
 #       cost (micro-dollars), ledger field prefix ("model\tkey\tbatch\t"), ledger key prefix
 #       ("{tenant:x}:ledger:"), ledger retention s, marker ttl s, n, then per budget: limit,
 #       window code, amount, soft threshold ('' for none)
-# -> {live '0'|'1', duplicate '0'|'1', index of each budget whose soft threshold this crossed...}
+# -> {live '0'|'1', duplicate '0'|'1', index of each budget whose soft threshold this crossed...},
+#    or {'hour', hour index} when KEYS[7] is not this hour's ledger hash (nothing written)
 # The marker makes a settlement idempotent on its request id: a retry of an attempt that ran
 # (it timed out on the way back) finds it and changes nothing.
 SETTLE_SCRIPT = (
     PRELUDE
     + """
 local now = clock(ARGV[6])
+local hour = math.floor(now / 3600)
+local ledger = ARGV[10] .. fmt(hour)
+if ledger ~= KEYS[7] then return {'hour', fmt(hour)} end
 if not redis.call('SET', KEYS[5], '1', 'NX', 'EX', ARGV[12]) then
   return {'0', '1'}
 end
@@ -182,7 +189,7 @@ end
 local out = {tostring(live), '0'}
 local n = tonumber(ARGV[13])
 for i = 1, n do
-  local key = KEYS[6 + i]
+  local key = KEYS[7 + i]
   local kind, amount, soft = ARGV[11 + 4 * i], tonumber(ARGV[12 + 4 * i]), ARGV[13 + 4 * i]
   local w = fmt(window_index(kind, now))
   if admitted_in[key] == nil or admitted_in[key] == w then
@@ -203,8 +210,6 @@ redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'requests', 1)
 
 -- The ledger: one hash per tenant and hour, fields "<model>\t<key>\t<batch>\t<counter>".
-local hour = math.floor(now / 3600)
-local ledger = ARGV[10] .. fmt(hour)
 local p = ARGV[9]
 redis.call('HINCRBY', ledger, p .. 'requests', 1)
 redis.call('HINCRBY', ledger, p .. 'input', ARGV[4])

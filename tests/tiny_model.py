@@ -81,3 +81,31 @@ def make_tiny_model(
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, target / name)
     return target
+
+
+def ending_at_once(source: Path, target: Path, window: int) -> Path:
+    """A copy of the tiny model at `source` whose most likely next token is always the end of
+    sequence, with a `window`-token context (for protocol tests of clients that set no output
+    limit, such as Codex CLI): its layers add nothing to the residual stream, whose first
+    dimension is positive in every embedding and is the only one the final norm and the head's
+    EOS row read."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = window
+    (target / "config.json").write_text(json.dumps(config))
+    weights = load_file(target / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    weights["model.embed_tokens.weight"][:, 0] = 1.0
+    weights["model.norm.weight"].zero_()
+    weights["model.norm.weight"][0] = 1.0
+    head = weights["lm_head.weight"]
+    head.zero_()
+    head[config["eos_token_id"], 0] = 20.0
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,3 +189,29 @@ def test_silu_mul_rounds_as_the_torch_ops(rows: int, n: int) -> None:
     differ = got != want
     assert differ.float().mean().item() < 1e-3
     assert torch.allclose(got.float()[differ], want.float()[differ], rtol=1e-2)
+
+
+def test_a_build_killed_mid_way_does_not_hang_the_next_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torch leaves its `lock` file behind when a build is killed, and its next load waits for that
+    file forever. A copy of this process's build with such a lock in it loads in a fresh process."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from engine.native import build_name
+
+    native_kernels()  # this process's build exists
+    name = build_name()
+    copy = tmp_path / "ext" / Path(_get_build_directory(name, verbose=False)).parent.name / name
+    shutil.copytree(_get_build_directory(name, verbose=False), copy)
+    (copy / "lock").touch()  # what a killed build leaves
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext" / copy.parent.name))
+    probe = "from engine.native import native_kernels; print(native_kernels().has_qmatmul is not None)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    assert not (copy / "lock").exists()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import RECENT_CLASS_S, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import SchedulerOutput
 from engine.step_cost import StepCost
@@ -1269,6 +1269,65 @@ def test_every_long_prompt_progresses_within_the_stall_bound_when_nothing_fits()
     assert max(b - a for a, b in zip(steps, steps[1:], strict=False)) == stall
     run_until_done(sched)
     assert_all_done(sched, [free_long, *paid_longs, *shorts])
+
+
+def decoding(sched: Scheduler, seqs: list[Sequence]) -> None:
+    """Add `seqs` and step until every one of them has prefilled and decodes."""
+    for s in seqs:
+        sched.add(s)
+    while any(s.is_prefilling or s.status != SequenceStatus.RUNNING for s in seqs):
+        timed_step(sched)
+
+
+def test_free_decodes_yield_to_a_paid_prefill_and_join_within_the_stall_bound() -> None:
+    """A paid prompt of 64 tokens costs 84 ms of the 100 ms target: 8 of the 12 free streams fit
+    beside it (2 ms each), the other 4 wait; with paid arriving every step, no free stream waits
+    more than `max_yield_stall_steps` steps. Free work alone does not yield."""
+    sched = slo_scheduler()
+    frees = make_seqs(12, prompt_len=20, max_tokens=200, priority=FREE)
+    decoding(sched, frees)
+    assert {c.seq for c in timed_step(sched).decodes} == set(frees)  # one class: nothing yields
+    paid = make_seq(64, max_tokens=1)
+    sched.add(paid)
+    out = timed_step(sched)
+    assert scheduled(out)[paid.request_id] == 64
+    assert len(out.decodes) == 8 and step_seconds(out) <= 0.1
+    assert [c.seq for c in out.decodes] == frees[:8]  # the oldest first
+    last = {s.seq_id: 0 for s in frees}
+    bound = SchedulerConfig.max_yield_stall_steps
+    for step in range(1, 40):
+        sched.add(make_seq(64, max_tokens=1))
+        out = timed_step(sched)
+        for c in out.decodes:
+            last[c.seq.seq_id] = step
+        assert all(step - at <= bound for at in last.values()), (step, last)
+    run_until_done(sched)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_free_prefill_is_cut_to_the_budget_while_paid_traffic_arrived_lately() -> None:
+    """14 free streams decode (48 ms predicted); a free prompt of 64 tokens joins them in one chunk
+    when no paid request came lately, and is cut to the 52 tokens the 100 ms target leaves for
+    `RECENT_CLASS_S` seconds after a paid arrival."""
+    clock = FakeClock()
+    sched = slo_scheduler(clock=clock)
+    decoding(sched, make_seqs(14, prompt_len=20, max_tokens=500, priority=FREE))
+    newcomer = make_seq(64, max_tokens=1, priority=FREE)
+    sched.add(newcomer)
+    assert scheduled(timed_step(sched))[newcomer.request_id] == 64
+    paid = make_seq(8, max_tokens=1)
+    sched.add(paid)
+    while not paid.finished:
+        timed_step(sched)
+    clock.advance(RECENT_CLASS_S - 1)
+    newcomer = make_seq(64, max_tokens=1, priority=FREE)
+    sched.add(newcomer)
+    out = timed_step(sched)
+    assert scheduled(out)[newcomer.request_id] == 52 and step_seconds(out) <= 0.1
+    clock.advance(2)
+    newcomer = make_seq(64, max_tokens=1, priority=FREE)
+    sched.add(newcomer)
+    assert scheduled(timed_step(sched))[newcomer.request_id] == 64
 
 
 @pytest.mark.parametrize("seed", range(8))

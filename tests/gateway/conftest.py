@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -130,19 +130,18 @@ TINY_MAX_MODEL_LEN = 1024
 TINY_MAX_NUM_SEQS = 16
 
 
-@pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir: Any) -> Any:
-    """The gateway over the real engine with the tiny random model, served by uvicorn."""
+def serve_model(model_dir: Any, max_model_len: int, max_num_seqs: int) -> Iterator[TinyServer]:
+    """The gateway over the real engine with the model in `model_dir`, served by uvicorn."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
 
     engine = AsyncEngine.from_config(
         EngineConfig(
-            model=str(tiny_model_dir),
+            model=str(model_dir),
             dtype="float32",
             device="cpu",
-            max_model_len=TINY_MAX_MODEL_LEN,
-            max_num_seqs=TINY_MAX_NUM_SEQS,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             kv_cache_memory_bytes=64 * 1024 * 1024,
         )
     )
@@ -152,3 +151,9 @@ def tiny_server(tiny_model_dir: Any) -> Any:
     finally:
         server.stop()
         engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Any) -> Iterator[TinyServer]:
+    """The gateway over the real engine with the tiny random model, served by uvicorn."""
+    yield from serve_model(tiny_model_dir, TINY_MAX_MODEL_LEN, TINY_MAX_NUM_SEQS)

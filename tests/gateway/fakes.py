@@ -24,6 +24,8 @@ from engine.types import (
     GenerationRequest,
     GrammarError,
     GrammarSpec,
+    LoraError,
+    LoraNotFoundError,
     RequestOutput,
     TokenLogprob,
 )
@@ -98,6 +100,21 @@ class FakeEngine:
         compiled: Future[Any] = Future()
         compiled.set_exception(GrammarError("this engine compiles no grammar"))
         return compiled
+
+    def loras(self) -> dict[str, Any]:
+        return {}
+
+    def lora_bytes(self) -> int:
+        return 0
+
+    def resolve_lora(self, name: str) -> Any:
+        raise LoraNotFoundError(f"the adapter {name!r} is not loaded")
+
+    def load_lora(self, name: str, path: str) -> Any:
+        raise LoraError("this engine serves no LoRA adapters")
+
+    def unload_lora(self, name: str, wait: bool = True) -> Future[None]:
+        raise LoraNotFoundError(f"the adapter {name!r} is not loaded")
 
     @property
     def num_active(self) -> int:

@@ -3,6 +3,8 @@ redis-server, the openai SDK (with its default retries, which `x-should-retry: f
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +14,15 @@ import httpx
 import openai
 import pytest
 
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.cli import build_tenancy
 from gateway.settings import Settings
 from tenancy import hash_key
 from tenancy.billing import Price
-from tests.gateway.conftest import LiveServer, tiny_async_engine
+from tests.gateway.conftest import LiveServer
+from tests.pool.otlp_receiver import OTLPReceiver
 
 MSG = [{"role": "user", "content": "Hello there"}]
 MODEL = "tiny"
@@ -90,7 +95,12 @@ def server(
     from starlette.routing import Route
 
     receiver = LiveServer(Starlette(routes=[Route("/hook", receive, methods=["POST"])]))
+    otlp = OTLPReceiver()  # the usage events' OpenTelemetry logs sink sends here
+    otel_env = {"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": otlp.url + "/v1/logs", "OTEL_BLRP_SCHEDULE_DELAY": "50"}
+    saved = {k: os.environ.get(k) for k in otel_env}
+    os.environ.update(otel_env)  # read when the exporter is made, in create_app
     settings = Settings(
+        usage_events_exporter="otlp",
         budget_webhook_url=receiver.base_url + "/hook",
         tenants=str(tenants),
         redis_url=redis_server,
@@ -99,8 +109,25 @@ def server(
         admin_key_hash=hash_key(ADMIN_KEY),
         usage_events_file=str(workdir / "usage.jsonl"),
     )
-    engine = tiny_async_engine(tiny_model_dir, MODEL)
-    live = LiveServer(create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True))
+    engine = AsyncEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            served_model_name=MODEL,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=32 << 20,
+        )
+    )
+    try:
+        app = create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    live = LiveServer(app)
+    live.otlp = otlp  # type: ignore[attr-defined]
     live.events_file = workdir / "usage.jsonl"  # type: ignore[attr-defined]
     live.hooks = hooks  # type: ignore[attr-defined]
     try:
@@ -108,6 +135,7 @@ def server(
     finally:
         live.stop()
         receiver.stop()
+        otlp.stop()
         engine.shutdown()
 
 
@@ -235,8 +263,6 @@ def test_a_stream_the_client_left_releases_its_hold_and_pays_for_what_was_sent(s
 
 
 def test_usage_event_lines_match_the_ledger_one_to_one(server: Any) -> None:
-    import json
-
     sdk = client(server, "sk-rich", max_retries=0)
     for max_tokens in (2, 3):
         sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=max_tokens)
@@ -280,3 +306,66 @@ def test_crossing_a_soft_threshold_counts_once_and_calls_the_webhook_once(server
         100000,
         10,
     )
+
+
+def test_usage_events_go_to_opentelemetry_logs_one_record_per_line(server: Any) -> None:
+    """The OTLP/HTTP logs sink, decoded by a real receiver: one `batchgate.usage` record per
+    usage-event line, with the same fields as attributes and the same JSON as body."""
+    sdk = client(server, "sk-metered", max_retries=0)
+    for max_tokens in (2, 4):
+        sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=max_tokens)
+    lines = [json.loads(line) for line in server.events_file.read_text().splitlines()]
+    ids = {e["request_id"] for e in lines}
+    logs = server.otlp.wait_for_logs(
+        lambda got: {r.attributes.get("batchgate.request_id") for r in got} >= ids
+    )
+    records = [r for r in logs if r.attributes.get("batchgate.request_id") in ids]
+    assert len(records) == len(lines) == len(ids)  # one to one
+    by_id = {r.attributes["batchgate.request_id"]: r for r in records}
+    for line in lines:
+        record = by_id[line["request_id"]]
+        assert record.event_name == "batchgate.usage" and json.loads(record.body) == line
+        assert {k.removeprefix("batchgate."): v for k, v in record.attributes.items()} == pytest.approx(line)
+
+
+def test_budget_gauges_by_plan_and_refusals_by_budget(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`batchgate_budget_used/limit{plan,metric}` sum the tenants' budgets as the store has them
+    (read at scrape time); a budget refusal counts in `batchgate_budget_refusals_total`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import gateway.metrics
+
+    monkeypatch.setattr(gateway.metrics, "BUDGET_GAUGE_TTL_S", 0.0)  # every scrape reads the store
+
+    def samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(server.base_url + "/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    refused = ("batchgate_budget_refusals_total", (("metric", "usd"), ("plan", "paid"), ("scope", "tenant")))
+    before = samples().get(refused, 0.0)
+    sdk = client(server, "sk-capped", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        for _ in range(50):  # 1,000 micro-dollars: a few requests fit, then the budget refuses
+            sdk.chat.completions.create(model=MODEL, messages=MSG, max_tokens=16)
+    got = samples()
+    assert got[refused] == before + 1
+    states = {
+        name: httpx.get(
+            server.base_url + f"/admin/tenants/{name}", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        ).json()["budgets"]
+        for name in ("capped", "soft", "metered")
+    }
+    for metric, names in (("usd", ["capped"]), ("tokens", ["soft", "metered"])):
+        labels = (("metric", metric), ("plan", "paid"))
+        used = [states[n][0]["used"] for n in names]
+        limits = [states[n][0]["limit"] for n in names]
+        assert got[("batchgate_budget_used", labels)] == sum(used)
+        assert got[("batchgate_budget_limit", labels)] == sum(limits)
+        ratio = max(u / lim for u, lim in zip(used, limits, strict=True))
+        assert got[("batchgate_budget_use_max_ratio", labels)] == pytest.approx(ratio)
+    assert got[("batchgate_budget_used", (("metric", "usd"), ("plan", "paid")))] > 0  # capped's spend
+    assert got[("batchgate_budget_used", (("metric", "usd"), ("plan", "free")))] == 0

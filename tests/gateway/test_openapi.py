@@ -56,6 +56,7 @@ def test_schemathesis_loads_every_operation() -> None:
         "POST /v1/responses/input_tokens",
         "GET /v1/responses/{response_id}",
         "DELETE /v1/responses/{response_id}",
+        "POST /v1/responses/{response_id}/cancel",
         "GET /v1/responses/{response_id}/input_items",
         "POST /v1/conversations",
         "GET /v1/conversations/{conversation_id}",

@@ -400,3 +400,67 @@ def test_a_response_failing_mid_stream_ends_failed_and_settles_what_was_used_onc
         assert client.get(f"/v1/responses/{failed['id']}").json()["status"] == "failed"
     _wait_for(_settled(store, 1))
     assert _usage(store, "acme")["completion_tokens"] == 2
+
+
+def test_a_cancelled_background_response_releases_its_hold_once(
+    deployment: Deployment, store: redis.Redis
+) -> None:
+    deployment.engine.gate = asyncio.Event()  # never set: the run waits for its first token
+    with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+        queued = client.post("/v1/responses", json=resp(background=True, max_output_tokens=100)).json()
+        assert queued["status"] == "queued" and queued["background"] is True, queued
+        _wait_for(lambda: _live_leases(store, "acme") == 1)  # admitted, running without its client
+        assert client.post(f"/v1/responses/{queued['id']}/cancel", headers=UMBRELLA).status_code == 404
+        r = client.post(f"/v1/responses/{queued['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        assert client.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+    _wait_for(lambda: bool(deployment.engine.aborted))
+    _wait_for(_settled(store, 1))
+    assert _bucket(store, "acme") == TPM  # nothing was generated: everything refunded
+
+
+def test_ten_turns_alternate_two_gateways_over_one_redis_with_a_replica_gone(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Any gateway continues any conversation (the state is in Redis), and a replica and then a
+    gateway stopped mid-conversation cost no turn its history: never a "not found"."""
+    engines = [FakeEngine(max_model_len=2048) for _ in range(2)]
+    common = {"keep_alive_s": 0.2, "embedding_model": "none", "internal_token": TOKEN}
+    replicas = [LiveServer(create_app(Settings(**common), engine=e)) for e in engines]
+    settings = Settings(
+        **common,
+        tenants=_tenants(tmp_path, 100_000),
+        redis_url=redis_url,
+        upstreams=tuple(r.base_url for r in replicas),
+        health_interval_s=0.2,
+    )
+    gateways = [
+        LiveServer(create_app(settings, tenancy=build_tenancy(settings), owns_tenancy=True)) for _ in "ab"
+    ]
+    try:
+        for g in gateways:
+            _wait_for(lambda g=g: httpx.get(g.base_url + "/ready").status_code == 200)
+        previous: dict[str, str] = {}
+        statuses = []
+        for turn in range(10):
+            if turn == 4:
+                replicas[0].stop()  # mid-conversation: one replica goes away
+            if turn == 7:
+                gateways[0].stop()  # and then one gateway: the other carries on
+            body = resp(input=f"turn {turn}", **previous)
+            for _ in range(3):  # as the SDK would: a 5xx from the replica that left is retried
+                url = gateways[turn % 2 if turn < 7 else 1].base_url + "/v1/responses"
+                r = httpx.post(url, json=body, headers=ACME, timeout=10)
+                statuses.append(r.status_code)
+                if r.status_code < 500:
+                    break
+            assert r.status_code == 200, r.text
+            previous = {"previous_response_id": r.json()["id"]}
+        assert 404 not in statuses
+        last = engines[1].submitted[-1]  # the replica left serves the last turns
+        prompt = engines[1].tokenizer.decode(last.prompt_token_ids)
+        positions = [prompt.index(f"turn {t}") for t in range(10)]
+        assert positions == sorted(positions)  # the whole conversation, in order
+    finally:
+        for server in (*gateways, *replicas):  # stopping twice is harmless
+            server.stop()

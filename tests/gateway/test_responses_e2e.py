@@ -222,7 +222,8 @@ def test_input_tokens_counts_what_create_is_charged(client: openai.OpenAI, tiny_
             "input[0].content[0]",
         ),
         ({"input": "x", "colour": "red"}, "colour"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "stream": True}, "stream"),
+        ({"input": "x", "background": True, "store": False}, "background"),
         (
             {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
             "tool_choice",
@@ -308,4 +309,25 @@ def test_conversations_through_the_sdk(client: openai.OpenAI, tiny_server: TinyS
         client.responses.create(model=tiny_server.model, conversation=conv.id, input="x")
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(first.id)  # a response's id is no conversation
+    tiny_server.wait_idle()
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit(
+    client: openai.OpenAI, tiny_server: TinyServer
+) -> None:
+    turns = [{"role": "user", "content": f"Turn {i}: " + "word " * 120} for i in range(12)]
+    fields: dict[str, Any] = {"model": tiny_server.model, "input": turns, "max_output_tokens": 4}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**fields)  # truncation "disabled" (the default): too long is a 400
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "input"
+    assert error["code"] == "context_length_exceeded"
+    resp = client.responses.create(**fields, truncation="auto")
+    assert resp.truncation == "auto" and resp.usage is not None
+
+    def count(k: int) -> int:
+        return client.responses.input_tokens.count(model=tiny_server.model, input=turns[-k:]).input_tokens
+
+    fits = next(k for k in range(len(turns), 0, -1) if count(k) <= 1024 - 4)
+    assert 1 < fits < len(turns) and resp.usage.input_tokens == count(fits)  # the newest that fit
     tiny_server.wait_idle()

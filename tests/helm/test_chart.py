@@ -654,6 +654,7 @@ def test_prices_budgets_and_the_admin_key_hash_render_for_the_server(rendered, t
         "key": "admin-key-hash",
     }
     assert env["BATCHGATE_LEDGER_RETENTION_DAYS"]["value"] == "90"
+    assert env["BATCHGATE_USAGE_EVENTS_EXPORTER"]["value"] == "none"
 
 
 def test_the_gateway_storage_is_a_volume_for_one_pod(rendered):
@@ -1098,6 +1099,10 @@ DASHBOARD_PANELS = {
     "Redis reachable": "batchgate_redis_up",
     "Replicas healthy (gateway view)": "batchgate_upstreams_healthy",
     "Pods draining": "batchgate_draining",
+    "Spend by plan (USD/h)": "batchgate_spend_micros_total",
+    "Budget refusals": "batchgate_budget_refusals_total",
+    "Budget use by plan": "batchgate_budget_limit",
+    "Tenant closest to its budget": "batchgate_budget_use_max_ratio",
 }
 
 

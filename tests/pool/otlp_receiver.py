@@ -1,4 +1,4 @@
-"""A tiny OTLP/HTTP (protobuf) trace receiver for tests: collects spans from any process."""
+"""A tiny OTLP/HTTP (protobuf) receiver for tests: collects spans and log records from any process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+    ExportLogsServiceRequest,
+    ExportLogsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -34,9 +38,19 @@ class ReceivedSpan:
     events: list[str] = field(default_factory=list)
 
 
+@dataclass
+class ReceivedLog:
+    service: str
+    event_name: str
+    body: Any
+    attributes: dict[str, Any]
+    time_unix_nano: int
+
+
 class OTLPReceiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.logs: list[ReceivedLog] = []
         self._lock = threading.Lock()
         receiver = self
 
@@ -47,7 +61,14 @@ class OTLPReceiver:
                     body = gzip.decompress(body)
                 if self.path == "/v1/traces":
                     receiver._add(ExportTraceServiceRequest.FromString(body))
-                reply = ExportTraceServiceResponse().SerializeToString()
+                    reply = ExportTraceServiceResponse().SerializeToString()
+                elif self.path == "/v1/logs":
+                    receiver._add_logs(ExportLogsServiceRequest.FromString(body))
+                    reply = ExportLogsServiceResponse().SerializeToString()
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", str(len(reply)))
@@ -83,19 +104,40 @@ class OTLPReceiver:
         with self._lock:
             self.spans.extend(spans)
 
-    def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedSpan]:
-        """Poll (bounded) until `predicate(spans)` is true; returns the spans."""
+    def _add_logs(self, request: ExportLogsServiceRequest) -> None:
+        logs = []
+        for rl in request.resource_logs:
+            resource = {a.key: _value(a.value) for a in rl.resource.attributes}
+            for sl in rl.scope_logs:
+                for r in sl.log_records:
+                    logs.append(
+                        ReceivedLog(
+                            service=str(resource.get("service.name", "")),
+                            event_name=r.event_name,
+                            body=_value(r.body),
+                            attributes={a.key: _value(a.value) for a in r.attributes},
+                            time_unix_nano=r.time_unix_nano,
+                        )
+                    )
+        with self._lock:
+            self.logs.extend(logs)
+
+    def _poll(self, items: list[Any], predicate: Any, timeout_s: float, what: str) -> list[Any]:
+        """Poll (bounded) until `predicate(a copy of items)` is true; returns that copy."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                spans = list(self.spans)
-            if predicate(spans):
-                return spans
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"spans not received in {timeout_s}s: {[(s.service, s.name) for s in spans]}"
-                )
+                got = list(items)
+            if predicate(got):
+                return got
+            assert time.monotonic() < deadline, f"{what} not received in {timeout_s}s: {got!r:.2000}"
             time.sleep(0.05)
+
+    def wait_for_logs(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedLog]:
+        return self._poll(self.logs, predicate, timeout_s, "log records")
+
+    def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedSpan]:
+        return self._poll(self.spans, predicate, timeout_s, "spans")
 
     def stop(self) -> None:
         self._server.shutdown()

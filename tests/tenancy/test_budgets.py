@@ -264,3 +264,25 @@ def test_buckets_have_openai_usage_shape() -> None:
     assert out[1]["results"][0]["project_id"] == "globex"
     hourly = buckets(rows, start_time=day, end_time=day + 7200, bucket_width_s=3600, group_by=["model"])
     assert [[r["model"] for r in b["results"]] for b in hourly] == [["m1"], ["m2"]]
+
+
+async def test_settlement_names_the_hour_redis_is_in_when_the_gateways_clock_is_off(redis_url: str) -> None:
+    """The settle script declares the ledger's hourly hash in KEYS (Redis Cluster routes on them);
+    named from a clock an hour off, the script writes nothing, answers its hour, and the retry
+    lands the row once in the hour by Redis's own clock."""
+    from tenancy.redis_limiter import RedisLimiter
+
+    limiter = RedisLimiter(open_async(redis_url))  # Redis's clock: no override
+    try:
+        budget = Budget("tokens", 10**9, "none")
+        decision = await admit(limiter, "skewed", charge((budget,), 10, 10), tenant="skew")
+        assert decision.lease is not None
+        limiter._skew_s -= 3 * HOUR_S  # the gateway believes it is three hours earlier
+        assert await limiter.settle(decision.lease, 10, 5)
+        seconds, _ = await limiter.client.time()
+        hour = int(seconds // HOUR_S)
+        rows = await limiter.ledger(["skew"], hour - 5, hour + 1)
+        assert [(r.hour, r.requests, r.input, r.output) for r in rows] == [(hour, 1, 10, 5)]
+        assert (await limiter.budgets("skew", (budget,)))[0].used == 15
+    finally:
+        await limiter.aclose()

@@ -1,0 +1,173 @@
+"""LoRA adapters at the gateway: who may use which, and loading them at run time.
+
+Each adapter is served as a model of its own name, over an in-process chat model (engine/lora.py).
+It is public (`--lora NAME=PATH`) or owned by a tenant (the models file's `[[loras]]`, or the
+admin API with a `tenant`): an owned adapter is listed in /v1/models only to its owner's keys, and
+any other caller gets the same 404 as for a name nobody serves.
+
+    GET    /admin/loras                  every adapter: model, owner, version, content hash, rank,
+                                         bytes, and each engine's adapter bytes held
+    PUT    /admin/loras/{name}           body {"path": "...", "tenant": "acme" (omit: public),
+                                         "model": base (omit: the main chat model)}: load or replace
+    DELETE /admin/loras/{name}           unload; ?wait=false: a 409 while requests use it (nothing
+                                         changes); else it is taken from new requests at once and
+                                         the answer waits (up to ?timeout_s=, default 30) for the last
+                                         running one, saying whether its memory was released
+
+A replace is a new version: requests that started keep the version they pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.types import EngineError
+from gateway import admission
+from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
+
+if TYPE_CHECKING:
+    from engine.lora import LoraAdapter
+
+logger = logging.getLogger("batchgate.gateway")
+
+DEFAULT_UNLOAD_TIMEOUT_S = 30.0
+
+
+class AdapterHost(Protocol):
+    """An in-process chat model that serves adapters (gateway/local.py's EngineBackend)."""
+
+    lora_owners: dict[str, str | None]
+
+    @property
+    def name(self) -> str | None: ...
+
+    def adapters(self) -> dict[str, LoraAdapter]: ...
+
+    def adapter_bytes(self) -> int: ...
+
+    async def load_lora(self, name: str, path: str, tenant: str | None) -> LoraAdapter: ...
+
+    async def unload_lora(self, name: str, wait: bool, timeout_s: float) -> bool: ...
+
+
+def visible(owner: str | None, caller: admission.Caller | None) -> bool:
+    """Whether `caller` may see and use an adapter of `owner` (None: public). A gateway in front
+    (pool mode) already checked; no caller (probes, the OpenAPI document) sees public ones only."""
+    if owner is None:
+        return True
+    if caller is None:
+        return False
+    return caller.internal or (caller.tenant is not None and caller.tenant.name == owner)
+
+
+def adapter_body(adapter: LoraAdapter, owner: str | None, model: str | None) -> dict[str, Any]:
+    return {
+        "object": "lora",
+        "id": adapter.name,
+        "model": model,
+        "owner": owner,
+        "version": adapter.version,
+        "content_hash": adapter.content_hash,
+        "rank": adapter.rank,
+        "target_modules": list(adapter.target_modules),
+        "bytes": adapter.nbytes,
+        "path": adapter.path,
+    }
+
+
+class LoraRoutes:
+    """The admin routes over the in-process chat models (the first is the main one)."""
+
+    def __init__(self, engines: Sequence[AdapterHost], admin_key_hash: str | None) -> None:
+        self.engines = engines
+        self.admin_key_hash = admin_key_hash
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/loras", self._admin(self.list), methods=["GET"]),
+            Route("/admin/loras/{name}", self._admin(self.load), methods=["PUT"]),
+            Route("/admin/loras/{name}", self._admin(self.unload), methods=["DELETE"]),
+        ]
+
+    def _admin(self, handler: Any) -> Any:
+        async def handle(request: Request) -> Response:
+            admission.check_admin(self.admin_key_hash, request.headers)
+            try:
+                response: Response = await handler(request)
+            except EngineError as exc:
+                raise from_engine_error(exc) from None
+            return response
+
+        return handle
+
+    async def list(self, request: Request) -> Response:
+        data = [
+            adapter_body(adapter, backend.lora_owners.get(name), backend.name)
+            for backend in self.engines
+            for name, adapter in backend.adapters().items()
+        ]
+        held = {backend.name: backend.adapter_bytes() for backend in self.engines}
+        return JSONResponse({"object": "list", "data": data, "bytes_held": held})
+
+    async def load(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        try:
+            body = await request.json()
+        except ValueError:
+            raise invalid_request("The body must be JSON.") from None
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+            raise invalid_request("The body needs `path`: the adapter's PEFT folder.", param="path")
+        extra = sorted(set(body) - {"path", "tenant", "model"})
+        if extra:
+            raise invalid_request(f"Unknown field(s): {', '.join(extra)}.", param=extra[0])
+        tenant, model = body.get("tenant"), body.get("model")
+        if not isinstance(tenant, str | None) or not isinstance(model, str | None):
+            raise invalid_request("`tenant` and `model` must be strings.")
+        backend = self._backend(model)
+        adapter = await backend.load_lora(name, body["path"], tenant)
+        logger.info("admin@%s loaded LoRA %s for %s", _client(request), adapter.id, tenant or "everyone")
+        return JSONResponse(adapter_body(adapter, tenant, backend.name))
+
+    async def unload(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        wait = request.query_params.get("wait", "true").lower() != "false"
+        try:
+            timeout_s = float(request.query_params.get("timeout_s", DEFAULT_UNLOAD_TIMEOUT_S))
+        except ValueError:
+            raise invalid_request("timeout_s must be a number of seconds.", param="timeout_s") from None
+        backend = next((b for b in self.engines if name in b.lora_owners), None)
+        if backend is None:
+            raise APIError(ErrorKind.NOT_FOUND, f"No LoRA adapter named {name!r} is loaded.")
+        released = await backend.unload_lora(name, wait, timeout_s)
+        logger.info("admin@%s unloaded LoRA %s (released: %s)", _client(request), name, released)
+        return JSONResponse({"object": "lora.deleted", "id": name, "deleted": True, "released": released})
+
+    def _backend(self, model: str | None) -> AdapterHost:
+        if not self.engines:
+            raise APIError(
+                ErrorKind.NOT_FOUND, "This server runs no chat model in process to attach adapters to."
+            )
+        if model is None:
+            return self.engines[0]
+        for backend in self.engines:
+            if backend.name == model:
+                return backend
+        raise invalid_request(f"No in-process chat model named {model!r}.", param="model")
+
+
+async def wait_released(done: Future[None], timeout_s: float) -> bool:
+    """Whether the unload's future finished within `timeout_s` (asyncio.wait cancels nothing)."""
+    finished, _ = await asyncio.wait({asyncio.wrap_future(done)}, timeout=max(0.0, timeout_s))
+    return bool(finished)
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client is not None else "?"

@@ -1,0 +1,207 @@
+"""Background responses (`background: true`): they run on after the client has its answer, with
+their state in the response store, so any gateway of a pool polls or cancels them.
+
+    POST (background) -> stored `queued` with a lease (`lease_until`) -> 200 with that at once
+      the run: `in_progress`, its lease renewed every third of --responses-background-lease while
+      it runs; its answer (completed, incomplete or failed) replaces the record at the end
+    POST /v1/responses/{id}/cancel, on any gateway -> a cancel mark in the store; the gateway that
+      runs it cancels at once when it is this one, else at its next renewal; the pipeline's
+      lifetime then closes (engine sequence, KV blocks, slot, tenant lease, budget hold released)
+      and the record reads `cancelled`
+    a read of a `queued`/`in_progress` record whose lease lapsed (its gateway died) is `failed`
+      with the reason; a drain deadline or a shutdown fails the runs it cuts short the same way
+
+Cancelling a foreground response is a 400; cancelling a finished background one returns it as is
+(both as OpenAI's API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from gateway.backend import Body, Reply
+from gateway.conversations import guarded
+from gateway.drain import Drain
+from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.response_store import ResponseStore, StoredResponse
+
+logger = logging.getLogger("batchgate.gateway")
+
+ACTIVE = ("queued", "in_progress")
+LAPSED = "The gateway running this background response stopped before it finished; create it again."
+DRAINED = "The gateway running this background response shut down before it finished; create it again."
+
+
+def _cancel_key(response_id: str) -> str:
+    return f"{response_id}:cancel"
+
+
+def _with_status(record: StoredResponse, status: str, error: str | None = None) -> StoredResponse:
+    response = {**record.response, "status": status}
+    if error is not None:
+        response["error"] = {"code": "server_error", "message": error}
+    return replace(record, response=response, lease_until=None)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a background run does: `execute` the request, `finish` (store) its answer, `close`
+    (release everything, once, whatever the end)."""
+
+    execute: Callable[[], Awaitable[Reply]]
+    finish: Callable[[dict[str, Any]], Awaitable[None]]
+    close: Callable[[], Awaitable[None]]
+
+
+@dataclass
+class _Run:
+    task: asyncio.Task[None]
+    outcome: str | None = None  # "cancelled" or a failure's reason, once decided
+
+
+def _failure(reply: Reply) -> str:
+    """The message of a backend's error body (a replica's 400, say), or a generic one."""
+    if isinstance(reply, Body) and isinstance(reply.payload, bytes):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return str(orjson.loads(reply.payload)["error"]["message"])
+    if isinstance(reply, Body) and isinstance(reply.payload, dict):
+        with contextlib.suppress(KeyError, TypeError):
+            return str(reply.payload["error"]["message"])
+    return "The model backend failed."
+
+
+async def _ended(task: asyncio.Task[None]) -> None:
+    """Cancel `task` and wait until it has stopped (its store write done, if one was under way)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+class BackgroundRuns:
+    """This gateway's background runs over the shared store (see the module docstring)."""
+
+    def __init__(self, store: ResponseStore, lease_s: float, drain: Drain) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"the background lease must be positive, got {lease_s}")
+        self.store = store
+        self.lease_s = lease_s
+        self.drain = drain
+        self._runs: dict[tuple[str, str], _Run] = {}
+
+    async def _put(self, tenant: str, record: StoredResponse) -> None:
+        await guarded(self.store.put(tenant, record.response_id, record.dumps()))
+
+    def _leased(self, record: StoredResponse, status: str) -> StoredResponse:
+        response = {**record.response, "status": status}
+        return replace(record, response=response, lease_until=time.time() + self.lease_s)
+
+    async def start(self, tenant: str, record: StoredResponse, job: Job) -> dict[str, Any]:
+        """Store `record` queued, run `job` in the background and return the queued response."""
+        queued = self._leased(record, "queued")
+        try:
+            await self._put(tenant, queued)
+        except BaseException:
+            await job.close()
+            raise
+        key = (tenant, record.response_id)
+        run = _Run(asyncio.get_running_loop().create_task(self._run(tenant, queued, job)))
+        self._runs[key] = run
+        run.task.add_done_callback(lambda _: self._runs.pop(key, None))
+        return queued.response
+
+    async def _run(self, tenant: str, record: StoredResponse, job: Job) -> None:
+        run = self._runs.get((tenant, record.response_id))
+        self.drain.enter()
+        renewing = asyncio.get_running_loop().create_task(self._renew(tenant, record))
+        try:
+            with self.drain.on_stop(lambda: self._stop(tenant, record.response_id, DRAINED)):
+                reply = await job.execute()
+            await _ended(renewing)
+            if isinstance(reply, Body) and reply.status == 200:
+                payload = reply.payload
+                response = orjson.loads(payload) if isinstance(payload, bytes) else dict(payload)
+                if await self._cancel_marked(tenant, record.response_id):
+                    response = {**response, "status": "cancelled"}
+                await job.finish({**response, "background": True})
+            else:
+                await self._put(tenant, _with_status(record, "failed", _failure(reply)))
+        except asyncio.CancelledError:
+            await _ended(renewing)
+            outcome = (run.outcome if run is not None else None) or DRAINED
+            status, error = ("cancelled", None) if outcome == "cancelled" else ("failed", outcome)
+            with contextlib.suppress(APIError):
+                await self._put(tenant, _with_status(record, status, error))
+        except Exception as exc:  # noqa: BLE001 - the client is gone: the record carries the error
+            await _ended(renewing)
+            failure = exc if isinstance(exc, APIError) else APIError(ErrorKind.INTERNAL, "It failed.")
+            logger.warning("%s: background response failed: %s", record.response_id, failure.message)
+            with contextlib.suppress(APIError):
+                await self._put(tenant, _with_status(record, "failed", failure.message))
+        finally:
+            renewing.cancel()
+            await asyncio.shield(job.close())
+            self.drain.exit()
+
+    async def _renew(self, tenant: str, record: StoredResponse) -> None:
+        """Renew the lease while the run lasts; a cancel mark from another gateway stops it."""
+        while True:
+            if await self._cancel_marked(tenant, record.response_id):
+                self._stop(tenant, record.response_id, "cancelled")
+                return
+            await self._put(tenant, self._leased(record, "in_progress"))
+            await asyncio.sleep(self.lease_s / 3)
+
+    async def _cancel_marked(self, tenant: str, response_id: str) -> bool:
+        return await guarded(self.store.get(tenant, _cancel_key(response_id))) is not None
+
+    def _stop(self, tenant: str, response_id: str, outcome: str) -> None:
+        run = self._runs.get((tenant, response_id))
+        if run is not None and run.outcome is None:
+            run.outcome = outcome
+            run.task.cancel()
+
+    async def view(self, tenant: str, record: StoredResponse) -> StoredResponse:
+        """The record as a reader sees it: a run cancelled is cancelled (before its gateway stored
+        that), a run whose lease lapsed failed."""
+        if record.response.get("status") not in ACTIVE:
+            return record
+        if await self._cancel_marked(tenant, record.response_id):
+            return _with_status(record, "cancelled")
+        if (record.lease_until or 0) < time.time():
+            return _with_status(record, "failed", LAPSED)
+        return record
+
+    async def cancel(self, tenant: str, record: StoredResponse) -> dict[str, Any]:
+        """POST /cancel of `record` (this tenant's): the cancelled response (see the docstring)."""
+        if not record.response.get("background"):
+            raise invalid_request(
+                "Only responses created with 'background': true can be cancelled.", param="response_id"
+            )
+        record = await self.view(tenant, record)
+        if record.response.get("status") not in ACTIVE:
+            return record.response
+        response_id = record.response_id
+        await guarded(self.store.put(tenant, _cancel_key(response_id), b"1"))
+        cancelled = _with_status(record, "cancelled")
+        run = self._runs.get((tenant, response_id))
+        if run is not None:
+            self._stop(tenant, response_id, "cancelled")
+            await asyncio.wait({run.task})  # released and stored before the answer
+        else:
+            await self._put(tenant, cancelled)
+        return cancelled.response
+
+    async def aclose(self) -> None:
+        """Shutdown: the runs still going fail with the reason (and release everything)."""
+        runs = list(self._runs.items())
+        for (tenant, response_id), _ in runs:
+            self._stop(tenant, response_id, DRAINED)
+        if runs:
+            await asyncio.wait({run.task for _, run in runs})

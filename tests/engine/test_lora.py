@@ -1,0 +1,294 @@
+"""LoRA adapters (engine/lora.py) on the tiny model: PEFT's files loaded and checked, versions
+pinned and released, slots, and the engine mixing adapters in one batch (chunked prefill,
+preemption, the prefix cache, grammars, our int8 kernels). Parity with transformers + PEFT on the
+real model is tests/engine/test_lora_parity_real.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.loader import ModelSpec
+from engine.lora import LoraError, LoraInUseError, LoraNotFoundError, LoraRegistry, LoraSlots, load_adapter
+from engine.native import qmatmul_available
+from engine.types import GenerationRequest, GrammarSpec
+from tests.engine.helpers import chat_ids, greedy, hf_greedy, run_all, tiny_engine, tokens_of
+from tests.lora_adapters import ALL_TARGETS, make_adapter, peft_reference
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primes.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir: Path) -> ModelSpec:
+    return ModelSpec.from_config(json.loads((tiny_model_dir / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "r8": make_adapter(base, root / "r8", r=8, alpha=8, seed=1),
+        "r64": make_adapter(base, root / "r64", r=64, alpha=8, use_rslora=True, seed=2),
+        "attn": make_adapter(base, root / "attn", r=4, targets=("q_proj", "v_proj"), seed=3),
+        "mlp": make_adapter(base, root / "mlp", r=16, targets=("gate_proj", "down_proj"), seed=4),
+        "r8b": make_adapter(base, root / "r8b", r=8, alpha=8, seed=5),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, adapters: dict[str, Path]) -> LLMEngine:
+    engine = tiny_engine(tiny_model_dir)
+    for name, path in adapters.items():
+        engine.load_lora(name, str(path))
+    return engine
+
+
+def request(
+    engine: LLMEngine, rid: str, text: str, lora: str | None, max_tokens: int = 8, **kw: Any
+) -> GenerationRequest:
+    adapter = engine.loras.get(lora) if lora else None
+    return GenerationRequest(rid, chat_ids(engine.tokenizer, text), greedy(max_tokens, **kw), lora=adapter)
+
+
+def alone(engine: LLMEngine, text: str, lora: str | None, max_tokens: int = 8) -> list[int]:
+    outs = run_all(engine, [request(engine, "alone", text, lora, max_tokens)])
+    return tokens_of(outs[("alone", 0)])
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def test_an_adapter_loads_with_its_rank_scale_targets_and_hash(
+    adapters: dict[str, Path], spec: ModelSpec
+) -> None:
+    a = load_adapter(adapters["r8"], spec, "r8")
+    assert (a.rank, a.scale, set(a.target_modules)) == (8, 1.0, set(ALL_TARGETS))
+    # A stacked per fused linear; B block-diagonal over the fused output (qkv 128, gate_up 256 wide)
+    per_layer = 64 * 24 + 24 * 128 + 64 * 8 + 8 * 64 + 64 * 16 + 16 * 256 + 128 * 8 + 8 * 64
+    assert a.nbytes == spec.num_layers * per_layer * 4
+    assert sorted(a.layers[0]) == ["down", "gate_up", "o", "qkv"]
+    rs = load_adapter(adapters["r64"], spec)
+    assert rs.scale == pytest.approx(8 / 64**0.5)  # rsLoRA: alpha / sqrt(r)
+    attn = load_adapter(adapters["attn"], spec)
+    qkv = attn.layers[1]["qkv"]
+    assert sorted(attn.layers[1]) == ["qkv"] and qkv.modules == ("q_proj", "v_proj")
+    # q's B in columns 0..63, v's in 96..127 (after k's 32), zero elsewhere
+    nonzero = qkv.b_t.abs().sum(0) > 0
+    assert nonzero[:64].all() and not nonzero[64:96].any() and nonzero[96:].all()
+    assert load_adapter(adapters["r8"], spec).content_hash == a.content_hash != rs.content_hash
+
+
+def _broken_copy(src: Path, dst: Path, **config: Any) -> Path:
+    dst.mkdir()
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((src / "adapter_config.json").read_text()) | config
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_adapters_are_refused_naming_the_problem(
+    adapters: dict[str, Path], spec: ModelSpec, base: Any, real_model_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(LoraError, match="not found"):
+        load_adapter(tmp_path, spec, "nothing")
+    with pytest.raises(LoraError, match="unsupported target module.*lm_head"):
+        load_adapter(_broken_copy(adapters["r8"], tmp_path / "t", target_modules=["q_proj", "lm_head"]), spec)
+    with pytest.raises(LoraError, match="DoRA"):
+        load_adapter(_broken_copy(adapters["r8"], tmp_path / "d", use_dora=True), spec)
+    with pytest.raises(LoraError, match=r"rank 128 is not in \[1, 64\]"):
+        load_adapter(make_adapter(base, tmp_path / "big", r=128), spec)
+    real = ModelSpec.from_config(json.loads((real_model_dir / "config.json").read_text()))
+    with pytest.raises(LoraError, match=r"q_proj has A \(8, 64\).*needs A \(8, 576\).*different base model"):
+        load_adapter(adapters["r8"], real, "tiny-one")
+
+
+# ---- versions, pins, slots --------------------------------------------------------------------
+
+
+def test_a_replaced_or_unloaded_adapter_stays_with_its_users_then_is_released(
+    adapters: dict[str, Path], spec: ModelSpec
+) -> None:
+    reg = LoraRegistry(spec)
+    v1 = reg.load("x", adapters["r8"])
+    reg.pin(v1)
+    v2 = reg.load("x", adapters["r8b"])  # replace: new requests get v2, v1 stays with its user
+    assert (v1.version, v2.version, reg.get("x")) == (1, 2, v2)
+    assert reg.nbytes == v1.nbytes + v2.nbytes and not v1.released
+    reg.unpin(v1)
+    assert v1.released and reg.nbytes == v2.nbytes
+    reg.pin(v2)
+    with pytest.raises(LoraInUseError, match="in use by 1"):
+        reg.unload("x", wait=False)
+    assert reg.get("x") is v2  # refused: nothing changed
+    done = reg.unload("x")
+    with pytest.raises(LoraNotFoundError):
+        reg.get("x")
+    assert not done.done() and reg.nbytes == v2.nbytes
+    reg.unpin(v2)
+    assert done.done() and reg.nbytes == 0 and reg.num_held == 0
+    with pytest.raises(LoraNotFoundError, match="was unloaded"):
+        reg.pin(v2)
+
+
+def test_slots_are_reused_least_recently_used_and_never_while_in_use(
+    adapters: dict[str, Path], spec: ModelSpec
+) -> None:
+    reg = LoraRegistry(spec)
+    a, b, c = (reg.load(n, adapters[n]) for n in ("r8", "attn", "mlp"))
+    installed: list[tuple[int, str | None]] = []
+    slots = LoraSlots(2, lambda slot, ad: installed.append((slot, ad.name if ad else None)))
+    sa, sb = slots.acquire(a), slots.acquire(b)
+    assert (sa, sb) == (0, 1) and slots.acquire(c) is None  # both in use
+    assert slots.acquire(a) == 0  # resident: no new install
+    slots.release(sa)
+    slots.release(sa)
+    slots.release(sb)
+    assert slots.acquire(c) == 0  # slot 0 was idle longest
+    assert installed == [(0, "r8"), (1, "attn"), (0, "mlp")] and slots.num_loads == 3
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+def test_each_adapter_equals_transformers_and_peft(
+    engine: LLMEngine, tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    prompt = chat_ids(engine.tokenizer, PROMPTS[0])
+    for name in ("r8", "r64", "attn", "mlp"):
+        reference = peft_reference(tiny_model_dir, adapters[name])
+        assert alone(engine, PROMPTS[0], name, 12) == hf_greedy(reference, prompt, 12), name
+
+
+def test_a_batch_mixing_base_and_adapters_gives_each_row_its_own_tokens(engine: LLMEngine) -> None:
+    loras = [None, "r8", "r64", "attn", "mlp", "r8b"]
+    cases = [(text, lora) for text in PROMPTS[:2] for lora in loras]
+    expected = [alone(engine, text, lora) for text, lora in cases]
+    assert len({tuple(e) for e in expected}) == len(cases)  # each adapter changes the output
+    outs = run_all(engine, [request(engine, f"m{i}", t, lora) for i, (t, lora) in enumerate(cases)])
+    assert [tokens_of(outs[(f"m{i}", 0)]) for i in range(len(cases))] == expected
+    assert engine.scheduler.parked == [] and all(a.users == 0 for a in engine.loras.names().values())
+
+
+def test_more_adapters_than_slots_wait_outside_the_batch(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    engine = tiny_engine(tiny_model_dir, max_loras=2)
+    for name in ("r8", "attn", "mlp", "r8b"):
+        engine.load_lora(name, str(adapters[name]))
+    cases = [(PROMPTS[i % 3], lora) for i, lora in enumerate(["r8", "attn", "mlp", "r8b", None, "r8"])]
+    expected = [alone(engine, t, lora) for t, lora in cases]
+    for i, (t, lora) in enumerate(cases):
+        engine.add_request(request(engine, f"s{i}", t, lora))
+    got: dict[str, list[int]] = {}
+    parked_seen = 0
+    while engine.has_unfinished():
+        parked_seen = max(parked_seen, len(engine.scheduler.parked))
+        running_slots = {s.lora_slot for s in engine.scheduler.running if s.lora_slot >= 0}
+        assert len(running_slots) <= 2
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert parked_seen >= 2  # two adapters' requests waited for a slot
+    assert [got[f"s{i}"] for i in range(len(cases))] == expected
+    assert engine.lora_slots.num_loads >= 4
+
+
+def test_chunked_prefill_and_preemption_keep_adapter_outputs(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    roomy = tiny_engine(tiny_model_dir)
+    per_block = 2 * 2 * 2 * 16 * 4 * 4  # K+V, layers, kv heads, head_dim, fp32 bytes, block_size
+    tight = tiny_engine(
+        tiny_model_dir, kv_cache_memory_bytes=40 * per_block, max_model_len=160, max_num_batched_tokens=16
+    )
+    for engine in (roomy, tight):
+        for name in ("r8", "mlp"):
+            engine.load_lora(name, str(adapters[name]))
+    cases = [(PROMPTS[i % 4] + " Tell me more." * (i % 3), ("r8", "mlp", None)[i % 3]) for i in range(6)]
+    expected = [alone(roomy, t, lora, 24) for t, lora in cases]
+    outs = run_all(tight, [request(tight, f"p{i}", t, lora, 24) for i, (t, lora) in enumerate(cases)])
+    assert tight.scheduler.num_preemptions > 0
+    assert [tokens_of(outs[(f"p{i}", 0)]) for i in range(len(cases))] == expected
+    assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
+
+
+def test_the_prefix_cache_is_keyed_by_the_adapter_s_content(
+    engine: LLMEngine, adapters: dict[str, Path]
+) -> None:
+    prompt = engine.tokenizer.encode(
+        "Describe a long winding road through the hills, " * 4
+    )  # no chat template
+
+    def cached(rid: str, lora: str | None) -> int:
+        adapter = engine.loras.get(lora) if lora else None
+        outs = run_all(engine, [GenerationRequest(rid, prompt, greedy(2), lora=adapter)])
+        return outs[(rid, 0)][-1].num_cached_tokens
+
+    assert cached("c1", "r8") == 0
+    assert cached("c2", "r8") > 0  # same adapter: its own blocks hit
+    assert cached("c3", "r8b") == 0 and cached("c4", None) == 0  # never another adapter's, nor the base's
+    engine.load_lora("r8", str(adapters["r8b"]))  # replaced under the same name: new content
+    try:
+        assert cached("c5", "r8") > 0  # ...equal to r8b's content, so r8b's blocks are the ones
+        engine.load_lora("r8", str(adapters["mlp"]))
+        assert cached("c6", "r8") == 0  # a new version never reuses the old one's blocks
+    finally:
+        engine.load_lora("r8", str(adapters["r8"]))
+
+
+def test_adapters_with_a_grammar(engine: LLMEngine) -> None:
+    req = request(engine, "g", "Give me a JSON object.", "r8", 24, grammar=GrammarSpec.json_object())
+    text = "".join(o.new_text for o in run_all(engine, [req])[("g", 0)])
+    json.loads(text)
+
+
+def test_unloading_returns_the_bytes_held_after_the_last_user(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    engine = tiny_engine(tiny_model_dir)
+    before = engine.loras.nbytes
+    adapter = engine.load_lora("x", str(adapters["r64"]))
+    assert engine.loras.nbytes == before + adapter.nbytes
+    engine.add_request(request(engine, "u", PROMPTS[0], "x", 4))
+    engine.step()
+    with pytest.raises(LoraInUseError):
+        engine.loras.unload("x", wait=False)
+    done = engine.loras.unload("x")
+    assert not done.done()
+    while engine.has_unfinished():
+        engine.step()
+    assert done.done() and engine.loras.nbytes == before
+    engine.step()  # the slot lets go of the released weights
+    assert engine.lora_slots.resident() == [] and engine.runner.model.lora_slots == [None] * 8
+
+
+@pytest.mark.skipif(
+    not qmatmul_available("auto", torch.device("cpu")), reason="our int8 kernels need AVX2 or newer"
+)
+def test_adapters_over_our_int8_kernels(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    engine = tiny_engine(tiny_model_dir, quantization="int8")
+    assert engine.runner.model.layers[0].qkv.quant is not None
+    engine.load_lora("r8", str(adapters["r8"]))
+    cases = [(t, lora) for t in PROMPTS[:2] for lora in (None, "r8")]
+    expected = [alone(engine, t, lora) for t, lora in cases]
+    assert expected[0] != expected[1]
+    outs = run_all(engine, [request(engine, f"q{i}", t, lora) for i, (t, lora) in enumerate(cases)])
+    assert [tokens_of(outs[(f"q{i}", 0)]) for i in range(len(cases))] == expected
+
+
+def test_an_engine_without_adapter_slots_refuses_to_load_one(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    with pytest.raises(LoraError, match="max_loras is 0"):
+        tiny_engine(tiny_model_dir, max_loras=0).load_lora("r8", str(adapters["r8"]))
