@@ -165,7 +165,10 @@ class LLMEngine:
         return self.grammars.get(spec)
 
     def queue_deadline_s(self, request: GenerationRequest) -> float | None:
-        """Seconds from arrival by which `request` must start: its own, else the configured default."""
+        """Seconds from arrival by which `request` must start: its own, else the configured default;
+        none for the batch class, which waits for whatever capacity interactive traffic leaves."""
+        if request.priority is Priority.BATCH:
+            return None
         if request.queue_deadline_s is not None:
             return request.queue_deadline_s
         return self.config.default_queue_deadline_s

@@ -17,7 +17,9 @@ recomputed later) happens for two reasons:
 - priority: a waiting (or prefilling) sequence lacks a slot or blocks while a lower class runs; the
   lowest-ranked lower-class sequence goes, even if already scheduled this step, unless it has been
   preempted `max_preemptions_per_seq` times. The sequence it made room for is admitted in the same
-  step; nobody of the victim's class is.
+  step; nobody of the victim's class is. The `batch` class (Batch API lines) has no such bound: it
+  runs only in the slots and blocks paid and free traffic leave, and gives them up whenever a
+  waiting interactive sequence needs them, however often that happens.
 - fair share: every slot is taken and a waiting sequence's tenant (fairness key) runs at least two
   fewer sequences of its class than another tenant; that tenant's newest sequence goes (same bound).
 
@@ -604,7 +606,9 @@ class Scheduler:
         return [
             s
             for s in self.running
-            if s.priority > seq.priority and s.num_preemptions < bound and s is not seq
+            if s.priority > seq.priority
+            and (s.num_preemptions < bound or s.priority is Priority.BATCH)
+            and s is not seq
         ]
 
     def _evict_for(self, step: _Step, seq: Sequence) -> bool:

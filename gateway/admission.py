@@ -82,6 +82,9 @@ PROMPT_WEIGHT_HEADER = "x-batchgate-prompt-weight"  # tenancy.billing.prompt_exc
 PATH_HEADER = "x-batchgate-path"  # the endpoint a `POST /v1/internal/count` body is for
 
 
+_PRIORITIES = {p.name.lower(): p for p in Priority}  # the priority header's values
+
+
 def _positive_int(raw: str | None) -> int | None:
     try:
         value = int(raw) if raw else None
@@ -125,7 +128,7 @@ def internal_caller(token: str | None, headers: Mapping[str, str], user: str | N
     """The caller a gateway vouched for (priority and deadline from its headers), or None."""
     if not _token_matches(token, headers):
         return None
-    priority = Priority.FREE if headers.get(PRIORITY_HEADER, "paid").lower() == "free" else Priority.PAID
+    priority = _PRIORITIES.get(headers.get(PRIORITY_HEADER, "paid").lower(), Priority.PAID)
     deadline: float | None = None
     try:
         raw = headers.get(DEADLINE_HEADER)
@@ -202,7 +205,11 @@ async def authenticate(tenancy: Tenancy | None, authorization: str | None, user:
         raise APIError(
             ErrorKind.UNAVAILABLE, f"Authentication is unavailable: {exc}", retry_after_s=1.0
         ) from None
-    tenant = identity.tenant
+    return tenant_caller(identity.tenant, identity.key_id, identity.key_budgets)
+
+
+def tenant_caller(tenant: Tenant, key_id: str = "", key_budgets: tuple[Any, ...] = ()) -> Caller:
+    """The caller of an authenticated tenant's request, at its plan's priority."""
     plan = tenant.plan
     return Caller(
         name=tenant.name,
@@ -210,8 +217,8 @@ async def authenticate(tenancy: Tenancy | None, authorization: str | None, user:
         queue_deadline_s=plan.queue_deadline_seconds,
         tenant=tenant,
         plan="free" if plan.priority == "free" else "paid",
-        key_id=identity.key_id,
-        key_budgets=identity.key_budgets,
+        key_id=key_id,
+        key_budgets=key_budgets,
     )
 
 
@@ -223,6 +230,7 @@ async def admit(
     max_num_tokens: int,
     request_id: str,
     model: str = "",
+    batch: bool = False,
 ) -> Admission:
     """Reserve the request's tokens and its worst-case cost against its budgets; APIError 429
     (`insufficient_quota` for a budget; 503 when the limiter is unavailable) if refused."""
@@ -238,6 +246,7 @@ async def admit(
         model=model,
         key_id=caller.key_id,
         key_budgets=caller.key_budgets,
+        batch=batch,
     )
     if not decision.admitted:
         reason = str(getattr(decision.reason, "value", decision.reason))

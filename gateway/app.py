@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from gateway import admin, admission, endpoints, loras, responses, telemetry, usage
 from gateway.backend import Backend, Endpoint, Task
+from gateway.batches import build_batches
 from gateway.conversations import Conversations
 from gateway.drain import Drain, DrainMiddleware
 from gateway.embeddings import EmbeddingBackend, EmbeddingService
@@ -108,6 +109,7 @@ class Gateway:
         background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
         self.responses = ResponsesState(store, self.conversations, background)
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
+        self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
@@ -157,21 +159,31 @@ class Gateway:
         loading = [asyncio.ensure_future(b.start()) for b in self.backends]
         if not self.engines:
             freeze_startup_heap()
+        # Batches (resumed or new) start once the models have loaded, not into 503s.
+        resuming = asyncio.ensure_future(self._resume_batches(loading))
         try:
             async with admission.watching(self.tenancy):
                 yield
         finally:
+            resuming.cancel()
+            await self.batches.aclose()
             for task in loading:
                 await task  # a load in progress cannot be interrupted; wait, then shut it down
             for backend in self.backends:
                 await backend.aclose()
             await self.responses.aclose()
+            await self.batches.store.aclose()
+            await self.files.blobs.aclose()
             if self.owns_tenancy and self.tenancy is not None:
                 await self.tenancy.aclose()
             if self.pipeline.events is not None:
                 self.pipeline.events.close()
             if self.webhook is not None:
                 await self.webhook.aclose()
+
+    async def _resume_batches(self, loading: Sequence[asyncio.Future[None]]) -> None:
+        await asyncio.gather(*loading, return_exceptions=True)
+        await self.batches.resume()
 
     # -- the model endpoints -----------------------------------------------------------------
 
@@ -298,6 +310,22 @@ class Gateway:
         return JSONResponse(self.replicas.replicas.snapshot())
 
 
+def batch_routes(gateway: Gateway) -> list[Route]:
+    """The Files and Batches APIs (gateway/files.py, gateway/batches.py)."""
+    files, batches, stored = gateway.files, gateway.batches, gateway.stored
+    return [
+        Route("/v1/files", stored(files.create), methods=["POST"]),
+        Route("/v1/files", stored(files.list_all), methods=["GET"]),
+        Route("/v1/files/{file_id}", stored(files.retrieve), methods=["GET"]),
+        Route("/v1/files/{file_id}", stored(files.delete), methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", stored(files.content), methods=["GET"]),
+        Route("/v1/batches", stored(batches.create), methods=["POST"]),
+        Route("/v1/batches", stored(batches.list_all), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", stored(batches.retrieve), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", stored(batches.cancel), methods=["POST"]),
+    ]
+
+
 def usage_routes(gateway: Gateway) -> list[Route]:
     """The usage ledger's routes (gateway/usage.py)."""
     routes = usage.UsageRoutes(gateway.tenancy, gateway.settings.admin_key_hash)
@@ -394,6 +422,7 @@ def create_app(
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
         Route("/v1/internal/count", gateway.internal_count, methods=["POST"]),
         *usage_routes(gateway),
+        *batch_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
         *loras.LoraRoutes(gateway.engines, settings.admin_key_hash).routes(),
     ]

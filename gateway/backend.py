@@ -98,7 +98,7 @@ class Call:
     work: Work
     usage: Usage
     span: ChatSpan
-    http: Request
+    http: Request | None  # None: a Batch API line (no client connection)
     keep_alive_s: float
     _cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 

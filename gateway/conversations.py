@@ -141,7 +141,8 @@ class ConversationItemsRequest(StrictModel):
 M = TypeVar("M", bound=StrictModel)
 
 
-def _parse(model: type[M], body: Any) -> M:
+def parse_body(model: type[M], body: Any) -> M:
+    """`body` as `model` (a JSON object); APIError 400 naming the bad field."""
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
     try:
@@ -178,7 +179,7 @@ class Conversations:
     # -- routes ----------------------------------------------------------------------------------
 
     async def create(self, caller: Caller, request: Request) -> Response:
-        body = _parse(ConversationCreateRequest, await read_json(request, self.max_body_bytes))
+        body = parse_body(ConversationCreateRequest, await read_json(request, self.max_body_bytes))
         items = _items(body.items, "items")
         conversation = {
             "id": item_id("conv"),
@@ -194,7 +195,7 @@ class Conversations:
         return JSONResponse(stored.conversation)
 
     async def update(self, caller: Caller, request: Request) -> Response:
-        body = _parse(ConversationUpdateRequest, await read_json(request, self.max_body_bytes))
+        body = parse_body(ConversationUpdateRequest, await read_json(request, self.max_body_bytes))
         stored = await self.load(caller.name, request.path_params["conversation_id"])
         conversation = {**stored.conversation, "metadata": dict(body.metadata)}
         await self.save(caller.name, StoredConversation(conversation, stored.items))
@@ -211,7 +212,7 @@ class Conversations:
         return JSONResponse(page(stored.items, request))
 
     async def add_items(self, caller: Caller, request: Request) -> Response:
-        body = _parse(ConversationItemsRequest, await read_json(request, self.max_body_bytes))
+        body = parse_body(ConversationItemsRequest, await read_json(request, self.max_body_bytes))
         items = _items(body.items, "items")
         conversation_id = request.path_params["conversation_id"]
         await self.append(caller.name, conversation_id, items)

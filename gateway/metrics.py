@@ -4,7 +4,7 @@ Latency histograms and request/token counters are recorded as requests flow; eng
 (running/waiting by priority, KV use, batch size) and engine counters (preemptions, deadline
 refusals, step failures) are read from `engine.stats()` at scrape time, and the engine's liveness
 from `engine.health()` (only in a process that serves a local engine: not in gateway-only mode).
-Label values come from bounded sets only: priority `paid`/`free`, plan `paid`/`free`/`open`, status
+Label values come from bounded sets only: priority `paid`/`free`/`batch`, plan `paid`/`free`/`open`, status
 class `2xx`..`5xx`, refusal reasons and step stages from fixed lists; never a key, a tenant name or
 any other client-controlled string.
 
@@ -41,6 +41,10 @@ any other client-controlled string.
     batchgate_embedding_model_seconds          histogram (per embedding model call)
     batchgate_draining                         gauge (1 from SIGTERM until exit, see gateway/drain.py)
     batchgate_redis_up                         gauge (1 Redis reachable, 0 not; only with Redis)
+    batchgate_batch_lines_total{status}        counter (Batch API lines ended: completed, failed, expired,
+                                               cancelled, insufficient_quota)
+    batchgate_batch_lines_in_flight            gauge (Batch API lines running now)
+    batchgate_batch_lines_queued               gauge (lines of running batches not yet started)
     batchgate_upstreams                        gauge (gateway-only mode: replicas configured)
     batchgate_upstreams_healthy                gauge (gateway-only mode: of those, routed to now)
 """
@@ -53,7 +57,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
@@ -70,7 +81,7 @@ logger = logging.getLogger("batchgate.gateway")
 if TYPE_CHECKING:
     from engine.client import EngineClient, EngineStream
 
-PRIORITIES = ("paid", "free")
+PRIORITIES = ("paid", "free", "batch")
 PLANS = ("paid", "free", "open")
 REFUSAL_REASONS = tuple(r.value for r in Refusal)
 BUDGET_METRICS = ("usd", "tokens")
@@ -78,6 +89,7 @@ BUDGET_SCOPES = ("tenant", "key")
 # The budget gauges read every tenant's budgets from the store; a scrape reuses a read this recent.
 BUDGET_GAUGE_TTL_S = 10.0
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
+BATCH_LINE_STATUSES = ("completed", "failed", "expired", "cancelled", "insufficient_quota")
 # The endpoints that run a model: counted by status, waited for and refused by a drain.
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/generate", "/v1/embeddings")
 STEP_STAGES = tuple(stage.value for stage in StepStage)
@@ -296,6 +308,15 @@ class Metrics:
             "Stored responses evicted (least recently used first) to keep the store within its bound",
             registry=r,
         )
+        self.batch_lines = Counter(
+            "batchgate_batch_lines", "Batch API lines ended, by status", ["status"], registry=r
+        )
+        self.batch_in_flight = Gauge(
+            "batchgate_batch_lines_in_flight", "Batch API lines running now", registry=r
+        )
+        self.batch_queued = Gauge(
+            "batchgate_batch_lines_queued", "Lines of running batches not yet started", registry=r
+        )
         self.embedding_batch_inputs = Histogram(
             "batchgate_embedding_batch_inputs",
             "Inputs per embedding model call",
@@ -330,6 +351,8 @@ class Metrics:
                     self.budget_refusals.labels(plan, metric, scope)
         for code in CODE_CLASSES:
             self.requests.labels(code)
+        for status in BATCH_LINE_STATUSES:
+            self.batch_lines.labels(status)
         self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
         r.register(_EngineCollector(self, engine_of))
         self.state = GatewayState()

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from gateway import schemas as response_schemas
+from gateway.batch_input import BatchCreateRequest
 from gateway.conversations import (
     ConversationCreateRequest,
     ConversationItemsRequest,
@@ -46,6 +47,7 @@ REQUEST_TYPES: tuple[type, ...] = (
     ConversationCreateRequest,
     ConversationUpdateRequest,
     ConversationItemsRequest,
+    BatchCreateRequest,
 )
 
 
@@ -306,6 +308,7 @@ def _paths() -> dict[str, Any]:
             }
         },
         **_usage_paths(),
+        **_batch_paths(),
         "/v1/responses": {
             "post": _generation_op(
                 "Create a response (the Responses API)",
@@ -502,5 +505,66 @@ def _usage_paths() -> dict[str, Any]:
                     **errors,
                 },
             }
+        },
+    }
+
+
+_FILE_ID = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_UPLOAD = {
+    "type": "object",
+    "required": ["file", "purpose"],
+    "additionalProperties": False,
+    "properties": {
+        "file": {"type": "string", "format": "binary"},
+        "purpose": {"type": "string", "enum": ["batch", "user_data"]},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},
+    },
+}
+
+
+def _batch_paths() -> dict[str, Any]:
+    """The Files and Batches APIs (gateway/files.py, gateway/batches.py)."""
+    upload_errors = {
+        **_STORED_ERRORS,
+        "400": _error("Invalid upload: purpose, expiry, too many lines, or over the storage quota"),
+        "413": _error("The file is larger than --max-file-bytes"),
+        "415": _error("Content-Type is not multipart/form-data"),
+    }
+    content = {"description": "The file's bytes", "content": {"application/octet-stream": {"schema": {}}}}
+    return {
+        "/v1/files": {
+            "post": {
+                "summary": "Upload a file (a batch's JSONL input, or user data)",
+                "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _UPLOAD}}},
+                "responses": {"200": _json("The file", "FileObject"), **upload_errors},
+            },
+            "get": _stored_op(
+                "List the tenant's files",
+                [*_PAGE, _query("purpose", "Only files of this purpose", {"type": "string"})],
+                "FileList",
+            ),
+        },
+        "/v1/files/{file_id}": {
+            "get": _stored_op("Retrieve a file", [_FILE_ID], "FileObject"),
+            "delete": _stored_op("Delete a file", [_FILE_ID], "FileDeleted"),
+        },
+        "/v1/files/{file_id}/content": {
+            "get": {
+                "summary": "A file's content",
+                "parameters": [_FILE_ID],
+                "responses": {"200": content, **_STORED_ERRORS},
+            }
+        },
+        "/v1/batches": {
+            "post": _body_op("Create a batch", "BatchCreateRequest", "Batch"),
+            "get": _stored_op("List the tenant's batches, newest first", _PAGE[:2], "BatchList"),
+        },
+        "/v1/batches/{batch_id}": {"get": _stored_op("Retrieve a batch", [_BATCH_ID], "Batch")},
+        "/v1/batches/{batch_id}/cancel": {
+            "post": _stored_op(
+                "Cancel a batch (its unstarted lines end as batch_cancelled)", [_BATCH_ID], "Batch"
+            )
         },
     }

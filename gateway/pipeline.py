@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import admission, responses
-from gateway.backend import Body, Call, Endpoint, Plan, State, Usage, Work
+from gateway.backend import APIRequest, Body, Call, Endpoint, Plan, Reply, State, Usage, Work
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
-from gateway.errors import APIError
+from gateway.errors import APIError, ErrorKind
 from gateway.events import UsageEvent, build_sinks
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
@@ -77,12 +77,20 @@ class Pipeline:
             return internal
         return await admission.authenticate(self.tenancy, headers.get("authorization"), user)
 
-    async def handle(self, endpoint: Endpoint, http: Request) -> Response:
-        body = await read_json(http, self.settings.max_body_bytes)
-        req = endpoint.parse(body)
-        caller = await self.authenticate(http.headers, req.user)
+    async def _admitted(
+        self,
+        endpoint: Endpoint,
+        req: APIRequest,
+        body: dict[str, Any],
+        caller: admission.Caller,
+        http: Request | None,
+        request_id: str | None = None,
+    ) -> _Lifetime:
+        """Resolve, plan and admit one parsed request: its lifetime, to execute then close."""
         served = await self.registry.resolve(req.model, endpoint, caller)
-        work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        work = Work(
+            endpoint, req, body, caller, req.model, request_id or responses.new_id(endpoint.id_prefix)
+        )
         state = self.state if endpoint.stateful else None
         try:
             if state is not None:
@@ -93,15 +101,42 @@ class Pipeline:
             raise
         if state is not None:
             plan = state.wrap(work, plan)
-        span = endpoint.span(work)
-        lifetime = _Lifetime(self, work, plan, span, http)
+        lifetime = _Lifetime(self, work, plan, endpoint.span(work), http)
         await lifetime.admit()
+        return lifetime
+
+    async def answer(
+        self, endpoint: Endpoint, body: dict[str, Any], caller: admission.Caller, request_id: str
+    ) -> Body:
+        """One request with no client connection (a Batch API line): the same path as `handle`,
+        settled at the batch price, answered whole (`stream` is refused before this); APIError
+        for what a client would have been answered with an error."""
+        lifetime = await self._admitted(endpoint, endpoint.parse(body), body, caller, None, request_id)
+        try:
+            reply = await lifetime.call_plan()
+            if not isinstance(reply, Body):
+                raise APIError(ErrorKind.INTERNAL, "A batch line was answered with a stream.")
+            return reply
+        except APIError as exc:
+            self._refused(exc)
+            lifetime.span.error(exc)
+            raise
+        finally:
+            await lifetime.close()
+
+    async def handle(self, endpoint: Endpoint, http: Request) -> Response:
+        body = await read_json(http, self.settings.max_body_bytes)
+        req = endpoint.parse(body)
+        caller = await self.authenticate(http.headers, req.user)
+        lifetime = await self._admitted(endpoint, req, body, caller, http)
+        work, span = lifetime.call.work, lifetime.span
         handed_over = False
         try:
+            state = self.state if endpoint.stateful else None
             if state is not None and state.in_background(work):
                 handed_over = True  # the background run closes the lifetime when it ends
-                return await state.run_in_background(work, plan, lifetime.call, lifetime.close)
-            reply = await unless_disconnected(http, plan.execute(lifetime.call))
+                return await state.run_in_background(work, lifetime.plan, lifetime.call, lifetime.close)
+            reply = await unless_disconnected(http, lifetime.call_plan())
             if reply is None:
                 logger.info("%s: client disconnected before the answer; ended", work.request_id)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -161,12 +196,16 @@ def _merge(*layers: Mapping[str, str]) -> dict[str, str]:
 
 
 class _Lifetime:
-    """One request from admission to its end: the tenant's hold, the backend's call, the span."""
+    """One request from admission to its end: the tenant's hold, the backend's call, the span.
+    `http` None: a Batch API line (no connection; settled at the batch price)."""
 
-    def __init__(self, pipeline: Pipeline, work: Work, plan: Plan, span: ChatSpan, http: Request) -> None:
+    def __init__(
+        self, pipeline: Pipeline, work: Work, plan: Plan, span: ChatSpan, http: Request | None
+    ) -> None:
         self._pipeline = pipeline
-        self._plan = plan
-        self._span = span
+        self.plan = plan
+        self.span = span
+        self._batch = http is None
         self._held: admission.Admission | None = None
         self._closed = False
         self._started_at = time.time()
@@ -180,23 +219,27 @@ class _Lifetime:
             self._held = await admission.admit(
                 None if caller.internal else self._pipeline.tenancy,
                 caller,
-                num_prompt_tokens=self._plan.num_prompt_tokens,
-                max_num_tokens=self._plan.max_num_tokens,
+                num_prompt_tokens=self.plan.num_prompt_tokens,
+                max_num_tokens=self.plan.max_num_tokens,
                 request_id=work.request_id,
                 model=work.model,
+                batch=self._batch,
             )
         except APIError as exc:
             self._pipeline._refused(exc)
             if exc.budget is not None:
                 self._pipeline.metrics.budget_refused(caller.plan, *exc.budget)
-            self._span.event("gen_ai.admission", **{"batchgate.admitted": False})
-            self._span.error(exc)
-            self._span.end(
-                response_id=work.request_id, input_tokens=self._plan.num_prompt_tokens, output_tokens=0
+            self.span.event("gen_ai.admission", **{"batchgate.admitted": False})
+            self.span.error(exc)
+            self.span.end(
+                response_id=work.request_id, input_tokens=self.plan.num_prompt_tokens, output_tokens=0
             )
             raise
-        self._span.event("gen_ai.admission", **{"batchgate.admitted": True})
+        self.span.event("gen_ai.admission", **{"batchgate.admitted": True})
         self.headers = dict(self._held.headers)
+
+    def call_plan(self) -> Awaitable[Reply]:
+        return self.plan.execute(self.call)
 
     async def close(self) -> None:
         """Release everything, once: the backend's resources, then the hold settled with the
@@ -241,7 +284,7 @@ class _Lifetime:
                 report = Report(num_prompt, num_cached, num_completion)
                 self._pipeline.reports.put(caller.upstream_request_id, report)
             self._pipeline.metrics.count_tokens(caller.plan, num_prompt, num_completion)
-            self._span.end(
+            self.span.end(
                 response_id=usage.response_id or self.call.work.request_id,
                 input_tokens=num_prompt,
                 output_tokens=num_completion,

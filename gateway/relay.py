@@ -186,7 +186,7 @@ class ReplicaBackend:
         body = work.body
         headers = {
             "content-type": "application/json",
-            admission.PRIORITY_HEADER: "free" if caller.priority.name == "FREE" else "paid",
+            admission.PRIORITY_HEADER: caller.priority.name.lower(),
             admission.PLAN_HEADER: caller.plan,
             admission.FAIRNESS_HEADER: caller.name,
             **self.replicas.internal_headers(),

@@ -103,6 +103,17 @@ class ResponseStore(Protocol):
     async def aclose(self) -> None: ...
 
 
+def connect(path: Path | None) -> sqlite3.Connection:
+    """An embedded store's SQLite file (its directory created; WAL, so readers never wait on a
+    writer), or an in-memory database; used from worker threads behind the store's own lock."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path) if path is not None else ":memory:", check_same_thread=False)
+    with db:
+        db.execute("PRAGMA journal_mode=WAL")
+    return db
+
+
 class SQLiteStore:
     """The embedded store (see the module docstring). `path` None: in memory (lost at exit)."""
 
@@ -114,11 +125,8 @@ class SQLiteStore:
         self.max_num_responses = max_num_responses
         self._on_evict = on_evict
         self._lock = threading.Lock()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path) if path is not None else ":memory:", check_same_thread=False)
+        self._db = connect(path)
         with self._lock, self._db:
-            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS responses (tenant TEXT NOT NULL, id TEXT NOT NULL, "
                 "used REAL NOT NULL, record BLOB NOT NULL, PRIMARY KEY (tenant, id))"

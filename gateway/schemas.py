@@ -397,6 +397,107 @@ class InputTokenCount(TypedDict):
     input_tokens: NonNegativeInt
 
 
+# -- files and batches (gateway/files.py, gateway/batches.py) -------------------------------------
+
+
+class FileObject(TypedDict):
+    id: str
+    object: Literal["file"]
+    bytes: NonNegativeInt
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "user_data", "batch_output"]
+    status: Literal["processed"]
+    expires_at: int | None
+    status_details: str | None
+
+
+class FileList(TypedDict):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(TypedDict):
+    id: str
+    object: Literal["file"]
+    deleted: Literal[True]
+
+
+class BatchError(TypedDict):
+    """A line the input's validation refused (`line` 1-based), or why the batch failed (`line` null)."""
+
+    code: str
+    line: int | None
+    message: str
+    param: str | None
+
+
+class BatchErrors(TypedDict):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class BatchRequestCounts(TypedDict):
+    total: NonNegativeInt
+    completed: NonNegativeInt
+    failed: NonNegativeInt
+
+
+class BatchInputTokensDetails(TypedDict):
+    cached_tokens: NonNegativeInt
+
+
+class BatchUsage(TypedDict):
+    """The sum of the batch's lines' usage."""
+
+    input_tokens: NonNegativeInt
+    input_tokens_details: BatchInputTokensDetails
+    output_tokens: NonNegativeInt
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: NonNegativeInt
+
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+
+
+class Batch(TypedDict):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    model: str | None
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: Literal["24h"]
+    status: BatchStatus
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    usage: BatchUsage
+    metadata: dict[str, str] | None
+
+
+class BatchList(TypedDict):
+    object: Literal["list"]
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # The bodies the document names as responses; their nested classes come along as components.
 RESPONSE_TYPES: tuple[type, ...] = (
     ChatCompletion,
@@ -414,4 +515,9 @@ RESPONSE_TYPES: tuple[type, ...] = (
     InputTokenCount,
     Conversation,
     ConversationDeleted,
+    FileObject,
+    FileList,
+    FileDeleted,
+    Batch,
+    BatchList,
 )

@@ -216,8 +216,28 @@ class Settings:
         None,
         _str,
         "directory for the state kept without Redis (SQLite files: budgets' use and the usage "
-        "ledger; stored responses and conversations, responses.sqlite3), so a restart keeps it "
+        "ledger; stored responses and conversations, responses.sqlite3; uploaded files and batches, "
+        "batches.sqlite3 and files/), so a restart keeps it "
         "(default: in memory only)",
+    )
+    files_bucket: str | None = _opt(
+        None,
+        _str,
+        "s3://<bucket>[/<prefix>]: keep the Batch API's file bytes in this S3-compatible bucket instead "
+        "of the storage directory's files/ (credentials and region from the AWS_* variables)",
+    )
+    s3_endpoint_url: str | None = _opt(
+        None, _str, "the S3 API's URL for --files-bucket, for MinIO or another S3-compatible store"
+    )
+    max_file_bytes: int = _opt(
+        200 * 1000 * 1000, parse_bytes, "largest file /v1/files accepts (OpenAI's: 200 MB)"
+    )
+    batch_max_lines: int = _opt(50_000, _int, "most requests in one batch's input file (OpenAI's: 50,000)")
+    batch_max_concurrent_lines: int = _opt(
+        64,
+        _int,
+        "lines of one tenant's batches in flight at once, where its plan sets no "
+        "batch_max_concurrent_lines (open mode, or a plan without it)",
     )
     ledger_retention_days: int = _opt(
         90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"

@@ -8,6 +8,9 @@ The file looks like::
     requests_per_minute = 600
     max_concurrent_requests = 32
     queue_deadline_seconds = 10
+    batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches.py): lines in
+    batch_tokens_per_minute = 2000000 # flight, tokens a minute, bytes of files; unset: no limit
+    storage_quota_bytes = 10000000000
 
     budget_usd = 500.0                # optional: or budget_tokens = 2000000 (or both)
     budget_window = "monthly"         # "daily", "monthly" or "none"; UTC calendar windows
@@ -56,7 +59,9 @@ DEFAULT_TENANT = "default"
 _PLAN_INT_FIELDS = ("tokens_per_minute", "requests_per_minute", "max_concurrent_requests")
 _BUDGET_FIELDS = {"budget_usd", "budget_tokens", "budget_window", "budget_soft_ratio"}
 _PLAN_REQUIRED = {"priority", *_PLAN_INT_FIELDS, "queue_deadline_seconds"}
-_PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS
+# Optional batch-queue limits (the Batch API, gateway/batches.py); unset: no limit.
+_PLAN_BATCH_FIELDS = ("batch_tokens_per_minute", "batch_max_concurrent_lines", "storage_quota_bytes")
+_PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS | set(_PLAN_BATCH_FIELDS)
 _TENANT_FIELDS = {"plan", "keys"} | _BUDGET_FIELDS
 _PRICE_FIELDS = {"input", "cached_input", "output", "batch_multiplier"}
 
@@ -76,6 +81,9 @@ class Plan:
     max_concurrent_requests: int | None
     queue_deadline_seconds: float | None
     budgets: tuple[Budget, ...] = ()  # a default for each tenant of the plan
+    batch_tokens_per_minute: int | None = None  # prompt + output tokens of its batches' lines
+    batch_max_concurrent_lines: int | None = None  # lines of its batches in flight at once
+    storage_quota_bytes: int | None = None  # bytes of its files (/v1/files, batch outputs)
 
     @property
     def unlimited(self) -> bool:
@@ -230,6 +238,10 @@ def _parse_plan(name: str, body: object) -> Plan:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise TenancyConfigError(f"{path}.{key}: must be an integer >= 1, got {value!r}")
         limits[key] = value
+    for key in _PLAN_BATCH_FIELDS:
+        value = table.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise TenancyConfigError(f"{path}.{key}: must be an integer >= 1, got {value!r}")
     deadline = table["queue_deadline_seconds"]
     if not isinstance(deadline, int | float) or isinstance(deadline, bool) or not deadline > 0:
         raise TenancyConfigError(f"{path}.queue_deadline_seconds: must be a number > 0, got {deadline!r}")
@@ -241,6 +253,7 @@ def _parse_plan(name: str, body: object) -> Plan:
         max_concurrent_requests=limits["max_concurrent_requests"],
         queue_deadline_seconds=float(deadline),
         budgets=_budgets(_budget_fields(table, path, f"plan {name}"), path, _both(f"plan {name}")),
+        **{key: table[key] for key in _PLAN_BATCH_FIELDS if key in table},
     )
 
 

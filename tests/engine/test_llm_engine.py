@@ -189,6 +189,25 @@ def test_queue_deadline_expires_waiting_requests(tiny_model_dir: Path) -> None:
     assert_idle(engine)
 
 
+def test_a_batch_request_has_no_queue_deadline(tiny_model_dir: Path) -> None:
+    now = {"t": 100.0}
+    engine = tiny_engine(tiny_model_dir, max_num_seqs=1, default_queue_deadline_s=2.0)
+    engine.clock = engine.scheduler.clock = lambda: now["t"]
+    engine.add_request(GenerationRequest("busy", PROMPTS[0], greedy(6)))
+    engine.add_request(
+        GenerationRequest("line", PROMPTS[1], greedy(3), priority=Priority.BATCH, queue_deadline_s=1.0)
+    )
+    engine.step()
+    now["t"] += 30.0
+    outs: list[Any] = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    line = [o for o in outs if o.request_id == "line" and o.finished]
+    assert len(line) == 1 and line[0].finish_reason == FinishReason.LENGTH
+    assert engine.stats().refusals_by_reason == {}
+    assert_idle(engine)
+
+
 # ---- scheduling policy end to end -----------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from tests.engine.factories import (
     run_until_done,
 )
 
-FREE, PAID = Priority.FREE, Priority.PAID
+FREE, PAID, BATCH = Priority.FREE, Priority.PAID, Priority.BATCH
 
 
 def scheduled(out: SchedulerOutput) -> dict[str, int]:
@@ -748,6 +748,47 @@ def test_no_priority_preemption_when_the_bound_is_zero() -> None:
     outputs = run_until_done(sched)
     assert all(o.preempted == () for o in outputs)
     assert_all_done(sched, [free_seq, paid])
+
+
+def test_a_batch_sequence_gives_up_its_slot_to_free_and_paid_however_often() -> None:
+    # The bound on priority preemptions does not protect the batch class, even at 0.
+    for bound in (0, 2):
+        sched = make_scheduler(
+            num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64, max_preemptions_per_seq=bound
+        )
+        batch_seq = make_seq(4, max_tokens=40, priority=BATCH)
+        sched.add(batch_seq)
+        run_step(sched)
+        for round_ in range(5):
+            interactive = make_seq(4, max_tokens=2, priority=FREE if round_ % 2 else PAID)
+            sched.add(interactive)
+            out = run_step(sched)
+            assert out.preempted == (batch_seq,) and interactive.status == SequenceStatus.RUNNING
+            while not interactive.finished:
+                run_step(sched)
+            run_step(sched)
+            assert batch_seq.status == SequenceStatus.RUNNING  # back in the slot left free
+        assert batch_seq.num_preemptions == 5
+        run_until_done(sched)
+        assert_all_done(sched, [batch_seq])
+
+
+def test_a_batch_sequence_gives_up_blocks_and_waits_behind_free() -> None:
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=0
+    )
+    b1, b2 = make_seq(7, max_tokens=6, priority=BATCH), make_seq(7, max_tokens=6, priority=BATCH)
+    sched.add(b1)
+    sched.add(b2)
+    run_step(sched)
+    free_seq = make_seq(12, max_tokens=2, priority=FREE)
+    sched.add(free_seq)
+    out = run_step(sched)
+    assert out.preempted == (b2,) and free_seq.status == SequenceStatus.RUNNING
+    # Nobody of the batch class is admitted while the free one runs in the room it took.
+    assert b2.status == SequenceStatus.PREEMPTED
+    run_until_done(sched)
+    assert_all_done(sched, [b1, b2, free_seq])
 
 
 def test_a_sequence_past_the_bound_is_still_preempted_for_memory() -> None:

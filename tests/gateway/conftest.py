@@ -110,6 +110,22 @@ class TinyServer:
             time.sleep(0.02)
 
 
+def tiny_async_engine(model_dir: Any, served_model_name: str = "tiny") -> Any:
+    """A started AsyncEngine over the tiny model (512 tokens of context, 32 MiB of KV cache)."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    return AsyncEngine.from_config(
+        EngineConfig(
+            model=str(model_dir),
+            served_model_name=served_model_name,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=32 << 20,
+        )
+    )
+
+
 TINY_MAX_MODEL_LEN = 1024
 TINY_MAX_NUM_SEQS = 16
 

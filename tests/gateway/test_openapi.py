@@ -66,6 +66,15 @@ def test_schemathesis_loads_every_operation() -> None:
         "POST /v1/conversations/{conversation_id}/items",
         "GET /v1/conversations/{conversation_id}/items/{item_id}",
         "DELETE /v1/conversations/{conversation_id}/items/{item_id}",
+        "POST /v1/files",
+        "GET /v1/files",
+        "GET /v1/files/{file_id}",
+        "DELETE /v1/files/{file_id}",
+        "GET /v1/files/{file_id}/content",
+        "POST /v1/batches",
+        "GET /v1/batches",
+        "GET /v1/batches/{batch_id}",
+        "POST /v1/batches/{batch_id}/cancel",
     }
 
 

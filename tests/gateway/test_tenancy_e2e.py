@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.cli import build_tenancy
 from gateway.settings import Settings
 from tenancy import hash_key
-from tests.gateway.conftest import LiveServer
+from tests.gateway.conftest import LiveServer, tiny_async_engine
 
 MSG = [{"role": "user", "content": "Hello there"}]
 MODEL = "tiny"
@@ -69,15 +69,7 @@ def server(
     settings = Settings(
         tenants=str(tenants), redis_url=redis_server, keep_alive_s=1.0, embedding_model="none"
     )
-    engine = AsyncEngine.from_config(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            served_model_name=MODEL,
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=32 << 20,
-        )
-    )
+    engine = tiny_async_engine(tiny_model_dir, MODEL)
     live = LiveServer(create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True))
     try:
         yield live

@@ -657,6 +657,44 @@ def test_prices_budgets_and_the_admin_key_hash_render_for_the_server(rendered, t
     assert env["BATCHGATE_USAGE_EVENTS_EXPORTER"]["value"] == "none"
 
 
+def test_the_gateway_storage_is_a_volume_for_one_pod(rendered):
+    # Default: an emptyDir at the storage directory, no claim.
+    docs = rendered()
+    gateway = one(docs, "Deployment", f"{FULLNAME}-gateway")
+    assert env_of(container(gateway, "gateway"))["BATCHGATE_STORAGE_DIR"]["value"] == "/var/lib/batchgate"
+    (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "storage"]
+    assert "emptyDir" in volume and not find(docs, "PersistentVolumeClaim")
+    # Persistence: a ReadWriteOnce claim, kept on uninstall, mounted by one pod that is recreated.
+    sets = (
+        "gateway.storage.persistence.enabled=true",
+        "gateway.autoscaling.enabled=false",
+        "gateway.replicaCount=1",
+    )
+    docs = rendered(sets=sets)
+    gateway = one(docs, "Deployment", f"{FULLNAME}-gateway")
+    claim = one(docs, "PersistentVolumeClaim", f"{FULLNAME}-gateway-storage")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "storage"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    mounts = {m["name"]: m["mountPath"] for m in container(gateway, "gateway")["volumeMounts"]}
+    assert mounts["storage"] == "/var/lib/batchgate"
+    assert gateway["spec"]["strategy"] == {"type": "Recreate"} and gateway["spec"]["replicas"] == 1
+    bucket = (
+        "gateway.storage.filesBucket=s3://files/batchgate",
+        "gateway.storage.s3EndpointUrl=http://minio:9000",
+    )
+    env = env_of(container(one(rendered(sets=bucket), "Deployment", f"{FULLNAME}-gateway"), "gateway"))
+    assert env["BATCHGATE_FILES_BUCKET"]["value"] == "s3://files/batchgate"
+    assert env["BATCHGATE_S3_ENDPOINT_URL"]["value"] == "http://minio:9000"
+    docs = rendered(sets=(*sets, "gateway.storage.persistence.existingClaim=mine"))
+    assert not find(docs, "PersistentVolumeClaim")
+    gateway = one(docs, "Deployment", f"{FULLNAME}-gateway")
+    (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "storage"]
+    assert volume["persistentVolumeClaim"]["claimName"] == "mine"
+
+
 def test_gateway_upstreams_point_at_the_engine_service(rendered):
     docs = rendered()
     engine = one(docs, "Deployment", f"{FULLNAME}-engine")
@@ -1378,6 +1416,10 @@ def test_schema_rejects_bad_values(helm, template, case):
 
 
 CROSS_CHECKS = {
+    "one storage volume for several gateways": (
+        ("gateway.storage.persistence.enabled=true",),
+        "gateway.storage.persistence is one ReadWriteOnce volume: it serves one gateway pod",
+    ),
     "tenancy without tenants": (("tenancy.enabled=true",), "tenancy.enabled=true needs tenancy.tenants"),
     "two redis sources": (
         ("redis.externalUrl=redis://r:6379",),

@@ -381,3 +381,37 @@ keys = ["{tenancy.hash_key("sk-acme")}"]
         assert 'batchgate_tokens_total{direction="out",plan="free"} 4.0' in metrics
     finally:
         server.stop()
+
+
+def test_a_batch_line_reaches_the_replica_in_the_batch_class(
+    proxy: LiveServer, replicas: list[FakeReplica]
+) -> None:
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body()}
+    upload = httpx.post(
+        proxy.base_url + "/v1/files",
+        files={"file": ("in.jsonl", json.dumps(line).encode())},
+        data={"purpose": "batch"},
+    ).json()
+    batch = httpx.post(
+        proxy.base_url + "/v1/batches",
+        json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    ).json()
+    url = f"{proxy.base_url}/v1/batches/{batch['id']}"
+    wait_for(lambda: httpx.get(url).json()["status"] == "completed")
+    (headers,) = [c for rep in replicas for c in rep.calls]
+    assert headers["x-batchgate-priority"] == "batch"
+    assert "x-batchgate-deadline" not in headers  # a batch line waits for capacity, however long
+
+
+def test_a_replica_takes_the_class_the_gateway_sends() -> None:
+    from engine.types import Priority
+    from gateway import admission
+
+    for name, priority in (("paid", Priority.PAID), ("free", Priority.FREE), ("batch", Priority.BATCH)):
+        headers = {"x-batchgate-internal": TOKEN, "x-batchgate-priority": name}
+        caller = admission.internal_caller(TOKEN, headers, None)
+        assert caller is not None and caller.priority is priority
+    unknown = admission.internal_caller(
+        TOKEN, {"x-batchgate-internal": TOKEN, "x-batchgate-priority": "vip"}, None
+    )
+    assert unknown is not None and unknown.priority is Priority.PAID

@@ -93,6 +93,18 @@ def _replace(old: str, new: str) -> str:
         ),
         (_replace('[tenants.acme]\nplan = "paid"\n', "[tenants.acme]\n"), "tenants.acme.plan: missing"),
         (_replace("[tenants.hobbyist]", '[tenants."evil}tag"]'), "tenants.evil}tag: invalid name"),
+        (
+            _replace(
+                "queue_deadline_seconds = 10", "queue_deadline_seconds = 10\nbatch_max_concurrent_lines = 0"
+            ),
+            "plans.paid.batch_max_concurrent_lines: must be an integer >= 1",
+        ),
+        (
+            _replace(
+                "queue_deadline_seconds = 10", "queue_deadline_seconds = 10\nstorage_quota_bytes = '1GB'"
+            ),
+            "plans.paid.storage_quota_bytes: must be an integer >= 1",
+        ),
         (GOOD + "\n[extra]\nx = 1\n", "extra: unknown section"),
         ("[tenants.a]\nplan = 'x'\n", "plans: at least one plan"),
     ],
@@ -189,3 +201,17 @@ def test_bad_budgets_and_prices_name_the_field(patch: tuple[str, str], message: 
     with pytest.raises(TenancyConfigError, match=None) as info:
         parse_config(BUDGETS.replace(*patch, 1))
     assert message in str(info.value)
+
+
+def test_the_batch_limits_are_optional_per_plan() -> None:
+    patch = "queue_deadline_seconds = 10\nbatch_tokens_per_minute = 5000\nbatch_max_concurrent_lines = 8"
+    config = parse_config(GOOD.replace("queue_deadline_seconds = 10", patch + "\nstorage_quota_bytes = 1000"))
+    paid, free = config.plans["paid"], config.plans["free"]
+    assert (paid.batch_tokens_per_minute, paid.batch_max_concurrent_lines, paid.storage_quota_bytes) == (
+        5000,
+        8,
+        1000,
+    )
+    assert (free.batch_tokens_per_minute, free.batch_max_concurrent_lines, free.storage_quota_bytes) == (
+        None,
+    ) * 3

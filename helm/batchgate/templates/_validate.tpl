@@ -32,6 +32,10 @@ that `helm lint`, `helm template` and `helm install` all stop with a readable me
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $c (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- end }}
 {{- end }}
+{{- $g := .Values.gateway }}
+{{- if and $g.storage.persistence.enabled (or $g.autoscaling.enabled (gt (int $g.replicaCount) 1)) }}
+{{- fail "gateway.storage.persistence is one ReadWriteOnce volume: it serves one gateway pod (gateway.replicaCount=1, gateway.autoscaling.enabled=false); several gateways need a shared bucket, not built yet" }}
+{{- end }}
 {{- include "batchgate.validateModels" . }}
 {{- end }}
 

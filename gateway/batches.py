@@ -1,0 +1,528 @@
+"""`/v1/batches`, as OpenAI's API, and the runner that works through each batch's lines.
+
+    POST /v1/batches               {input_file_id, endpoint, completion_window: "24h", metadata,
+                                    output_expires_after} -> Batch (status `validating`)
+    GET  /v1/batches               ?after, limit (1-100, default 20) -> a list page, newest first
+    GET  /v1/batches/{id}          -> Batch (another tenant's id: 404)
+    POST /v1/batches/{id}/cancel   -> Batch (`cancelling`, then `cancelled`)
+
+A batch's life: `validating` (every line checked, gateway/batch_input.py; any error: `failed`
+with `errors.data` naming the lines) -> `in_progress` -> `finalizing` (output and error files
+written from the journal) -> `completed`, `cancelled` or `expired`. Each line runs through the
+same pipeline as an interactive request (`Pipeline.answer`), as the tenant who created the batch,
+in the engine's `batch` class (below `free`: only the capacity interactive traffic leaves), and
+settles at the batch price, idempotently on its request id (derived from the batch id and the
+custom_id), so a line run again after a crash is billed once. Each result is journaled at once
+(gateway/batch_store.py); a gateway started again resumes every unfinished batch, running only
+the lines without a result. Every custom_id ends in exactly one output or error line: a line that
+cannot run gets an error line (`batch_cancelled`, `batch_expired`, `insufficient_quota` once a
+hard budget refused one of the batch's lines).
+
+Per tenant, at most the plan's `batch_max_concurrent_lines` (default `--batch-max-concurrent-
+lines`) lines run at once over all its batches, and at most `batch_tokens_per_minute` tokens a
+minute start (paced on the tokens the last minute's lines used). Refusals that pass (rate limits,
+overload, a loading model) are retried after their Retry-After; the line keeps its place.
+
+Scope: one gateway runs the batches it finds in its storage directory (a single pod with a
+volume); several gateways sharing one bucket and a runner lease per batch are not built yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import logging
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.types import Priority
+from gateway import responses
+from gateway.admission import Caller, tenant_caller
+from gateway.backend import Endpoint
+from gateway.batch_input import BATCH_ENDPOINTS, BatchCreateRequest, Line, parse_lines, unserved
+from gateway.batch_store import FINAL_STATUSES, SQLITE_FILE, BatchStore, LineResult, StoredBatch
+from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
+from gateway.body import read_json
+from gateway.conversations import parse_body
+from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.files import Files, expires_at, list_page, list_params
+from gateway.metrics import Metrics
+from gateway.pipeline import Pipeline
+from gateway.settings import Settings
+
+if TYPE_CHECKING:
+    from tenancy.service import Tenancy
+
+logger = logging.getLogger("batchgate.gateway")
+
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MAX_BATCH_LIST_LIMIT, DEFAULT_BATCH_LIST_LIMIT = 100, 20
+# Refusals that pass: the line waits (Retry-After, at most this long) and runs again.
+RETRIED = frozenset({ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE})
+MAX_RETRY_WAIT_S = 30.0
+# What the lines that cannot run are told, by why.
+STOP_MESSAGES = {
+    "batch_cancelled": "This request was not executed because the batch was cancelled.",
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "insufficient_quota": "This request was not executed: a hard budget of your account was reached.",
+}
+_PRIVATE = "_output_expires_after"  # kept with the batch, not shown
+
+
+def line_ids(endpoint: Endpoint, batch_id: str, custom_id: str) -> tuple[str, str]:
+    """The output line's id (`batch_req_...`) and the line's request id (its endpoint's prefix),
+    both derived from (batch id, custom_id): settlement is idempotent on the request id."""
+    digest = hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:32]
+    sep = "" if endpoint.id_prefix.endswith("_") else "-"
+    return f"batch_req_{digest}", f"{endpoint.id_prefix}{sep}{digest}"
+
+
+def public(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if not k.startswith("_")}
+
+
+def _usage(payload: Any) -> tuple[int, int, int]:
+    """(input, cached, output) tokens of an answer body (chat, completions, embeddings, responses)."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0, 0
+    num_in = int(usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0)
+    num_out = int(usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    return num_in, int(details.get("cached_tokens", 0) or 0), num_out
+
+
+@dataclasses.dataclass
+class Lane:
+    """One tenant's share of the batch runner: a slot per concurrent line, and the tokens its lines
+    used in the last minute (a line starts only while they are under `tokens_per_minute`)."""
+
+    slots: asyncio.Semaphore
+    tokens_per_minute: int | None
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    used: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
+
+    def spent(self, num_tokens: int) -> None:
+        self.used.append((self.clock(), num_tokens))
+
+    async def pace(self) -> None:
+        """Wait while the last minute's lines used the tenant's batch tokens per minute."""
+        while self.tokens_per_minute is not None:
+            now = self.clock()
+            while self.used and self.used[0][0] <= now - 60:
+                self.used.popleft()
+            if sum(n for _, n in self.used) < self.tokens_per_minute:
+                return
+            await self.sleep(self.used[0][0] + 60 - now)
+
+
+class Batches:
+    """The batch routes and runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: BatchStore,
+        files: Files,
+        pipeline: Pipeline,
+        tenancy: Tenancy | None,
+        metrics: Metrics,
+        *,
+        max_lines: int,
+        max_concurrent_lines: int,
+    ) -> None:
+        self.store = store
+        self.files = files
+        self.pipeline = pipeline
+        self.tenancy = tenancy
+        self.metrics = metrics
+        self.max_lines = max_lines
+        self.max_concurrent_lines = max_concurrent_lines
+        self._runners: dict[str, asyncio.Task[None]] = {}
+        self._running: dict[str, StoredBatch] = {}  # the records the runners update
+        self._cancelled: set[str] = set()
+        self._quota_stopped: set[str] = set()
+        self._lanes: dict[str, Lane] = {}
+        self._started = asyncio.Event()  # set by `resume`: the models are loaded
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    async def create(self, caller: Caller, request: Request) -> Response:
+        req = parse_body(BatchCreateRequest, await read_json(request, self.pipeline.settings.max_body_bytes))
+        file = await self.files.find(caller, req.input_file_id, param="input_file_id")
+        if file["purpose"] != "batch":
+            raise invalid_request(
+                f"The file {req.input_file_id} has purpose '{file['purpose']}'; "
+                "a batch needs purpose 'batch'.",
+                param="input_file_id",
+            )
+        now = responses.now()
+        batch: dict[str, Any] = {
+            "id": f"batch_{hashlib.sha256(f'{caller.name}{time.time_ns()}'.encode()).hexdigest()[:32]}",
+            "object": "batch",
+            "endpoint": req.endpoint,
+            "model": None,
+            "errors": None,
+            "input_file_id": req.input_file_id,
+            "completion_window": req.completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + COMPLETION_WINDOWS[req.completion_window],
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "usage": _usage_object(0, 0, 0),
+            "metadata": None if req.metadata is None else dict(req.metadata),
+            _PRIVATE: None if req.output_expires_after is None else req.output_expires_after.seconds,
+        }
+        stored = StoredBatch(caller.name, caller.key_id, batch)
+        await self.store.put_batch(stored)
+        self._start(stored)
+        return JSONResponse(public(batch))
+
+    async def _find(self, caller: Caller, batch_id: str) -> StoredBatch:
+        stored = await self.store.get_batch(caller.name, batch_id)
+        if stored is None:
+            raise APIError(ErrorKind.NOT_FOUND, f"No batch found with id '{batch_id}'.")
+        return stored
+
+    async def _live(self, stored: StoredBatch) -> dict[str, Any]:
+        """The batch as answered: its counts and usage read from the journal while it runs."""
+        body = stored.body
+        if body["status"] in ("in_progress", "cancelling", "finalizing"):
+            _count(body, *await self.store.tally(body["id"]))
+        return public(body)
+
+    async def retrieve(self, caller: Caller, request: Request) -> Response:
+        return JSONResponse(await self._live(await self._find(caller, request.path_params["batch_id"])))
+
+    async def list_all(self, caller: Caller, request: Request) -> Response:
+        after, limit = list_params(request.query_params, DEFAULT_BATCH_LIST_LIMIT, MAX_BATCH_LIST_LIMIT)
+        rows = await self.store.list_batches(caller.name, after=after, limit=limit + 1)
+        return JSONResponse(list_page([public(r) for r in rows], limit))
+
+    async def cancel(self, caller: Caller, request: Request) -> Response:
+        stored = await self._find(caller, request.path_params["batch_id"])
+        stored = self._running.get(stored.body["id"], stored)  # its runner's copy, which it writes
+        body = stored.body
+        if body["status"] in FINAL_STATUSES:
+            raise APIError(
+                ErrorKind.INVALID_REQUEST,
+                f"Cannot cancel a batch with status '{body['status']}'.",
+                code="batch_not_cancellable",
+            )
+        if body["status"] != "cancelling":
+            body["status"], body["cancelling_at"] = "cancelling", responses.now()
+            await self.store.put_batch(stored)
+        self._cancelled.add(body["id"])
+        return JSONResponse(await self._live(stored))
+
+    # -- the runner ------------------------------------------------------------------------------
+
+    async def resume(self) -> None:
+        """Start a runner for every unfinished batch in the store, and let runners start (the
+        app calls this once its models have loaded)."""
+        self._started.set()
+        for stored in await self.store.unfinished():
+            if stored.body["status"] == "cancelling":
+                self._cancelled.add(stored.body["id"])
+            self._start(stored)
+
+    async def aclose(self) -> None:
+        """Stop every runner; lines in flight are cancelled (refunded) and run again on resume."""
+        runners = list(self._runners.values())
+        for task in runners:
+            task.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+
+    def _start(self, stored: StoredBatch) -> None:
+        batch_id = stored.body["id"]
+        if batch_id not in self._runners:
+            task = asyncio.create_task(self._run(stored), name=f"batch-{batch_id}")
+            self._runners[batch_id], self._running[batch_id] = task, stored
+
+            def done(_: object) -> None:
+                self._runners.pop(batch_id, None)
+                self._running.pop(batch_id, None)
+
+            task.add_done_callback(done)
+
+    def _caller(self, stored: StoredBatch) -> Caller | None:
+        """The batch's lines' caller: its tenant (as configured now), in the batch class, with no
+        queue deadline; None when the tenant no longer exists."""
+        if self.tenancy is None:
+            return Caller(name=stored.tenant, priority=Priority.BATCH)
+        tenant = self.tenancy.config.tenant(stored.tenant)
+        if tenant is None:
+            return None
+        return dataclasses.replace(
+            tenant_caller(tenant, stored.key_id), priority=Priority.BATCH, queue_deadline_s=None
+        )
+
+    def _lane(self, caller: Caller) -> Lane:
+        lane = self._lanes.get(caller.name)
+        if lane is None:
+            plan = caller.tenant.plan if caller.tenant is not None else None
+            slots = (plan.batch_max_concurrent_lines if plan else None) or self.max_concurrent_lines
+            lane = Lane(asyncio.Semaphore(slots), plan.batch_tokens_per_minute if plan else None)
+            self._lanes[caller.name] = lane
+        return lane
+
+    def _stop_code(self, body: dict[str, Any]) -> str | None:
+        """Why the batch's remaining lines may not start, or None."""
+        if body["id"] in self._cancelled:
+            return "batch_cancelled"
+        if responses.now() >= body["expires_at"]:
+            return "batch_expired"
+        if body["id"] in self._quota_stopped:
+            return "insufficient_quota"
+        return None
+
+    async def _run(self, stored: StoredBatch) -> None:
+        body = stored.body
+        await self._started.wait()
+        try:
+            caller = self._caller(stored)
+            if caller is None:
+                await self._fail(
+                    stored, [_batch_error("invalid_request", "The batch's tenant no longer exists.")]
+                )
+                return
+            lines = await self._validate(stored, caller)
+            if lines is None:
+                return
+            if body["in_progress_at"] is None:
+                body.update(in_progress_at=responses.now(), model=lines[0].model)
+                body["request_counts"]["total"] = len(lines)
+                if body["status"] == "validating":  # (not when cancelled while validating)
+                    body["status"] = "in_progress"
+                await self.store.put_batch(stored)
+            await self._execute(stored, caller, lines)
+            await self._finalize(stored, caller)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a runner's fault must end its batch, not vanish
+            logger.exception("batch %s: the runner failed", body["id"])
+            await self._fail(
+                stored, [_batch_error("internal_error", "The batch runner failed; see the server log.")]
+            )
+
+    async def _validate(self, stored: StoredBatch, caller: Caller) -> list[Line] | None:
+        """The batch's lines, or None after failing it with the errors found."""
+        body = stored.body
+        endpoint = BATCH_ENDPOINTS[body["endpoint"]]
+        try:
+            data = await self.files.read(caller, body["input_file_id"], "input_file_id")
+        except APIError as exc:
+            await self._fail(stored, [_batch_error("invalid_request", exc.message, "input_file_id")])
+            return None
+        lines, errors = parse_lines(data, endpoint)
+        if len(lines) > self.max_lines:
+            errors.insert(
+                0, _batch_error("too_many_requests", f"A batch has at most {self.max_lines} requests.")
+            )
+        while not errors:
+            try:
+                errors = await unserved(lines, endpoint, self.pipeline.registry, caller)
+                break
+            except APIError as exc:  # models still loading: validate when they are served
+                await asyncio.sleep(min(exc.retry_after_s or 1.0, MAX_RETRY_WAIT_S))
+        if errors:
+            await self._fail(stored, errors)
+            return None
+        return lines
+
+    async def _execute(self, stored: StoredBatch, caller: Caller, lines: list[Line]) -> None:
+        body = stored.body
+        endpoint = BATCH_ENDPOINTS[body["endpoint"]]
+        done = {r.custom_id for r in await self.store.results(body["id"])}
+        todo = [line for line in lines if line.custom_id not in done]
+        lane = self._lane(caller)
+        self.metrics.batch_queued.inc(len(todo))
+        started = 0
+        try:
+            async with asyncio.TaskGroup() as group:
+                for line in todo:
+                    await lane.slots.acquire()
+                    started += 1
+                    self.metrics.batch_queued.dec()
+                    stop = self._stop_code(body)
+                    if stop is None:
+                        await lane.pace()
+                        group.create_task(self._line(stored, endpoint, caller, line, lane))
+                    else:
+                        lane.slots.release()
+                        await self._record(body, _stopped(endpoint, body["id"], line, stop), stop)
+        finally:
+            self.metrics.batch_queued.dec(len(todo) - started)  # those a stop left unstarted
+
+    async def _line(
+        self, stored: StoredBatch, endpoint: Endpoint, caller: Caller, line: Line, lane: Lane
+    ) -> None:
+        self.metrics.batch_in_flight.inc()
+        try:
+            result, status = await self._answer(stored.body, endpoint, caller, line)
+            lane.spent(result.input_tokens + result.output_tokens)
+            await self._record(stored.body, result, status)
+        finally:
+            self.metrics.batch_in_flight.dec()
+            lane.slots.release()
+
+    async def _answer(
+        self, body: dict[str, Any], endpoint: Endpoint, caller: Caller, line: Line
+    ) -> tuple[LineResult, str]:
+        """Run one line through the pipeline: its journal entry and its metrics status."""
+        line_id, request_id = line_ids(endpoint, body["id"], line.custom_id)
+
+        def answered(status: int, payload: Any, usage: tuple[int, int, int] = (0, 0, 0)) -> LineResult:
+            response = {"status_code": status, "request_id": request_id, "body": payload}
+            text = orjson.dumps(
+                {"id": line_id, "custom_id": line.custom_id, "response": response, "error": None}
+            )
+            return LineResult(line.custom_id, line.number, status != 200, text, *usage)
+
+        while True:
+            try:
+                reply = await self.pipeline.answer(endpoint, line.body, caller, request_id)
+                break
+            except APIError as exc:
+                stop = self._stop_code(body)
+                if exc.kind in RETRIED:
+                    if stop is not None:
+                        return _stopped(endpoint, body["id"], line, stop), stop
+                    await asyncio.sleep(min(exc.retry_after_s or 1.0, MAX_RETRY_WAIT_S))
+                    continue
+                if exc.kind is ErrorKind.INSUFFICIENT_QUOTA:
+                    self._quota_stopped.add(body["id"])
+                    return answered(exc.status, exc.body()), "insufficient_quota"
+                return answered(exc.status, exc.body()), "failed"
+            except Exception:  # noqa: BLE001 - a bug in one line must not take the batch down
+                logger.exception("batch %s: line %s failed", body["id"], line.custom_id)
+                internal = APIError(ErrorKind.INTERNAL, "The server failed to process this request.")
+                return answered(internal.status, internal.body()), "failed"
+        payload = orjson.loads(reply.payload) if isinstance(reply.payload, bytes) else reply.payload
+        result = answered(reply.status, payload, _usage(payload))
+        return result, "failed" if result.failed else "completed"
+
+    async def _record(self, body: dict[str, Any], result: LineResult, status: str) -> None:
+        if await self.store.record(body["id"], result):
+            self.metrics.batch_lines.labels(status).inc()
+
+    async def _finalize(self, stored: StoredBatch, caller: Caller) -> None:
+        body = stored.body
+        stop = self._stop_code(body)
+        body.update(status="finalizing", finalizing_at=responses.now())
+        await self.store.put_batch(stored)
+        _count(body, *await self.store.tally(body["id"]))
+        results = await self.store.results(body["id"])
+        expiry = expires_at(body.get(_PRIVATE), responses.now())
+        for key, failed in (("output_file_id", False), ("error_file_id", True)):
+            text = b"".join(r.text + b"\n" for r in results if r.failed == failed)
+            if text and body[key] is None:
+                name = f"{body['id']}_{'error' if failed else 'output'}.jsonl"
+                file = await self.files.write(
+                    caller,
+                    text,
+                    filename=name,
+                    purpose="batch_output",
+                    expires_at=expiry,
+                    check_quota=False,
+                )
+                body[key] = file["id"]
+                await self.store.put_batch(stored)
+        final = {"batch_cancelled": "cancelled", "batch_expired": "expired"}.get(stop or "", "completed")
+        body.update(status=final, **{f"{final}_at": responses.now()})
+        await self.store.put_batch(stored)
+        self._cancelled.discard(body["id"])
+        self._quota_stopped.discard(body["id"])
+        logger.info("batch %s: %s (%s)", body["id"], final, body["request_counts"])
+
+    async def _fail(self, stored: StoredBatch, errors: list[dict[str, Any]]) -> None:
+        body = stored.body
+        body.update(status="failed", failed_at=responses.now(), errors={"object": "list", "data": errors})
+        await self.store.put_batch(stored)
+
+
+def _count(
+    body: dict[str, Any], num_done: int, num_failed: int, num_in: int, num_cached: int, num_out: int
+) -> None:
+    """Set the batch's request_counts and usage from its journal's tally."""
+    body["request_counts"].update(completed=num_done - num_failed, failed=num_failed)
+    body["usage"] = _usage_object(num_in, num_cached, num_out)
+
+
+def _usage_object(num_in: int, num_cached: int, num_out: int) -> dict[str, Any]:
+    return {
+        "input_tokens": num_in,
+        "input_tokens_details": {"cached_tokens": num_cached},
+        "output_tokens": num_out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": num_in + num_out,
+    }
+
+
+def _stopped(endpoint: Endpoint, batch_id: str, line: Line, code: str) -> LineResult:
+    line_id, _ = line_ids(endpoint, batch_id, line.custom_id)
+    error = {"code": code, "message": STOP_MESSAGES[code]}
+    text = orjson.dumps({"id": line_id, "custom_id": line.custom_id, "response": None, "error": error})
+    return LineResult(line.custom_id, line.number, True, text)
+
+
+def _batch_error(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "line": None, "message": message, "param": param}
+
+
+def build_batches(
+    settings: Settings, pipeline: Pipeline, tenancy: Tenancy | None, metrics: Metrics
+) -> tuple[Files, Batches]:
+    """The Files and Batches APIs over `--storage-dir` (batches.sqlite3 and files/), or, without
+    one, over an in-memory database and a temporary directory (lost at exit, as the other
+    embedded stores are without a storage directory)."""
+    if settings.storage_dir:
+        root = Path(settings.storage_dir)
+        store = BatchStore(root / SQLITE_FILE)
+    else:
+        root = Path(tempfile.mkdtemp(prefix="batchgate-files-"))
+        store = BatchStore(None)
+
+    def quota(caller: Caller) -> int | None:
+        return caller.tenant.plan.storage_quota_bytes if caller.tenant is not None else None
+
+    blobs: Blobs
+    if settings.files_bucket:
+        blobs = S3Blobs(settings.files_bucket, settings.s3_endpoint_url)
+    else:
+        blobs = DirectoryBlobs(root / "files")
+    files = Files(
+        store,
+        blobs,
+        max_file_bytes=settings.max_file_bytes,
+        max_lines=settings.batch_max_lines,
+        quota=quota,
+    )
+    batches = Batches(
+        store,
+        files,
+        pipeline,
+        tenancy,
+        metrics,
+        max_lines=settings.batch_max_lines,
+        max_concurrent_lines=settings.batch_max_concurrent_lines,
+    )
+    return files, batches

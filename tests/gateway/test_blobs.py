@@ -1,0 +1,112 @@
+"""The blob stores under the Files API: the storage directory, and an S3-compatible bucket (moto's
+server mode as a real subprocess, spoken to over HTTP by boto3), behind one contract; and a
+gateway whose files live in the bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
+from gateway.settings import Settings
+from tests.conftest_redis import free_port
+from tests.gateway.conftest import LiveServer
+from tests.gateway.fakes import FakeEngine
+
+BUCKET = "batchgate-files"
+
+
+@pytest.fixture(scope="module")
+def s3_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server on a free port, with the bucket created; the AWS_* variables boto3 reads."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(server), "-p", str(port)], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    saved = {
+        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
+    os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, f"moto did not start:\n{log.read_text()}"
+                time.sleep(0.1)
+        import boto3
+
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(params=["directory", "s3"])
+def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> Blobs:
+    if request.param == "directory":
+        return DirectoryBlobs(tmp_path / "files")
+    return S3Blobs(f"s3://{BUCKET}/prefix", request.getfixturevalue("s3_url"))
+
+
+def test_the_contract(blobs: Blobs) -> None:
+    async def run() -> None:
+        assert await blobs.get("file-missing") is None
+        await blobs.put("file-a", b"one\ntwo\n")
+        await blobs.put("file-b", b"")
+        assert await blobs.get("file-a") == b"one\ntwo\n" and await blobs.get("file-b") == b""
+        await blobs.put("file-a", b"replaced")
+        assert await blobs.get("file-a") == b"replaced"
+        await blobs.delete("file-a")
+        await blobs.delete("file-a")  # a no-op
+        assert await blobs.get("file-a") is None
+        with pytest.raises(ValueError, match="invalid blob key"):
+            await blobs.put("../escape", b"x")
+        await blobs.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_gateway_keeps_its_files_in_the_bucket(s3_url: str, tmp_path: Path) -> None:
+    import boto3
+
+    settings = Settings(
+        storage_dir=str(tmp_path),
+        files_bucket=f"s3://{BUCKET}/gw",
+        s3_endpoint_url=s3_url,
+        embedding_model="none",
+    )
+    server = LiveServer(create_app(settings, engine=FakeEngine()))
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        upload = client.files.create(file=("notes.txt", io.BytesIO(b"in the bucket")), purpose="user_data")
+        assert client.files.content(upload.id).content == b"in the bucket"
+        s3: Any = boto3.client("s3", endpoint_url=s3_url)
+        assert s3.get_object(Bucket=BUCKET, Key=f"gw/{upload.id}")["Body"].read() == b"in the bucket"
+        assert not (tmp_path / "files" / upload.id).exists()
+        client.files.delete(upload.id)
+        assert s3.list_objects_v2(Bucket=BUCKET, Prefix=f"gw/{upload.id}").get("KeyCount") == 0
+    finally:
+        server.stop()
