@@ -61,7 +61,7 @@ def test_disconnect_storm_leaves_nothing_behind(tmp_path: Path, tiny_model_dir: 
     rng = random.Random(15)
     try:
         wait_ready([server])
-        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = httpx.get(server.url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
         before = answered(server.url)
         plans = [rng.choice([0, 1, 2, 5, 20, None]) for _ in range(NUM_REQUESTS)]
         lengths = [rng.randrange(1, 40) for _ in range(NUM_REQUESTS)]

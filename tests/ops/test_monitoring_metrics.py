@@ -159,7 +159,8 @@ def servers(
             while http.get(gateway.base_url + "/ready").status_code != 200:
                 assert time.monotonic() < deadline, "the gateway never saw its replica ready"
                 time.sleep(0.05)
-            model = http.get(gateway.base_url + "/v1/models").json()["data"][0]["id"]
+            model = http.get(gateway.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            model = model.json()["data"][0]["id"]
             # One request through both, so that every labelled family has been touched once.
             r = http.post(
                 gateway.base_url + "/v1/chat/completions",

@@ -162,7 +162,8 @@ def _wait_models(gateways: list[Process], models: list[str], timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=5) as http:
         for g in gateways:
-            while {m["id"] for m in http.get(g.url + "/v1/models").json()["data"]} < set(models):
+            # /ready names every model; /v1/models needs a tenant key, and none exists yet
+            while set(http.get(g.url + "/ready").json().get("models") or []) < set(models):
                 assert time.monotonic() < deadline, f"{g.name} does not list {models}"
                 time.sleep(0.05)
 

@@ -184,7 +184,8 @@ def start_cluster(
                     break
                 assert time.monotonic() < deadline, ups
                 time.sleep(0.05)
-            model = http.get(gateway.url + "/v1/models").json()["data"][0]["id"]
+            model = http.get(gateway.url + "/v1/models", headers={"authorization": f"Bearer {PAID_KEY}"})
+            model = model.json()["data"][0]["id"]
     except BaseException:
         for p in [gateway, *replicas]:
             p.stop()
