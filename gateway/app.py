@@ -110,6 +110,8 @@ class Gateway:
         self.responses = ResponsesState(store, self.conversations, background)
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
+        records = loras.AdapterRecords.in_storage(settings.storage_dir)
+        self.loras = loras.LoraRoutes(self.engines, settings.admin_key_hash, records)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
@@ -159,8 +161,9 @@ class Gateway:
         loading = [asyncio.ensure_future(b.start()) for b in self.backends]
         if not self.engines:
             freeze_startup_heap()
-        # Batches (resumed or new) start once the models have loaded, not into 503s.
-        resuming = asyncio.ensure_future(self._resume_batches(loading))
+        # Adapters loaded at run time come back, and batches (resumed or new) start, once the
+        # models have loaded, not into 503s.
+        resuming = asyncio.ensure_future(self._after_loading(loading))
         try:
             async with admission.watching(self.tenancy):
                 yield
@@ -173,6 +176,7 @@ class Gateway:
                 await backend.aclose()
             await self.responses.aclose()
             await self.batches.store.aclose()
+            self.loras.records.close()
             await self.files.blobs.aclose()
             if self.owns_tenancy and self.tenancy is not None:
                 await self.tenancy.aclose()
@@ -181,8 +185,9 @@ class Gateway:
             if self.webhook is not None:
                 await self.webhook.aclose()
 
-    async def _resume_batches(self, loading: Sequence[asyncio.Future[None]]) -> None:
+    async def _after_loading(self, loading: Sequence[asyncio.Future[None]]) -> None:
         await asyncio.gather(*loading, return_exceptions=True)
+        await self.loras.restore()
         await self.batches.resume()
 
     # -- the model endpoints -----------------------------------------------------------------
@@ -223,6 +228,8 @@ class Gateway:
             not_ready = await backend.not_ready()
             if not_ready is not None:
                 return JSONResponse({"status": not_ready.status, "detail": not_ready.detail}, 503)
+        if self.engines and not self.loras.restored:
+            return JSONResponse({"status": "loading", "detail": "restoring LoRA adapters"}, 503)
         if self.tenancy is not None and not await self.tenancy.ready():
             return JSONResponse({"status": "unavailable", "detail": "the rate limiter is unreachable"}, 503)
         names = [card.id for card in self.registry.cards()]
@@ -424,7 +431,7 @@ def create_app(
         *usage_routes(gateway),
         *batch_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
-        *loras.LoraRoutes(gateway.engines, settings.admin_key_hash).routes(),
+        *gateway.loras.routes(),
     ]
     app = Starlette(
         routes=routes,

@@ -14,15 +14,20 @@ any other caller gets the same 404 as for a name nobody serves.
                                          the answer waits (up to ?timeout_s=, default 30) for the last
                                          running one, saying whether its memory was released
 
-A replace is a new version: requests that started keep the version they pinned.
+A replace is a new version: requests that started keep the version they pinned. What the admin
+API loads is recorded (`AdapterRecords`: loras.sqlite3 in `--storage-dir`), so a restarted gateway
+loads it again; the models file's and `--lora` adapters load from their declarations as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
@@ -32,6 +37,7 @@ from starlette.routing import Route
 from engine.types import EngineError
 from gateway import admission
 from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
+from gateway.response_store import connect
 
 if TYPE_CHECKING:
     from engine.lora import LoraAdapter
@@ -39,6 +45,55 @@ if TYPE_CHECKING:
 logger = logging.getLogger("batchgate.gateway")
 
 DEFAULT_UNLOAD_TIMEOUT_S = 30.0
+RECORDS_FILE = "loras.sqlite3"
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """An adapter the admin API loaded: its name, folder, owner (None: public) and base model."""
+
+    name: str
+    path: str
+    tenant: str | None
+    model: str | None
+
+
+class AdapterRecords:
+    """The admin API's adapters, kept in SQLite in the storage directory (`path` None: in memory,
+    lost at exit like the other embedded stores without one), one row per served name."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._db = connect(path)
+        self._lock = threading.Lock()
+        with self._lock, self._db:
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS loras (name TEXT PRIMARY KEY, path TEXT NOT NULL,"
+                " tenant TEXT, model TEXT)"
+            )
+
+    def put(self, record: AdapterRecord) -> None:
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO loras VALUES (?, ?, ?, ?)",
+                (record.name, record.path, record.tenant, record.model),
+            )
+
+    def delete(self, name: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM loras WHERE name = ?", (name,))
+
+    def all(self) -> list[AdapterRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT name, path, tenant, model FROM loras ORDER BY name").fetchall()
+        return [AdapterRecord(*row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @classmethod
+    def in_storage(cls, storage_dir: str | None) -> AdapterRecords:
+        return cls(Path(storage_dir) / RECORDS_FILE if storage_dir else None)
 
 
 class AdapterHost(Protocol):
@@ -86,9 +141,24 @@ def adapter_body(adapter: LoraAdapter, owner: str | None, model: str | None) -> 
 class LoraRoutes:
     """The admin routes over the in-process chat models (the first is the main one)."""
 
-    def __init__(self, engines: Sequence[AdapterHost], admin_key_hash: str | None) -> None:
+    def __init__(
+        self, engines: Sequence[AdapterHost], admin_key_hash: str | None, records: AdapterRecords
+    ) -> None:
         self.engines = engines
         self.admin_key_hash = admin_key_hash
+        self.records = records
+        self.restored = False  # /ready waits for it, so a restarted server serves what it had
+
+    async def restore(self) -> None:
+        """Load again what the admin API loaded before a restart (once the models have loaded);
+        an adapter that cannot load now (its folder gone) is logged and left out, not retried."""
+        for record in self.records.all():
+            try:
+                await self._backend(record.model).load_lora(record.name, record.path, record.tenant)
+                logger.info("restored LoRA %s for %s", record.name, record.tenant or "everyone")
+            except (APIError, EngineError) as exc:
+                logger.error("LoRA %s from %s could not be restored: %s", record.name, record.path, exc)
+        self.restored = True
 
     def routes(self) -> list[Route]:
         return [
@@ -133,6 +203,7 @@ class LoraRoutes:
             raise invalid_request("`tenant` and `model` must be strings.")
         backend = self._backend(model)
         adapter = await backend.load_lora(name, body["path"], tenant)
+        self.records.put(AdapterRecord(name, body["path"], tenant, model))
         logger.info("admin@%s loaded LoRA %s for %s", _client(request), adapter.id, tenant or "everyone")
         return JSONResponse(adapter_body(adapter, tenant, backend.name))
 
@@ -147,6 +218,7 @@ class LoraRoutes:
         if backend is None:
             raise APIError(ErrorKind.NOT_FOUND, f"No LoRA adapter named {name!r} is loaded.")
         released = await backend.unload_lora(name, wait, timeout_s)
+        self.records.delete(name)
         logger.info("admin@%s unloaded LoRA %s (released: %s)", _client(request), name, released)
         return JSONResponse({"object": "lora.deleted", "id": name, "deleted": True, "released": released})
 

@@ -6,6 +6,7 @@ version it started with; an unload gives the memory back."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -278,3 +279,54 @@ def test_bad_adapter_declarations_fail_at_start(
     environ = {"BATCHGATE_MODELS_FILE": str(path), "BATCHGATE_LORAS": ",".join(loras)}
     with pytest.raises(ValueError, match=problem):
         Settings.load(environ=environ)
+
+
+def test_adapters_the_admin_api_loaded_come_back_after_a_restart(
+    tiny_model_dir: Path, redis_server: str, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """What the admin API loads is recorded in the storage directory: a new server over it is not
+    ready until it has loaded it again (for the same owner); what it unloaded stays unloaded."""
+    (tmp_path / "tenants.toml").write_text(TENANTS.format(acme=hash_key("sk-acme"), beta=hash_key("sk-beta")))
+    settings = Settings(
+        tenants=str(tmp_path / "tenants.toml"),
+        redis_url=redis_server,
+        admin_key_hash=hash_key(ADMIN_KEY),
+        storage_dir=str(tmp_path / "storage"),
+        embedding_model="none",
+    )
+
+    def start() -> Any:
+        config = EngineConfig(
+            model=str(tiny_model_dir), served_model_name=BASE, dtype="float32", max_model_len=512
+        )
+        engine = AsyncEngine.from_config(config)
+        app = create_app(settings, engine=engine, tenancy=build_tenancy(settings), owns_tenancy=True)
+        live = LiveServer(app)
+        live.engine = engine  # type: ignore[attr-defined]
+        return live
+
+    def listed(live: Any, key: str) -> set[str]:
+        return {m.id for m in client(live, key).models.list()}
+
+    def stop(live: Any) -> None:
+        live.stop()
+        live.engine.shutdown()
+
+    first = start()
+    try:
+        for name, adapter in (("kept", "c"), ("dropped", "d")):
+            body = {"path": str(adapters[adapter]), "tenant": "acme"}
+            assert admin(first, "PUT", f"/admin/loras/{name}", body).status_code == 200
+        assert admin(first, "DELETE", "/admin/loras/dropped").status_code == 200
+    finally:
+        stop(first)
+    second = start()
+    try:
+        deadline = time.monotonic() + 30
+        while (ready := httpx.get(second.base_url + "/ready", timeout=10)).status_code != 200:
+            assert ready.json()["detail"] == "restoring LoRA adapters" and time.monotonic() < deadline
+        assert listed(second, "sk-acme") == {BASE, "kept"} and listed(second, "sk-beta") == {BASE}
+        out = client(second, "sk-acme").completions.create(model="kept", prompt="hi", max_tokens=2)
+        assert out.model == "kept" and out.usage.completion_tokens == 2
+    finally:
+        stop(second)
