@@ -256,13 +256,13 @@ def test_stats_show_queues_by_class_and_bucket(tiny_model_dir: Path) -> None:
         priority = Priority.FREE if name in "bd" else Priority.PAID
         eng.add_request(GenerationRequest(name, [5] * n, greedy(2), priority=priority))
     stats = eng.stats()
-    assert stats.num_waiting == 4 and stats.waiting_by_priority == {"paid": 2, "free": 2}
+    assert stats.num_waiting == 4 and stats.waiting_by_priority == {"paid": 2, "free": 2, "batch": 0}
     assert stats.waiting_by_bucket == {"<=16": 2, "<=64": 1, ">64": 1}
     assert stats.waiting_by_priority_and_bucket["free"] == {"<=16": 1, "<=64": 1, ">64": 0}
     assert stats.num_waiting_tokens == 152
     eng.step()
     stats = eng.stats()
-    assert stats.num_running == 1 and stats.running_by_priority == {"paid": 1, "free": 0}
+    assert stats.num_running == 1 and stats.running_by_priority == {"paid": 1, "free": 0, "batch": 0}
     assert stats.decode_steps_per_s > 0 and stats.prefill_tokens_per_s > 0
     while eng.has_unfinished():
         eng.step()

@@ -9,7 +9,7 @@ from engine.sequence import Sequence
 from engine.types import Priority
 from tests.engine.factories import make_seq
 
-FREE, PAID = Priority.FREE, Priority.PAID
+FREE, PAID, BATCH = Priority.FREE, Priority.PAID, Priority.BATCH
 
 
 def drain(q: WaitingQueue) -> list[Sequence]:
@@ -96,21 +96,26 @@ def test_counters_follow_every_way_in_and_out() -> None:
     c = make_seq(12, max_tokens=3, priority=FREE, fairness_key="t2")
     for s in (a, b, c):
         q.push(s)
-    assert q.count_by_priority() == {"paid": 1, "free": 2}
+    assert q.count_by_priority() == {"paid": 1, "free": 2, "batch": 0}
     assert q.count_by_bucket() == {"<=16": 2, ">16": 1}
-    assert q.count_by_priority_and_bucket() == {"paid": {"<=16": 1, ">16": 0}, "free": {"<=16": 1, ">16": 1}}
-    assert q.tokens_by_priority() == {PAID: 10, FREE: 42}
-    assert q.decode_tokens_by_priority() == {PAID: 5, FREE: 10}
-    assert q.count_by_key() == {PAID: {"t1": 1}, FREE: {"t2": 2}}
+    assert q.count_by_priority_and_bucket() == {
+        "paid": {"<=16": 1, ">16": 0},
+        "free": {"<=16": 1, ">16": 1},
+        "batch": {"<=16": 0, ">16": 0},
+    }
+    assert q.tokens_by_priority() == {PAID: 10, FREE: 42, BATCH: 0}
+    assert q.decode_tokens_by_priority() == {PAID: 5, FREE: 10, BATCH: 0}
+    assert q.count_by_key() == {PAID: {"t1": 1}, FREE: {"t2": 2}, BATCH: {}}
     assert q.has_waiting_below(1, FREE) and q.has_waiting_below(1, PAID)
     assert not q.has_waiting_below(0, FREE)
     q.pop(a)
     assert not q.has_waiting_below(1, PAID)
     q.remove(b)
-    assert q.count_by_bucket() == {"<=16": 1, ">16": 0} and q.tokens_by_priority() == {PAID: 0, FREE: 12}
+    assert q.count_by_bucket() == {"<=16": 1, ">16": 0}
+    assert q.tokens_by_priority() == {PAID: 0, FREE: 12, BATCH: 0}
     q.pop()
-    assert len(q) == 0 and q.count_by_priority() == {"paid": 0, "free": 0}
-    assert q.tokens_by_priority() == {PAID: 0, FREE: 0}
+    assert len(q) == 0 and q.count_by_priority() == {"paid": 0, "free": 0, "batch": 0}
+    assert q.tokens_by_priority() == {PAID: 0, FREE: 0, BATCH: 0}
 
 
 def test_counters_take_off_what_a_sequence_added_even_if_it_changed_while_queued() -> None:
@@ -126,7 +131,7 @@ def test_counters_take_off_what_a_sequence_added_even_if_it_changed_while_queued
     b.num_computed_tokens = 4
     q.remove(b)
     assert a not in q and b not in q and len(q) == 0
-    assert q.tokens_by_priority() == q.decode_tokens_by_priority() == {PAID: 0, FREE: 0}
+    assert q.tokens_by_priority() == q.decode_tokens_by_priority() == {PAID: 0, FREE: 0, BATCH: 0}
     assert q.count_by_bucket() == {"<=16": 0, ">16": 0}
 
 
