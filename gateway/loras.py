@@ -147,7 +147,9 @@ class LoraRoutes:
         self.engines = engines
         self.admin_key_hash = admin_key_hash
         self.records = records
-        self.restored = False  # /ready waits for it, so a restarted server serves what it had
+        # /ready waits for the restore, so a restarted server serves what it had (nothing to wait
+        # for when nothing was recorded)
+        self.restored = not records.all()
 
     async def restore(self) -> None:
         """Load again what the admin API loaded before a restart (once the models have loaded);
