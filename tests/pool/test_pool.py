@@ -354,5 +354,7 @@ def test_a_stream_the_client_cut_is_settled_with_what_the_replica_sent(cluster: 
             break
         assert time.monotonic() < deadline, (gateway_delta, replica_delta)
         time.sleep(0.05)
-    assert 3 <= gateway_delta < 300
+    # At least the 2 tokens the client saw (its 3 data lines start with the role chunk), however
+    # soon the replica noticed the cut; exactly what the replica sent.
+    assert 2 <= gateway_delta < 300
     assert gateway_delta == replica_delta
