@@ -53,7 +53,9 @@ def test_sixty_at_once_over_two_gateways_never_overshoot_and_settle_to_the_token
     runs the same at 500)."""
     result = run_exactness(budget_cluster, "capped60", 60)
     summary = result.summary()
-    assert 1 <= len(result.accepted) <= 10, summary
+    # Ten worst cases fit; a request settles below its worst case (shorter output, cached
+    # prompt tokens at the cached price), so the refund can let one or two more in.
+    assert 1 <= len(result.accepted) <= 12, summary
     assert result.refusals and result.ok, summary
 
 
