@@ -225,6 +225,10 @@ class WaitingQueue:
         """Whether a sequence of class <= `max_priority` waits in a bucket below `bucket`."""
         return any(any(self._counts[p][:bucket]) for p in self._counts if p <= max_priority)
 
+    def top_class(self) -> Priority | None:
+        """The highest class with a waiting sequence (from the counters, not a pass over the queue)."""
+        return next((p for p in sorted(self._counts) if any(self._counts[p])), None)
+
     def count_by_priority(self) -> dict[str, int]:
         return {p.name.lower(): sum(c) for p, c in self._counts.items()}
 

@@ -556,7 +556,8 @@ class Scheduler:
         """The highest class with work now (running or waiting), and the highest that arrived within
         `RECENT_CLASS_S` (or is here now): the classes below them yield (module docstring)."""
         lead = min((int(s.priority) for s in self.running), default=len(Priority))
-        lead = min(lead, min((int(s.priority) for s in self.waiting), default=len(Priority)))
+        waiting = self.waiting.top_class()
+        lead = lead if waiting is None else min(lead, int(waiting))
         now = self.clock()
         recent = min((int(p) for p, t in self._arrived.items() if now - t <= RECENT_CLASS_S), default=lead)
         return lead, min(lead, recent)
