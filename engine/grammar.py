@@ -30,8 +30,9 @@ its grammar. JSON kinds and Lark grammars marked `json_only` are steered so (mea
 docs/BENCHMARKS.md). Any other grammar (Lark with free text, a regex) is steered along a plan: the
 shortest bytes that take the parser from where it is to an accepting state (`shortest_completion`,
 a breadth-first search over single-byte tokens on copies of the matcher, forced bytes taken whole),
-searched once when closing starts; its rows allow the end of sequence where the grammar accepts,
-else the allowed tokens that spell the plan's next bytes.
+searched once when closing starts; its rows allow the allowed tokens that spell the plan's next
+bytes, and where the grammar accepts, the end of sequence (unless free text may go on: a text
+answer beside tools is cut by max_tokens as without a grammar, `incomplete`, not ended early).
 """
 
 from __future__ import annotations
@@ -216,17 +217,25 @@ class ClosingTokens:
         return token_row(ids, len(self.token_bytes))
 
     def follow(self, bitmask: torch.Tensor, row: int, plan: bytes) -> bool:
-        """Keep in `bitmask[row]` the allowed end, else the allowed tokens that spell `plan`'s next
-        bytes; False (the row unchanged) if it allows none of them."""
+        """Keep in `bitmask[row]` the allowed tokens that spell `plan`'s next bytes; False (the
+        row unchanged) if it allows none of them."""
         allowed = bitmask[row]
-        for preferred in (self.end, self.spelling(plan) if plan else None):
-            if preferred is None:
-                continue
-            narrowed = allowed & preferred
-            if bool(narrowed.any()):
-                allowed.copy_(narrowed)
-                return True
-        return False
+        narrowed = allowed & self.spelling(plan) if plan else None
+        if narrowed is None or not bool(narrowed.any()):
+            return False
+        allowed.copy_(narrowed)
+        return True
+
+    def finish(self, bitmask: torch.Tensor, row: int) -> None:
+        """Where a grammar accepts: keep in `bitmask[row]` only the end, unless free text may go
+        on (most of the vocabulary allowed: a text answer), which max_tokens then cuts as it
+        would without a grammar, rather than ending it early as if complete."""
+        allowed = bitmask[row]
+        if int(numpy.unpackbits(allowed.numpy().view(numpy.uint8)).sum()) > len(self.token_bytes) // 2:
+            return
+        narrowed = allowed & self.end
+        if bool(narrowed.any()):
+            allowed.copy_(narrowed)
 
 
 # A plan search (`shortest_completion`) gives up after this many parser states: ~20 ms each 100
@@ -349,6 +358,10 @@ class _LLGuidanceGrammar:
             return
         if self._json:
             self._closing.narrow(bitmask, row, self._states[-1])
+            return
+        if self._matcher.is_accepting():
+            self._closing.finish(bitmask, row)
+            self._plan = None  # should a structure start after all, its own plan is searched
             return
         if self._plan is None:
             self._plan = shortest_completion(self._matcher, self._closing) or b""
