@@ -210,7 +210,6 @@ class ClosingTokens:
                 allowed.copy_(narrowed)
                 return
 
-
     def spelling(self, plan: bytes) -> torch.Tensor:
         """The row of the tokens whose bytes start `plan` (a non-empty prefix of it)."""
         ids = [t for k in range(1, min(len(plan), self.longest) + 1) for t in self.by_bytes.get(plan[:k], ())]
@@ -275,7 +274,9 @@ def _advance(state: LLMatcher, tokens: ClosingTokens) -> tuple[bytes, bytes] | N
     return forced, bytes(b for b in range(256) if tokens.byte_token[b] >= 0 and bits[tokens.byte_token[b]])
 
 
-def shortest_completion(matcher: LLMatcher, tokens: ClosingTokens, max_states: int = PLAN_STATES) -> bytes | None:
+def shortest_completion(
+    matcher: LLMatcher, tokens: ClosingTokens, max_states: int = PLAN_STATES
+) -> bytes | None:
     """The shortest bytes (as far as the search tells) that take `matcher` (left unchanged) to an
     accepting state; None if none is found within `max_states`. Breadth first over single-byte
     tokens on copies of the matcher; a state's forced bytes are taken whole, and states alike (the

@@ -426,7 +426,9 @@ def test_grammars_with_free_text_close_before_max_tokens(llguidance_engine: LLME
     engine = llguidance_engine
     requests = [
         GenerationRequest(
-            name, chat_ids(engine.tokenizer, "Write it."), SamplingParams(max_tokens=48, temperature=1.0, seed=3, n=2, grammar=spec)
+            name,
+            chat_ids(engine.tokenizer, "Write it."),
+            SamplingParams(max_tokens=48, temperature=1.0, seed=3, n=2, grammar=spec),
         )
         for name, spec in FREE_TEXT_GRAMMARS.items()
     ]
@@ -440,11 +442,17 @@ def test_grammars_with_free_text_close_before_max_tokens(llguidance_engine: LLME
         assert re.fullmatch(r"[A-Z]{3}-[0-9]{4} [a-z ]{1,200}!", text_of(outs[("regex", i)]))
 
 
-def test_a_shortest_completion_takes_forced_text_whole_and_counts_repeats(llguidance_engine: LLMEngine) -> None:
+def test_a_shortest_completion_takes_forced_text_whole_and_counts_repeats(
+    llguidance_engine: LLMEngine,
+) -> None:
     tokenizer = llguidance_engine.tokenizer
     backend = LLGuidanceBackend(tokenizer, 49152, (2,))
     for spec, prefix, plan in [
-        (GrammarSpec.lark(APPLY_PATCH_GRAMMAR), "*** Begin Patch\n*** Add File: a.txt\n+hi th", b"\n*** End Patch"),
+        (
+            GrammarSpec.lark(APPLY_PATCH_GRAMMAR),
+            "*** Begin Patch\n*** Add File: a.txt\n+hi th",
+            b"\n*** End Patch",
+        ),
         (GrammarSpec.regex(r"[A-Z]{3}-[0-9]{4}"), "Q", b"AA-0000"),  # a repeat looks alike at each count
         (GrammarSpec.regex(r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"), "bob", b"@a.com"),
     ]:

@@ -131,6 +131,8 @@ async def test_the_servers_store_keeps_its_bound_and_counts_evictions(make_app: 
         assert [(await client.get(f"/v1/responses/{i}")).status_code for i in ids] == [404] * 2 + [200] * 3
         metrics = (await client.get("/metrics")).text
         assert "batchgate_response_store_evictions_total 2.0" in metrics, metrics
-        r = await client.post("/v1/responses", json={"model": "fake-model", "input": "x", "previous_response_id": ids[0]})
+        r = await client.post(
+            "/v1/responses", json={"model": "fake-model", "input": "x", "previous_response_id": ids[0]}
+        )
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     assert SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=3).count() == 3

@@ -13,9 +13,13 @@ pytestmark = pytest.mark.real_model
 
 
 @pytest.mark.parametrize("max_output_tokens", [3, 200])  # cut at the limit; ended by the model
-def test_a_continued_turn_is_served_from_the_prefix_cache(real_server: TinyServer, max_output_tokens: int) -> None:
+def test_a_continued_turn_is_served_from_the_prefix_cache(
+    real_server: TinyServer, max_output_tokens: int
+) -> None:
     client: openai.OpenAI = real_server.openai(timeout=120)
-    facts = f"List {max_output_tokens}. " + " ".join(f"{i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(40))
+    facts = f"List {max_output_tokens}. " + " ".join(
+        f"{i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(40)
+    )
     fields = {"model": real_server.model, "instructions": "Answer in one short sentence.", "temperature": 0}
     first = client.responses.create(
         **fields, input=facts + " Is 7 even or odd?", max_output_tokens=max_output_tokens
