@@ -279,6 +279,10 @@ def test_a_conversation_continues_in_both_modes_and_only_for_its_tenant(
             for other in ({}, UMBRELLA):
                 seen = httpx.get(f"{d.url}/v1/responses/{first['id']}", headers=other)
                 assert seen.status_code == (401 if not other else 404), (mode, seen.text)
+                replay = httpx.get(f"{d.url}/v1/responses/{first['id']}?stream=true", headers=other)
+                assert replay.status_code == (401 if not other else 404), (mode, replay.text)
+            replay = client.get(f"/v1/responses/{first['id']}?stream=true")  # not a background one
+            assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream", mode
             stolen = client.post(
                 "/v1/responses", json=resp(previous_response_id=first["id"]), headers=UMBRELLA
             )
