@@ -274,8 +274,8 @@ def _advance(state: LLMatcher, tokens: ClosingTokens) -> tuple[bytes, bytes] | N
     if state.is_accepting():
         return forced, b""
     words = numpy.frombuffer(state.compute_bitmask(), dtype="<u4")  # token t: bit t % 32 of word t // 32
-    ids = tokens.byte_token_ids
-    allowed = (words[ids >> 5] >> (ids & 31).astype(numpy.uint32)) & 1
+    singles = tokens.byte_token_ids
+    allowed = (words[singles >> 5] >> (singles & 31).astype(numpy.uint32)) & 1
     return forced, tokens.token_byte_values[allowed.astype(bool)].tobytes()
 
 
