@@ -102,8 +102,8 @@ def march_flags() -> list[str]:
 
 def native_kernels() -> Any:
     """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, write_kv_, rms_norm,
-    add_rms_norm, rope_, silu_mul, lora_decode_); raises RuntimeError (with the compiler's reason) if they cannot
-    be built."""
+    add_rms_norm, rope_, silu_mul, lora_decode_); raises RuntimeError (with the compiler's reason)
+    if they cannot be built."""
     global _loaded, _error
     with _lock:
         if _loaded is None and _error is None:

@@ -15,14 +15,15 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.loader import ModelSpec
 from engine.lora import (
+    TARGETS,
     LoraError,
     LoraInUseError,
     LoraNotFoundError,
     LoraRegistry,
     LoraSlots,
-    TARGETS,
     LoraWeights,
     load_adapter,
+    module_shapes,
 )
 from engine.native import native_kernels, qmatmul_available
 from engine.step import StepInputs, lora_decode_plan
@@ -183,7 +184,7 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
     for w in weights.values():
         for slot, adapter in enumerate(loaded[:3]):
             w.install(slot, adapter)
-    offsets = {"q_proj": 0, "k_proj": 64, "v_proj": 96, "o_proj": 0, "gate_proj": 0, "up_proj": 128, "down_proj": 0}
+    offsets = {module: offset for module, (_, _, offset) in module_shapes(spec).items()}
     widths = {"qkv": 128, "o": 64, "gate_up": 256, "down": 64}
     gen = torch.Generator().manual_seed(0)
 
@@ -202,7 +203,8 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
                 w.install(1, loaded[3])  # rank 64 replaces rank 8 in slot 1: every stack grows
             loaded[1] = loaded[3]
         for slots in ([0, 0, 1, 1, 2, 2], [-1, 0, 0, 0, 1, 2, 2, 2, 2, 2]):
-            inputs = StepInputs([0] * len(slots), [0] * len(slots), [[0]] * len(slots), len(slots), [], [], slots)
+            n = len(slots)
+            inputs = StepInputs([0] * n, [0] * n, [[0]] * n, n, [], [], slots)
             plan = lora_decode_plan(inputs, torch.device("cpu"))
             assert plan is not None and plan.dense == (slots[0] == 0)
             for linear, width in widths.items():
