@@ -53,6 +53,26 @@ def serve(workdir: Path, model_dir: Path, name: str) -> Process:
     return process
 
 
+def chat_lines() -> bytes:
+    """The batch's input file: NUM_LINES chat lines of 24 output tokens each."""
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"Count to {i}"}],
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        }
+        for i in range(NUM_LINES)
+    ]
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
 def completed(client: openai.OpenAI, batch_id: str) -> int:
     counts = client.batches.retrieve(batch_id).request_counts
     return 0 if counts is None else counts.completed + counts.failed
@@ -72,23 +92,7 @@ def test_a_batch_killed_twice_completes_once_per_line_and_is_billed_once(
     gateway = serve(tmp_path, tiny_model_dir, "gateway-1")
     try:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
-        lines = [
-            {
-                "custom_id": f"line-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "tiny",
-                    "messages": [{"role": "user", "content": f"Count to {i}"}],
-                    "max_tokens": 24,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                },
-            }
-            for i in range(NUM_LINES)
-        ]
-        data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-        upload = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        upload = client.files.create(file=("in.jsonl", io.BytesIO(chat_lines())), purpose="batch")
         batch_id = client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         ).id
