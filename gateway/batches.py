@@ -600,14 +600,16 @@ def _batch_error(code: str, message: str, param: str | None = None) -> dict[str,
 def build_batches(
     settings: Settings, pipeline: Pipeline, tenancy: Tenancy | None, metrics: Metrics
 ) -> tuple[Files, Batches]:
-    """The Files and Batches APIs: records in Redis with `--redis-url` (shared by a pool), else in
-    `--storage-dir`'s batches.sqlite3; bytes in `--files-bucket`, else the storage directory's
-    files/. Without a storage directory: an in-memory database and a temporary directory (lost
-    at exit, as the other embedded stores are without one)."""
+    """The Files and Batches APIs: with `--redis-url` and `--files-bucket`, records in Redis and
+    bytes in the bucket, shared by a pool of gateways; else this gateway's own, the records in
+    `--storage-dir`'s batches.sqlite3 and the bytes in the bucket or the storage directory's files/
+    (records in Redis beside bytes only one gateway holds would be 404s on the others). Without a
+    storage directory: an in-memory database and a temporary directory (lost at exit, as the
+    other embedded stores are without one)."""
     storage = Path(settings.storage_dir) if settings.storage_dir else None
     root = storage or Path(tempfile.mkdtemp(prefix="batchgate-files-"))
     store: BatchStore
-    if settings.redis_url:
+    if settings.redis_url and settings.files_bucket:
         from gateway.batch_redis import RedisBatchStore
 
         store = RedisBatchStore(settings.redis_url)
