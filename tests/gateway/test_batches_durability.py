@@ -49,7 +49,11 @@ def serve(workdir: Path, model_dir: Path, name: str) -> Process:
         str(workdir / "tenants.toml"),
     ]
     process = start(name, [*args, "--storage-dir", str(workdir / "storage")], workdir)
-    wait_ready([process])
+    try:
+        wait_ready([process])
+    except BaseException:
+        process.stop()
+        raise
     return process
 
 
