@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def batch(args: argparse.Namespace, workdir: Path) -> tuple[float, float]:
     """(output tokens/s, seconds) of one batch of the workload through `batchgate serve`."""
     import openai
 
-    spec = batchgate_spec(args.dtype, args.concurrency, server_args(args, workdir))
+    spec = replace(batchgate_spec(args.dtype, args.concurrency, server_args(args, workdir)), start_timeout_s=900)
     with launched(spec, workdir / "logs"):
         client = openai.OpenAI(base_url=spec.base_url, api_key="unused", max_retries=0)
         upload_id = upload_batch(args, client)
@@ -183,7 +184,7 @@ def interactive(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     hashes = {name: hash_key(key) for name, key in KEYS.items()}
     (workdir / "tenants.toml").write_text(TENANTS.format(**hashes))
     extra = [*server_args(args, workdir), "--tenants", str(workdir / "tenants.toml")]
-    spec = batchgate_spec(args.dtype, args.concurrency, extra)
+    spec = replace(batchgate_spec(args.dtype, args.concurrency, extra), start_timeout_s=900)
     with launched(spec, workdir / "logs"):
         client = openai.OpenAI(base_url=spec.base_url, api_key=KEYS["batch"], max_retries=0)
         upload_id = upload_batch(args, client)

@@ -56,7 +56,7 @@ def test_killing_the_runners_gateway_hands_the_batch_to_the_other(
 
             def runner() -> Process | None:
                 owner = store.get(runner_key)
-                return None if owner is None else gateways[int(owner.split(":")[1])]
+                return None if owner is None else gateways[int(str(owner).split(":")[1])]
 
             deadline = time.monotonic() + 60
             while completed(client, batch_id) < 8:
