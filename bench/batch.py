@@ -122,7 +122,8 @@ def batch(args: argparse.Namespace, workdir: Path) -> tuple[float, float]:
     """(output tokens/s, seconds) of one batch of the workload through `batchgate serve`."""
     import openai
 
-    spec = replace(batchgate_spec(args.dtype, args.concurrency, server_args(args, workdir)), start_timeout_s=900)
+    spec = batchgate_spec(args.dtype, args.concurrency, server_args(args, workdir))
+    spec = replace(spec, start_timeout_s=900)
     with launched(spec, workdir / "logs"):
         client = openai.OpenAI(base_url=spec.base_url, api_key="unused", max_retries=0)
         upload_id = upload_batch(args, client)
