@@ -8,18 +8,21 @@ trace links its lines: each line's request span links to the `batch {id}` span o
 from __future__ import annotations
 
 import io
-import json
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import redis
 
-from tenancy.config import load_config
 from tenancy.keyspace import tenant_tag
 from tests.gateway.s3_server import BUCKET, moto_server
-from tests.gateway.test_batches_durability import KEY, NUM_LINES, TENANTS, chat_lines, completed
+from tests.gateway.test_batches_durability import (
+    KEY,
+    TENANTS,
+    assert_completed_once_and_billed_once,
+    chat_lines,
+    completed,
+)
 from tests.pool.conftest import Process, replica_args, start, wait_ready
 from tests.pool.otlp_receiver import OTLPReceiver
 
@@ -76,29 +79,7 @@ def test_killing_the_runners_gateway_hands_the_batch_to_the_other(
             # The lease was renewed at most a third of it before the kill; the watch wakes as it lapses.
             assert takeover_s <= LEASE_S + 0.5, takeover_s
 
-            deadline = time.monotonic() + 120
-            while (batch := client.batches.retrieve(batch_id)).status != "completed":
-                assert batch.status in ("in_progress", "finalizing"), batch
-                assert time.monotonic() < deadline, f"batch not completed: {batch}"
-                time.sleep(0.1)
-            assert batch.error_file_id is None and batch.output_file_id is not None
-            content = client.files.content(batch.output_file_id).content
-            out = [json.loads(line) for line in content.splitlines()]
-            assert sorted(line["custom_id"] for line in out) == sorted(f"line-{i}" for i in range(NUM_LINES))
-            usage = [line["response"]["body"]["usage"] for line in out]
-            price = load_config(tmp_path / "tenants.toml").price("tiny")
-            ledger = httpx.get(
-                survivor.url + "/v1/usage",
-                params={"start_time": int(time.time()) - 3600, "group_by": "batch"},
-                headers={"authorization": f"Bearer {KEY}"},
-            ).json()
-            rows = [r for bucket in ledger["data"] for r in bucket["results"]]
-            assert rows and all(r["batch"] for r in rows)
-            assert sum(r["num_model_requests"] for r in rows) == NUM_LINES
-            assert sum(r["input_tokens"] for r in rows) == sum(u["prompt_tokens"] for u in usage)
-            assert sum(r["output_tokens"] for r in rows) == sum(u["completion_tokens"] for u in usage)
-            costs = [price.cost(u["prompt_tokens"], 0, u["completion_tokens"], batch=True) for u in usage]
-            assert sum(r["cost_micros"] for r in rows) == sum(costs)
+            assert_completed_once_and_billed_once(survivor.url, batch_id, tmp_path / "tenants.toml")
 
             # The survivor's run of the batch: a root span, each line it ran linked to it.
             service = f"batchgate-{survivor.name}"
