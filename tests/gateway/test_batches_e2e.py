@@ -316,7 +316,8 @@ def test_lines_left_at_expiry_end_in_batch_expired_lines(server: LiveServer) -> 
     """The completion window passes mid-batch (the runner's clock moved 24 h on, no sleep): the
     lines in flight finish, every line not started gets a `batch_expired` error line, and the
     batch ends `expired`, with one line per custom_id."""
-    batches = server.server.config.app.state.gateway.batches
+    app: Any = server.server.config.app
+    batches = app.state.gateway.batches
     real_clock = batches.clock
     client = sdk(server)
     lines = [chat_line(f"x{i}", max_tokens=32, ignore_eos=True) for i in range(24)]
@@ -333,7 +334,8 @@ def test_lines_left_at_expiry_end_in_batch_expired_lines(server: LiveServer) -> 
         batch = wait_done(client, created.id)
     finally:
         batches.clock = real_clock
-    assert batch.status == "expired" and batch.expired_at and batch.expired_at >= batch.expires_at
+    assert batch.status == "expired" and batch.expired_at and batch.expires_at
+    assert batch.expired_at >= batch.expires_at
     served = lines_of(client, batch.output_file_id)
     expired = lines_of(client, batch.error_file_id)
     assert sorted(line["custom_id"] for line in served + expired) == sorted(f"x{i}" for i in range(24))
