@@ -90,8 +90,8 @@ class RedisBatchStore:
     shared = True
 
     def __init__(self, url: str) -> None:
-        # Redis's default timeouts, not tenancy's 0.5 s: a journal read of 50,000 lines takes longer.
-        self._client: Any = aioredis.Redis.from_url(url)
+        # Longer than tenancy's 0.5 s: a journal read of 50,000 lines takes longer than that.
+        self._client: Any = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10)
         self._put = self._client.register_script(_PUT)
         self._record = self._client.register_script(_RECORD)
         self._claim = self._client.register_script(_CLAIM)
