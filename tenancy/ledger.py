@@ -3,8 +3,10 @@
 Settlement writes the ledger in the same atomic step as the refund and the budgets: in Redis
 (``tenancy.scripts.SETTLE_SCRIPT``, one hash per tenant and hour) or, without Redis, in SQLite
 (:class:`MemoryStore`: a file in the storage directory, so a restart keeps budgets and ledger,
-or an in-memory database when there is no storage directory). Rows are summed into OpenAI's
-organization Usage API buckets by :func:`buckets`.
+or an in-memory database when there is no storage directory). A usage read is summed by the
+store itself (:class:`LedgerQuery`: ``SUM_SCRIPT`` over a tenant's hourly hashes in Redis, one
+GROUP BY in SQLite) and written as OpenAI's organization Usage API buckets by :func:`page`;
+:func:`buckets` does the same from rows already read.
 """
 
 from __future__ import annotations
