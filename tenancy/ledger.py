@@ -170,11 +170,15 @@ def _parse_sums(tenant: str, raw: Sequence[Any], query: LedgerQuery, into: Sums)
         _group_values(query.group_by, tenant, *(str(v) for v in raw[1 + 3 * g : 4 + 3 * g]))
         for g in range(num_groups)
     ]
-    values = raw[1 + 3 * num_groups :]
+    values = [int(v) for v in raw[1 + 3 * num_groups :]]
     for i in range(0, len(values), 7):
-        add_sums(
-            into, (int(values[i]), groups[int(values[i + 1]) - 1]), [int(v) for v in values[i + 2 : i + 7]]
-        )
+        key = (values[i], groups[values[i + 1] - 1])
+        total = into.get(key)
+        if total is None:
+            into[key] = values[i + 2 : i + 7]
+        else:
+            for j, value in enumerate(values[i + 2 : i + 7]):
+                total[j] += value
 
 
 def sum_args(query: LedgerQuery, tenant: str) -> list[Any]:
@@ -422,8 +426,11 @@ def page(
     with its ``results``): one bucket per ``bucket_width_s`` from ``start_time`` (aligned to the
     width, UTC) to ``end_time``; results grouped by ``group_by`` fields of :data:`GROUPS`."""
     first = start_time - start_time % bucket_width_s
+    # Results in a bucket ordered by their group values as text; each group's rank found once.
+    groups = sorted({key for _, key in sums}, key=lambda key: tuple(str(v) for v in key))
+    rank = {key: i for i, key in enumerate(groups)}
     by_bucket: dict[int, list[tuple[tuple[Any, ...], list[int]]]] = {}
-    for (index, key), total in sums.items():
+    for (index, key), total in sorted(sums.items(), key=lambda item: (item[0][0], rank[item[0][1]])):
         by_bucket.setdefault(index, []).append((key, total))
     where = {g: i for i, g in enumerate(group_by)}
     tenant_at, model_at, key_at, batch_at = (where.get(g) for g in GROUPS)
@@ -432,10 +439,7 @@ def page(
     while first + index * bucket_width_s < end_time:
         start = first + index * bucket_width_s
         results = []
-        found = by_bucket.get(index, [])
-        if len(found) > 1:
-            found.sort(key=lambda kv: tuple(str(v) for v in kv[0]))
-        for key, total in found:
+        for key, total in by_bucket.get(index, ()):
             results.append(
                 {
                     "object": "organization.usage.completions.result",
