@@ -120,9 +120,8 @@ def _engine(name: str) -> Any:
     its default, help, flag and choices are defined there only."""
     meta = _ENGINE_FIELDS[name].metadata
     default = getattr(EngineConfig, name) if meta["server_default"] is None else meta["server_default"]
-    if meta["choices"]:  # the server's value is one of these words (its type may differ: a bool)
-        parse = _str
-    else:
+    parse: Callable[[str], Any] = _str  # choices: one of these words (its type may differ: a bool)
+    if not meta["choices"]:
         parse = _UNIT_PARSERS.get(meta["unit"]) or _PARSERS[str(_ENGINE_FIELDS[name].type)]
     return field(
         default=default,
