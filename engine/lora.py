@@ -114,7 +114,7 @@ def _config(path: Path, name: str) -> dict[str, Any]:
     if not cfg_file.is_file():
         raise LoraError(f"adapter {name!r}: {cfg_file} not found (expected PEFT's save_pretrained folder)")
     try:
-        cfg = json.loads(cfg_file.read_text())
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise LoraError(f"adapter {name!r}: adapter_config.json is not JSON: {exc}") from exc
     checks = [

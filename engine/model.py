@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.loader import ModelSpec
 from engine.lora import LoraAdapter, LoraWeights
+from engine.ops import tensor_op
 from engine.quant import Linear, WeightFormat
 from engine.step import ForwardBatch
 
@@ -180,7 +181,7 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.rms_norm(x, weight, self.spec.rms_norm_eps)
+            return tensor_op(self.kernels.rms_norm, x, weight, self.spec.rms_norm_eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         return weight * (x.float() * torch.rsqrt(var + self.spec.rms_norm_eps)).to(x.dtype)
 
@@ -195,7 +196,7 @@ class LlamaModel:
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_silu_mul:
-            return self.kernels.silu_mul(gate_up)
+            return tensor_op(self.kernels.silu_mul, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -227,7 +227,8 @@ class _Writer:
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def snapshot(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.body))
+        copy: dict[str, Any] = json.loads(json.dumps(self.body))
+        return copy
 
     @property
     def index(self) -> int:
