@@ -52,7 +52,7 @@ bench-avx2: install
 	$(AVX2_PROFILE) $(BIN)/python -m bench.compare --no-hf --no-engine --batchgate \
 	    --dtypes auto --llama-server $(LLAMA_SERVER) --repeat 2
 
-# ruff; mypy over engine/, gateway/, tenancy/ ([tool.mypy]); the import contracts
+# ruff; mypy --strict over engine/, gateway/, tenancy/ ([tool.mypy]); the import contracts
 # ([tool.importlinter]: engine and tenancy import no gateway, no import cycles).
 lint: install
 	$(BIN)/ruff check engine gateway tenancy tests bench

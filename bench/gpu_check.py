@@ -42,6 +42,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import LoadedModel, ModelSpec  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from engine.worker import EngineWorker  # noqa: E402
 
 # Hugging Face configs of the shapes (weights are random).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -181,7 +182,7 @@ def make_engine(
         quantization="none",
     )
     model = LoadedModel(Path("."), name, spec, {}, NullTokenizer(), dict(weights))
-    return LLMEngine(config, model=model)
+    return LLMEngine(config, worker=EngineWorker.start(config, model))
 
 
 def params(max_tokens: int) -> SamplingParams:

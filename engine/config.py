@@ -1,14 +1,25 @@
-"""Engine settings: read once at start-up into one typed object, validated early."""
+"""Engine settings: read once at start-up into one typed object, validated early.
+
+Each field is the one definition of its setting: its default, its check, and (in its metadata,
+`setting()`) how a server exposes it: the section it belongs to, its help, and where the server's
+name or value type differs from the field's (`--kv-cache-memory`, `--queue-deadline`,
+`--prefix-caching tenant|global|off`). The gateway's flags, variables and models-file keys are
+generated from these (gateway/settings.py).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # The inter-token latency the scheduler aims at while long prompts prefill (`--target-itl-ms`; 0 turns
-# the step-time budget off): ~8 tokens/s per stream, faster than people read streamed text. The
-# choice is measured in docs/BENCHMARKS.md ("Long prompts among chat turns").
+# the step-time budget off); the choice is measured in docs/BENCHMARKS.md.
 DEFAULT_TARGET_ITL_MS = 120.0
 
 # The allowed values of the string settings; the gateway's flags offer the same choices.
@@ -16,114 +27,239 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 KERNELS = ("auto", "native", "torch")
 BATCHING_MODES = ("continuous", "static")
+# The sections of the engine's settings (as vLLM's ModelConfig, CacheConfig, SchedulerConfig,
+# ParallelConfig); the server's --help lists them so.
+SECTIONS = ("model", "cache", "scheduler", "parallel")
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    section: str,
+    name: str | None = None,
+    flag: str | None = None,
+    unit: str | None = None,
+    choices: tuple[str, ...] = (),
+    server_default: Any = None,
+    to_engine: Callable[[Any], Any] | None = None,
+    per_model: bool = True,
+    server: bool = True,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
+    """An engine field and how a server exposes it. `name`: the server's setting name where it is
+    not the field's (`flag`: its flag where not `--name`); `unit` "bytes": given as a size (2GiB);
+    `choices`, `server_default` and `to_engine`: where the server's value is of another type (the
+    choice it offers, its default, and the field's value from it); `per_model`: a models file's
+    model may set it; `server=False`: not a server setting (tests and benchmarks set it)."""
+    assert section in SECTIONS, section
+    meta = {
+        "help": help,
+        "section": section,
+        "name": name,
+        "flag": flag,
+        "unit": unit,
+        "choices": choices,
+        "server_default": server_default,
+        "to_engine": to_engine,
+        "per_model": per_model,
+        "server": server,
+    }
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _power_of_two(v: int) -> bool:
+    return v >= 1 and not v & (v - 1)
+
+
+def _buckets(v: tuple[int, ...]) -> bool:
+    return all(b >= 1 for b in v) and list(v) == sorted(set(v))
+
+
+# Each setting's check and its message, in one place: EngineConfig and the scheduler's own
+# SchedulerConfig both run them (`check_settings`) on the fields they have.
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "block_size": (_power_of_two, "block_size must be a power of two >= 1, got {v}"),
+    "max_num_seqs": (lambda v: v >= 1, "max_num_seqs must be >= 1, got {v}"),
+    "max_num_batched_tokens": (lambda v: v >= 1, "max_num_batched_tokens must be >= 1, got {v}"),
+    "dtype": (lambda v: v in DTYPES, "dtype must be auto, bfloat16, float16 or float32, got {v!r}"),
+    "kv_cache_memory_fraction": (lambda v: 0.0 < v <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]"),
+    "kv_cache_memory_bytes": (lambda v: v is None or v > 0, "kv_cache_memory_bytes must be positive"),
+    "quantization": (
+        lambda v: v in QUANTIZATIONS,
+        "quantization must be auto, none, int4 or int8, got {v!r}",
+    ),
+    "kernels": (lambda v: v in KERNELS, "kernels must be auto, native or torch, got {v!r}"),
+    "int4_max_batch": (lambda v: v >= 0, "int4_max_batch must be >= 0, got {v}"),
+    "batching": (lambda v: v in BATCHING_MODES, "batching must be continuous or static, got {v!r}"),
+    "max_loras": (lambda v: v >= 0, "max_loras must be >= 0, got {v}"),
+    "tensor_parallel_size": (lambda v: v >= 1, "tensor_parallel_size must be >= 1, got {v}"),
+    "collective_timeout_s": (lambda v: v > 0, "collective_timeout_s must be > 0, got {v}"),
+    "length_buckets": (_buckets, "length_buckets must be increasing positive token counts, got {v}"),
+    "long_prefill_share": (lambda v: 0.0 < v <= 1.0, "long_prefill_share must be in (0, 1], got {v}"),
+    "max_preemptions_per_seq": (lambda v: v >= 0, "max_preemptions_per_seq must be >= 0, got {v}"),
+    "target_itl_ms": (
+        lambda v: math.isfinite(v) and v >= 0,
+        "target_itl_ms must be >= 0 (0: off), got {v}",
+    ),
+    "default_queue_deadline_s": (
+        lambda v: v is None or v > 0,
+        "default_queue_deadline_s must be > 0, got {v}",
+    ),
+}
+
+
+def check_settings(obj: DataclassInstance) -> None:
+    """ValueError naming the first of `obj`'s engine settings that is out of range."""
+    for f in fields(obj):
+        check = _CHECKS.get(f.name)
+        if check is not None and not check[0](getattr(obj, f.name)):
+            raise ValueError(check[1].format(v=getattr(obj, f.name)))
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. Defaults run on one CPU with the bundled model.
 
-    The one place for each engine default: the gateway's `Settings` and the scheduler's
-    `SchedulerConfig` default to these fields (`EngineConfig.max_num_seqs`, ...), never to a copy.
-
-    `model`: a GGUF file, a Hugging Face folder (config.json + safetensors), or None for the bundled
-    SmolLM2-135M-Instruct. `dtype`: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
-    "bfloat16", "float16" or "float32". `device`: "auto" (CUDA when available), "cpu" or "cuda[:N]".
-    KV memory: `kv_cache_memory_bytes` when set, else `kv_cache_memory_fraction` of free memory (on
-    the CPU, within the cgroup's memory limit: a pod's limit, not the node's free memory)
-    (capped by what `max_num_seqs` sequences of `max_model_len` tokens could ever use).
+    The one place for each engine setting: the gateway's flags and the scheduler's
+    `SchedulerConfig` come from these fields, never from a copy.
     """
 
-    model: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.3
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "batchgate")
-    seed: int = 0
-    # ---- scheduling policy (engine/scheduler.py, engine/policy.py, engine/admission.py) ----
-    # "continuous" (iteration-level) or "static" (a batch runs until its last member finishes).
-    batching: str = "continuous"
-    # Prompt-length bucket boundaries: bucket i holds prompts <= length_buckets[i], the last bucket
-    # the longer ones; buckets take turns at admission. () turns buckets off (one FIFO per class).
-    length_buckets: tuple[int, ...] = (256, 1024, 4096)
-    # Fraction of a step's token budget that longer prompts' prefill chunks may take while shorter
-    # prompts are waiting (1.0 disables the cap).
-    long_prefill_share: float = 0.5
-    # Step-time budget for long prompts' prefill chunks while others decode or wait (see
-    # DEFAULT_TARGET_ITL_MS and engine/scheduler.py); 0: off (chunks bounded by tokens only).
-    target_itl_ms: float = DEFAULT_TARGET_ITL_MS
-    # A sequence preempted this many times is no longer preempted to make room for a higher class.
-    max_preemptions_per_seq: int = 3
-    # Seconds from arrival by which a request must start when it does not carry its own deadline;
-    # None: no deadline.
-    default_queue_deadline_s: float | None = None
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # ---- model: what runs, on what, in which format ----
+    model: str | None = setting(
+        None,
+        "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M), or none (no chat "
+        "model: an embedding-only replica)",
+        section="model",
+        per_model=False,  # a models file's entry names its own (`model = ...`)
+    )
+    served_model_name: str | None = setting(
+        None, "the model id clients send and /v1/models lists", section="model", per_model=False
+    )
+    # "auto": bf16 on CUDA and on CPUs with native bf16, else fp32.
+    dtype: str = setting("auto", "weights and KV dtype", section="model", choices=DTYPES)
+    device: str = setting("auto", "auto, cpu or cuda[:N]", section="model")
     # Weight format of the layers' projections (engine/quant.py): "none" (dtype only); "int4" /
-    # "int8" (Q4_1 / Q8_0 groups on our int8 kernels, CPU with AVX2 in float32; int4 in bfloat16:
-    # an extra copy for steps of at most `int4_max_batch` tokens); "auto" (a Q4_1 GGUF's weights
-    # as the file holds them, on our kernels or, with native bf16, the int4 copy).
-    quantization: str = "auto"
-    # "native" (engine/native.py: C++ kernels for decode attention straight from the paged cache
-    # and the fused elementwise ops; CPU only, compiled on first use), "torch" (plain torch ops),
-    # or "auto" (native on the CPU when they build, else torch).
-    kernels: str = "auto"
-    int4_max_batch: int = 8
-    # Automatic prefix caching (engine/block_manager.py): full KV blocks are shared by content
-    # between requests of the same cache salt, so a repeated prefix (a system prompt, a chat's
-    # earlier turns) is not computed again.
-    enable_prefix_caching: bool = True
-    # LoRA adapters (engine/lora.py): how many different adapters one step may mix (resident
-    # slots); further ones wait in CPU memory, their requests outside the batch.
-    max_loras: int = 8
-    # ---- tensor parallelism (engine/parallel.py) ----
+    # "int8" (Q4_1 / Q8_0 groups on our int8 kernels); "auto" (a Q4_1 GGUF's weights as it holds them).
+    quantization: str = setting(
+        "auto",
+        "quantized weights on the CPU: int4, int8 (requantize), none, or auto (a Q4_1 GGUF as it is)",
+        section="model",
+        choices=QUANTIZATIONS,
+    )
+    int4_max_batch: int = setting(8, "largest step (tokens) that runs on the int4 weights", section="model")
+    # "native": engine/native.py's C++ kernels (CPU only, compiled on first use); "torch": plain ops.
+    kernels: str = setting(
+        "auto",
+        "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
+        section="model",
+        choices=KERNELS,
+    )
+    num_threads: int | None = setting(None, "torch CPU threads (default: torch's choice)", section="model")
+    # LoRA adapters (engine/lora.py): further ones wait in CPU memory, their requests outside the batch.
+    max_loras: int = setting(
+        8,
+        "LoRA adapters one engine step may mix (resident slots); requests of further ones wait",
+        section="model",
+    )
+    cache_dir: Path = setting(
+        None,
+        "where compiled and converted model files are kept",
+        section="model",
+        server=False,
+        default_factory=lambda: Path.home() / ".cache" / "batchgate",
+    )
+    seed: int = setting(0, "the engine's random seed", section="model", server=False)
+    # ---- cache: the paged KV cache ----
+    block_size: int = setting(16, "tokens per KV-cache block (a power of two)", section="cache")
+    # KV memory: this when set, else `kv_cache_memory_fraction` of free memory (on the CPU, within
+    # the cgroup's limit), capped by what max_num_seqs sequences of max_model_len tokens could use.
+    kv_cache_memory_bytes: int | None = setting(
+        None,
+        "KV-cache size, e.g. 2GiB (default: a fraction of free memory)",
+        section="cache",
+        flag="--kv-cache-memory",
+        unit="bytes",
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.3,
+        "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given",
+        section="cache",
+    )
+    max_model_len: int | None = setting(
+        None, "context length (default: the model's, capped by KV memory)", section="cache"
+    )
+    # Automatic prefix caching (engine/block_manager.py): full KV blocks shared by content between
+    # requests of the same cache salt. The server chooses the salt's scope (a tenant's, or one).
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the KV of repeated prompt prefixes: within each tenant (tenant), across tenants (global), "
+        "or off",
+        section="cache",
+        name="prefix_caching",
+        choices=("tenant", "global", "off"),
+        server_default="tenant",
+        to_engine=lambda value: value != "off",
+    )
+    # ---- scheduler: engine/scheduler.py, engine/policy.py, engine/admission.py ----
+    max_num_seqs: int = setting(64, "most sequences in one batch", section="scheduler")
+    max_num_batched_tokens: int = setting(512, "token budget of one engine step", section="scheduler")
+    # "continuous" (iteration-level) or "static" (a batch runs until its last member finishes).
+    batching: str = setting(
+        "continuous",
+        "continuous batching, or static (the baseline)",
+        section="scheduler",
+        choices=BATCHING_MODES,
+    )
+    # Bucket i holds prompts <= length_buckets[i], the last the longer ones; () is one FIFO per class.
+    length_buckets: tuple[int, ...] = setting(
+        (256, 1024, 4096),
+        "prompt-length bucket boundaries taking turns at prefill, e.g. 256,1024,4096 ('' or 0: off)",
+        section="scheduler",
+    )
+    long_prefill_share: float = setting(
+        0.5,
+        "most of a step's token budget one long prompt may take while shorter ones wait",
+        section="scheduler",
+    )
+    target_itl_ms: float = setting(
+        DEFAULT_TARGET_ITL_MS,
+        "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
+        "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "
+        "online); 0: off",
+        section="scheduler",
+    )
+    # A sequence preempted this many times is no longer preempted to make room for a higher class.
+    max_preemptions_per_seq: int = setting(
+        3,
+        "preemptions after which a sequence is not preempted for priority",
+        section="scheduler",
+        server=False,
+    )
+    default_queue_deadline_s: float | None = setting(
+        None,
+        "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
+        section="scheduler",
+        name="queue_deadline_s",
+        flag="--queue-deadline",
+    )
+    # ---- parallel: engine/parallel.py ----
     # Ranks one model copy is split over, one process each (rank 0 is this process and schedules).
-    tensor_parallel_size: int = 1
-    # Seconds a rank waits in one of a step's collectives before it gives up: a dead or hung rank
-    # then makes the engine stop (and the replica exit) within this, never a silent hang.
-    collective_timeout_s: float = 30.0
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks (processes; GPUs on CUDA) one model copy is split over; must divide the model's attention "
+        "and KV heads (the C++ kernels and int4 are single-rank only)",
+        section="parallel",
+        per_model=False,
+    )
+    # A dead or hung rank makes the engine stop (and the replica exit) within this, never a silent hang.
+    collective_timeout_s: float = setting(
+        30.0, "seconds a rank waits in one collective before it gives up", section="parallel", server=False
+    )
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
-            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be positive")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be auto, none, int4 or int8, got {self.quantization!r}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
-        if self.int4_max_batch < 0:
-            raise ValueError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
-        if self.max_loras < 0:
-            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not self.collective_timeout_s > 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         self.length_buckets = tuple(int(b) for b in self.length_buckets)
-        buckets = self.length_buckets
-        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"length_buckets must be increasing positive token counts, got {buckets}")
-        if not 0.0 < self.long_prefill_share <= 1.0:
-            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
-        if self.max_preemptions_per_seq < 0:
-            raise ValueError(f"max_preemptions_per_seq must be >= 0, got {self.max_preemptions_per_seq}")
-        if not (math.isfinite(self.target_itl_ms) and self.target_itl_ms >= 0):
-            raise ValueError(f"target_itl_ms must be >= 0 (0: off), got {self.target_itl_ms}")
-        if self.default_queue_deadline_s is not None and not self.default_queue_deadline_s > 0:
-            raise ValueError(f"default_queue_deadline_s must be > 0, got {self.default_queue_deadline_s}")
+        check_settings(self)
         self.cache_dir = Path(self.cache_dir)

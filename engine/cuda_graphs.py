@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model import LlamaModel
+from engine.ops import cuda_stream
 from engine.step import ForwardBatch, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class DecodeGraphs:
                     prefills=[],
                     logits_indices=rows[:size],
                 )
-                side = torch.cuda.Stream(device)
+                side = cuda_stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):  # warm-up: compiles kernels, settles allocations
                     model.forward(batch, kv_caches)

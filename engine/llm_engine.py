@@ -40,7 +40,6 @@ from engine.admission import (
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend, MaskFiller, MaskRow, closing_due
-from engine.loader import LoadedModel
 from engine.lora import LoraAdapter, LoraError, LoraRegistry, LoraSlots
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, compile_failure
@@ -63,7 +62,7 @@ from engine.types import (
     StepStage,
     TokenLogprob,
 )
-from engine.worker import build_engine_runner, load_engine_model
+from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +76,21 @@ class LLMEngine:
         self,
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
-        model: LoadedModel | None = None,
+        worker: EngineWorker | None = None,
     ) -> None:
-        """`model`: one already in memory, in the engine's dtype on its device, instead of loading
-        `config.model` (bench/gpu_check.py builds one with random weights); its weights are consumed."""
+        """`worker`: one already started (`EngineWorker.start(config, model)`: bench/gpu_check.py
+        starts one on a model with random weights), instead of loading `config.model`."""
         self.config = config
         self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded, device, dtype, weight_format = load_engine_model(config, model)
-        self.model_name = config.served_model_name or loaded.name
-        self.tokenizer = loaded.tokenizer
-        self.spec = loaded.spec
+        worker = worker if worker is not None else EngineWorker.start(config)
+        device, dtype, weight_format = worker.device, worker.dtype, worker.weight_format
+        self.model_name = config.served_model_name or worker.name
+        self.tokenizer = worker.tokenizer
+        self.spec = worker.spec
         self.dtype, self.device = dtype, device
-        self.runner = build_engine_runner(config, loaded, device, dtype, weight_format)
-        del loaded.weights  # the runner holds (fused) copies
+        self.runner = worker.runner
         num_blocks, max_len = self.runner.num_blocks, self.runner.max_model_len
         self.max_model_len = max_len
         # LoRA adapters: every loaded version (CPU memory), and the slots a step may mix.

@@ -1,6 +1,6 @@
 """The engine's C++ kernels for the CPU (engine/csrc/kernels.cpp): decode attention straight from
 the paged KV cache, K/V writes into it, and the fused elementwise parts of a layer (RMSNorm with the
-residual add, RoPE in place, SiLU-and-multiply).
+residual add, RoPE in place, SiLU-and-multiply), and the LoRA deltas of decode rows (csrc/lora.cpp).
 
 Compiled with the machine's C++ compiler on first use (about 20 s on 2 cores) through
 `torch.utils.cpp_extension`, then cached (under $TORCH_EXTENSIONS_DIR, by default
@@ -36,12 +36,13 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
+LORA_SOURCE = CSRC / "lora.cpp"  # plain C++: every ISA
 # The quantized matmuls are per ISA: one file each (x86 only so far; elsewhere torch ops serve).
 _ISA_SOURCES = {"x86_64": [CSRC / "qmatmul_x86.cpp"], "amd64": [CSRC / "qmatmul_x86.cpp"]}
 
 
 def sources() -> list[str]:
-    return [str(p) for p in (SOURCE, *_ISA_SOURCES.get(platform.machine().lower(), []))]
+    return [str(p) for p in (SOURCE, LORA_SOURCE, *_ISA_SOURCES.get(platform.machine().lower(), []))]
 
 def build_name() -> str:
     """The cache entry of this build: the CPU level's key and the sources' digest."""
@@ -101,8 +102,8 @@ def march_flags() -> list[str]:
 
 def native_kernels() -> Any:
     """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, write_kv_, rms_norm,
-    add_rms_norm, rope_, silu_mul); raises RuntimeError (with the compiler's reason) if they cannot
-    be built."""
+    add_rms_norm, rope_, silu_mul, lora_decode_); raises RuntimeError (with the compiler's reason)
+    if they cannot be built."""
     global _loaded, _error
     with _lock:
         if _loaded is None and _error is None:

@@ -141,6 +141,6 @@ def cgroup_memory_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 def available_memory() -> int:
     """Free memory for the KV cache on the CPU: the machine's, capped by the container's limit."""
-    free = psutil.virtual_memory().available
+    free = int(psutil.virtual_memory().available)
     limited = cgroup_memory_available()
     return free if limited is None else min(free, limited)

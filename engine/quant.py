@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.loader import is_q4_1_gguf
+from engine.ops import mkldnn_available, tensor_op
 
 GROUP_SIZE = 32
 PACK_BATCH_HINT = 32  # the batch size oneDNN tunes a packed layout for; any batch size runs on it
@@ -128,7 +129,9 @@ def quantize_int4(weight: torch.Tensor, source: torch.Tensor | None = None) -> I
 
 
 def int4_mm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, GROUP_SIZE, weight.scales_and_zeros)
+    return tensor_op(
+        torch.ops.aten._weight_int4pack_mm_for_cpu, x, weight.packed, GROUP_SIZE, weight.scales_and_zeros
+    )
 
 
 @dataclass(frozen=True)
@@ -232,11 +235,11 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     if (
         weight.device.type != "cpu"
         or weight.dtype != torch.bfloat16
-        or not torch.backends.mkldnn.is_available()
+        or not mkldnn_available()
     ):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        return tensor_op(torch.ops.mkldnn._reorder_linear_weight, weight, PACK_BATCH_HINT)
     except (AttributeError, RuntimeError):
         return None
 
@@ -284,7 +287,7 @@ class Linear:
         steps that prefill, see engine/model.py); our kernels serve every step."""
         if self.quant is not None:
             op = torch.ops.batchgate.q4_linear if self.quant.kind == "q4" else torch.ops.batchgate.q8_linear
-            return op(x, self.quant.packed, self.quant.n, self.bias, self.outlier_ratio)
+            return tensor_op(op, x, self.quant.packed, self.quant.n, self.bias, self.outlier_ratio)
         if self.int4 is not None and int4_ok and x.shape[0] <= self.int4_max_rows:
             y = int4_mm(x, self.int4)
             return y if self.bias is None else y + self.bias
@@ -293,7 +296,7 @@ class Linear:
             padded = padded_rows(rows)
             if padded != rows:
                 x = F.pad(x, (0, 0, 0, padded - rows))
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = tensor_op(torch.ops.mkldnn._linear_pointwise, x, self.packed, self.bias, "none", [], "")
             return y if padded == rows else y[:rows]
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

@@ -58,6 +58,7 @@ it has finished. It keeps the class order but neither preempts for priority nor 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -68,8 +69,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
-from engine.config import BATCHING_MODES, EngineConfig
-from engine.policy import WaitingQueue, validate_boundaries
+from engine.config import EngineConfig, check_settings
+from engine.policy import WaitingQueue
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import ScheduledChunk, SchedulerOutput
 from engine.step_cost import StepCostModel
@@ -105,15 +106,7 @@ class SchedulerConfig:
     max_yield_stall_steps: int = 4
 
     def __post_init__(self) -> None:
-        validate_boundaries(self.length_buckets)
-        if not 0.0 < self.long_prefill_share <= 1.0:
-            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
-        if self.max_preemptions_per_seq < 0:
-            raise ValueError(f"max_preemptions_per_seq must be >= 0, got {self.max_preemptions_per_seq}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
-        if not self.target_itl_ms >= 0:
-            raise ValueError(f"target_itl_ms must be >= 0 (0: off), got {self.target_itl_ms}")
+        check_settings(self)  # the fields it shares with EngineConfig, by the same checks
         if self.min_long_prefill_chunk < 1:
             raise ValueError(f"min_long_prefill_chunk must be >= 1, got {self.min_long_prefill_chunk}")
         if self.max_long_prefill_stall_steps < 1:
@@ -126,15 +119,8 @@ class SchedulerConfig:
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
         """The scheduling settings of `config` (validated there; the rest keep their defaults)."""
-        return cls(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            length_buckets=config.length_buckets,
-            long_prefill_share=config.long_prefill_share,
-            max_preemptions_per_seq=config.max_preemptions_per_seq,
-            batching=config.batching,
-            target_itl_ms=config.target_itl_ms,
-        )
+        shared = {f.name for f in dataclasses.fields(EngineConfig)}
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name in shared})
 
     @property
     def long_prefill_budget(self) -> int:

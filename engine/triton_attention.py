@@ -19,7 +19,8 @@ without importing it, and the runner imports this module only on CUDA.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -33,9 +34,12 @@ if available():
     import triton
     import triton.language as tl
 
+    # triton ships no types: its decorator typed here once (a kernel is launched as kernel[grid](...)).
+    jit = cast(Callable[[Callable[..., None]], Any], triton.jit)
+
     # Triton reads a kernel's annotations itself (tl.constexpr, pointer dtypes), so the tensor
     # arguments stay unannotated for mypy.
-    @triton.jit
+    @jit
     def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         q_ptr,  # [D, H, head_dim]
         k_ptr,  # [KV, num_blocks, block_size, head_dim], contiguous

@@ -1,13 +1,14 @@
 """The engine's device side, assembled: the model loaded on its device in its dtype, the KV cache
 sized, the tensor-parallel ranks started, and each rank's ModelRunner built (kernels, weight shard,
-KV cache, CUDA graphs). Rank 0 is built by `build_engine_runner`; a rank > 0 by `_rank_main`, the
-entry point of its process."""
+KV cache, CUDA graphs). Rank 0's side is `EngineWorker.start`; a rank > 0 is built by `_rank_main`,
+the entry point of its process."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,31 @@ from engine.parallel import (
 from engine.platform import resolve_device, resolve_dtype
 from engine.quant import WeightFormat, resolve_weight_format
 from engine.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class EngineWorker:
+    """Rank 0's device side, ready to run steps: the runner and the model facts the engine needs."""
+
+    runner: ModelRunner
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    weight_format: WeightFormat
+
+    @classmethod
+    def start(cls, config: EngineConfig, model: LoadedModel | None = None) -> EngineWorker:
+        """Load `config.model` (or take `model`, already in memory in the engine's dtype on its
+        device; its weights are consumed) and build rank 0's runner."""
+        loaded, device, dtype, weight_format = load_engine_model(config, model)
+        runner = build_engine_runner(config, loaded, device, dtype, weight_format)
+        del loaded.weights  # the runner holds (fused) copies
+        return cls(runner, loaded.name, loaded.tokenizer, loaded.spec, device, dtype, weight_format)
 
 
 def load_engine_model(

@@ -66,7 +66,8 @@ class AdminRoutes:
             from tenancy.errors import LimiterUnavailableError, TenancyConfigError, UnknownTenantError
 
             try:
-                return await handler(request, store)
+                response: Response = await handler(request, store)
+                return response
             except (NotFoundError, UnknownTenantError) as exc:
                 raise APIError(ErrorKind.NOT_FOUND, str(exc).strip("'\"")) from None
             except TenancyConfigError as exc:

@@ -20,7 +20,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -31,6 +31,11 @@ from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from gateway.responses_request import ResponsesRequest
 from gateway.telemetry import ChatSpan
+
+if TYPE_CHECKING:
+    from gateway.generation import Job, Outputs
+    from gateway.tools import OutputPlan
+    from tenancy.tokens import TokenCounter
 
 # A parsed request body, as an endpoint's parser returns it.
 APIRequest: TypeAlias = ChatCompletionRequest | CompletionRequest | EmbeddingsRequest | ResponsesRequest
@@ -58,6 +63,45 @@ class Endpoint:
     span: Callable[[Work], ChatSpan]
     stateful: bool = False  # its requests go through the pipeline's `State` hooks
     count_only: bool = False  # answers the prompt's token count; generates nothing, charges nothing
+    # What differs per endpoint inside the backends (gateway/endpoints.py fills these in): how the
+    # in-process engine plans it and answers it, and what a relay holds for it.
+    plan_local: Callable[[LocalPlanner, Work], Awaitable[Plan]] | None = None
+    answer: Answer | None = None
+    relay_hold: Callable[[Work, TokenCounter], Awaitable[RelayHold]] | None = None
+    usage_in_stream: bool = False  # its stream's terminal event carries usage unasked
+
+
+class LocalPlanner(Protocol):
+    """What an endpoint's local plan may call on the in-process generation backend (gateway/local.py)."""
+
+    @property
+    def closed_arguments(self) -> bool: ...
+
+    async def plan_chat(
+        self, work: Work, req: ChatCompletionRequest, *, param: str, output: OutputPlan | None = None
+    ) -> Plan: ...
+
+    async def plan_completion(self, work: Work, req: CompletionRequest) -> Plan: ...
+
+    async def plan_count(self, req: ChatCompletionRequest) -> Plan: ...
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How the in-process engine's outputs become an endpoint's reply: SSE events, or one body."""
+
+    events: Callable[[APIRequest, Outputs, Job], AsyncIterator[bytes]]
+    body: Callable[[APIRequest, Job, list[responses.Choice]], Mapping[str, object]]
+
+
+@dataclass(frozen=True)
+class RelayHold:
+    """What a gateway holds for a request it relays: prompt tokens (its own count), completion
+    tokens over all choices, and the completion tokens per choice a replica may use (0: no cap)."""
+
+    num_prompt_tokens: int
+    max_tokens: int
+    max_tokens_per_choice: int = 0
 
 
 @dataclass

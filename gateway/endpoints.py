@@ -8,11 +8,36 @@ temperature, stream}` and nothing else, answered exactly as a completion (a repl
 
 from __future__ import annotations
 
-from gateway import embeddings, protocol
-from gateway.backend import Endpoint, Task, Work
+from typing import TYPE_CHECKING
+
+import anyio
+
+from gateway import embeddings, generation, protocol, responses, responses_output
+from gateway.backend import Answer, APIRequest, Endpoint, LocalPlanner, Plan, RelayHold, Task, Work
+from gateway.custom_tools import plan_output
+from gateway.errors import APIError, ErrorKind
+from gateway.generation import Job, Outputs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
-from gateway.responses_request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
+from gateway.responses_request import (
+    ResponsesRequest,
+    drop_oldest,
+    parse_input_tokens_request,
+    parse_responses_request,
+    to_chat,
+)
 from gateway.telemetry import ChatSpan
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Mapping
+
+    from tenancy.tokens import TokenCounter
+
+# Reserved against the tenant when a relayed chat request names no max_tokens (no model here to
+# say how much context is left); settlement refunds what was not used.
+DEFAULT_CHAT_MAX_TOKENS = 1024
+
+
+# -- spans -------------------------------------------------------------------------------------
 
 
 def _generation_span(work: Work) -> ChatSpan:
@@ -36,8 +61,7 @@ def _generation_span(work: Work) -> ChatSpan:
 
 
 def _responses_span(work: Work) -> ChatSpan:
-    req = work.request
-    assert isinstance(req, ResponsesRequest)
+    req = _responses(work.request)
     messages: list[object] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += [item.model_dump(exclude_none=True) for item in req.input]
     return ChatSpan(
@@ -57,6 +81,124 @@ def _embeddings_span(work: Work) -> ChatSpan:
     return embeddings.span(work.model, work.caller, work.request)
 
 
+# Each endpoint's parser returns its own request model; these narrow the union to it.
+def _chat(req: APIRequest) -> ChatCompletionRequest:
+    assert isinstance(req, ChatCompletionRequest)
+    return req
+
+
+def _completion(req: APIRequest) -> CompletionRequest:
+    assert isinstance(req, CompletionRequest)
+    return req
+
+
+def _responses(req: APIRequest) -> ResponsesRequest:
+    assert isinstance(req, ResponsesRequest)
+    return req
+
+
+# -- plans on the in-process engine (gateway/local.py) ------------------------------------------
+
+
+async def _plan_chat(backend: LocalPlanner, work: Work) -> Plan:
+    return await backend.plan_chat(work, _chat(work.request), param="messages")
+
+
+async def _plan_completion(backend: LocalPlanner, work: Work) -> Plan:
+    return await backend.plan_completion(work, _completion(work.request))
+
+
+async def _plan_response(backend: LocalPlanner, work: Work) -> Plan:
+    """A Responses request is planned as the chat request it renders, with its own output plan
+    (custom tools, its field names); truncation "auto" drops the oldest items until it fits."""
+    req = _responses(work.request)
+    while True:
+        try:
+            chat = to_chat(req)
+            output = plan_output(req, chat, backend.closed_arguments)
+            return await backend.plan_chat(work, chat, param="input", output=output)
+        except APIError as exc:
+            # truncation "auto": the oldest items go until the conversation fits (OpenAI's rule)
+            shorter = drop_oldest(req) if req.truncation == "auto" else None
+            if exc.kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED or shorter is None:
+                raise
+            req = shorter
+
+
+async def _plan_input_tokens(backend: LocalPlanner, work: Work) -> Plan:
+    return await backend.plan_count(to_chat(_responses(work.request)))
+
+
+# -- answers from the in-process engine's outputs -----------------------------------------------
+
+
+def _chat_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    return generation.chat_events(outputs, job)
+
+
+def _chat_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
+    return generation.chat_body(job, choices)
+
+
+def _completion_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    return generation.completion_events(outputs, job)
+
+
+def _completion_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
+    return generation.completion_body(job, choices)
+
+
+def _response_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    return responses_output.response_events(_responses(req), outputs, job)
+
+
+def _response_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
+    return responses_output.response_body(_responses(req), job, choices[0])
+
+
+CHAT_ANSWER = Answer(_chat_events, _chat_body)
+COMPLETION_ANSWER = Answer(_completion_events, _completion_body)
+RESPONSE_ANSWER = Answer(_response_events, _response_body)
+
+
+# -- holds of a relaying gateway (gateway/relay.py): its own token counts ------------------------
+
+
+async def _hold_chat(work: Work, counter: TokenCounter) -> RelayHold:
+    req = _chat(work.request)
+    num_prompt = await anyio.to_thread.run_sync(counter.count_messages, work.body["messages"])
+    per_choice = req.requested_max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    return RelayHold(num_prompt, per_choice * req.num_choices, per_choice)
+
+
+async def _hold_completion(work: Work, counter: TokenCounter) -> RelayHold:
+    req = _completion(work.request)
+    prompts = req.prompt
+
+    def count() -> int:
+        return sum(len(p) if isinstance(p, tuple) else counter.count(p) for p in prompts)
+
+    num_prompt = await anyio.to_thread.run_sync(count)
+    max_tokens = req.requested_max_tokens * req.num_choices  # OpenAI's default 16 when unset
+    return RelayHold(num_prompt, max_tokens * len(prompts), req.requested_max_tokens or 0)
+
+
+async def _hold_response(work: Work, counter: TokenCounter) -> RelayHold:
+    req = _responses(work.request)
+    chat = to_chat(req)  # what the replica renders; a 400 here, before admission, as there
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    num_prompt = await anyio.to_thread.run_sync(counter.count_messages, messages)
+    max_tokens = 0 if work.endpoint.count_only else req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS
+    return RelayHold(num_prompt, max_tokens, req.requested_max_tokens or 0)
+
+
+async def _hold_embeddings(work: Work, counter: TokenCounter) -> RelayHold:
+    req = work.request
+    assert isinstance(req, EmbeddingsRequest)
+    num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, counter)
+    return RelayHold(num_prompt, 0)
+
+
 CHAT = Endpoint(
     path="/v1/chat/completions",
     upstream_path="/v1/chat/completions",
@@ -65,6 +207,9 @@ CHAT = Endpoint(
     id_prefix="chatcmpl",
     parse=protocol.parse_chat_request,
     span=_generation_span,
+    plan_local=_plan_chat,
+    answer=CHAT_ANSWER,
+    relay_hold=_hold_chat,
 )
 COMPLETIONS = Endpoint(
     path="/v1/completions",
@@ -74,6 +219,9 @@ COMPLETIONS = Endpoint(
     id_prefix="cmpl",
     parse=protocol.parse_completion_request,
     span=_generation_span,
+    plan_local=_plan_completion,
+    answer=COMPLETION_ANSWER,
+    relay_hold=_hold_completion,
 )
 GENERATE = Endpoint(
     path="/v1/generate",
@@ -83,6 +231,9 @@ GENERATE = Endpoint(
     id_prefix="cmpl",
     parse=protocol.parse_generate_request,
     span=_generation_span,
+    plan_local=_plan_completion,
+    answer=COMPLETION_ANSWER,
+    relay_hold=_hold_completion,
 )
 EMBEDDINGS = Endpoint(
     path="/v1/embeddings",
@@ -92,6 +243,7 @@ EMBEDDINGS = Endpoint(
     id_prefix="emb",
     parse=protocol.parse_embeddings_request,
     span=_embeddings_span,
+    relay_hold=_hold_embeddings,
 )
 
 RESPONSES = Endpoint(
@@ -103,6 +255,10 @@ RESPONSES = Endpoint(
     parse=parse_responses_request,
     span=_responses_span,
     stateful=True,
+    plan_local=_plan_response,
+    answer=RESPONSE_ANSWER,
+    relay_hold=_hold_response,
+    usage_in_stream=True,
 )
 
 RESPONSE_INPUT_TOKENS = Endpoint(
@@ -115,6 +271,8 @@ RESPONSE_INPUT_TOKENS = Endpoint(
     span=_responses_span,
     stateful=True,
     count_only=True,
+    plan_local=_plan_input_tokens,
+    relay_hold=_hold_response,
 )
 
 ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES, RESPONSE_INPUT_TOKENS)

@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING
 import anyio
 
 from engine.types import EngineError, GenerationRequest, LoraError, SamplingParams
-from gateway import custom_tools, generation, protocol, responses_output, tools
+from gateway import generation, protocol, tools
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
 from gateway.loras import wait_released
 from gateway.metrics import Metrics, TimedStream
-from gateway.responses_request import ResponsesRequest, drop_oldest, to_chat
 from gateway.settings import LoraSpec, Settings
 from gateway.tokens import Tokenizer, inline_or_thread
 
@@ -188,25 +187,14 @@ class EngineBackend:
     # -- requests ----------------------------------------------------------------------------
 
     async def plan(self, work: Work) -> Plan:
+        self._running()
+        if work.endpoint.plan_local is None:
+            raise RuntimeError(f"{work.endpoint.path} is not served by the generation engine")
+        return await work.endpoint.plan_local(self, work)
+
+    async def plan_completion(self, work: Work, req: protocol.CompletionRequest) -> Plan:
+        """A completions request's plan: every prompt tokenized, echo prefixes kept."""
         engine, tokenizer = self._running()
-        req = work.request
-        if isinstance(req, ResponsesRequest):
-            if work.endpoint.count_only:
-                return await self._plan_count(to_chat(req), tokenizer)
-            while True:
-                try:
-                    chat = to_chat(req)
-                    output = custom_tools.plan_output(req, chat, self._closed_arguments)
-                    return await self._plan_chat(work, chat, engine, tokenizer, param="input", output=output)
-                except APIError as exc:
-                    # truncation "auto": the oldest items go until the conversation fits (OpenAI's rule)
-                    shorter = drop_oldest(req) if req.truncation == "auto" else None
-                    if exc.kind is not ErrorKind.CONTEXT_LENGTH_EXCEEDED or shorter is None:
-                        raise
-                    req = shorter
-        if isinstance(req, protocol.ChatCompletionRequest):
-            return await self._plan_chat(work, req, engine, tokenizer, param="messages")
-        assert isinstance(req, protocol.CompletionRequest)
         size = sum(len(p) for p in req.prompt)
         prompts = await inline_or_thread(
             lambda ps: [tokenizer.encode_prompt(p) for p in ps], req.prompt, size
@@ -224,20 +212,19 @@ class EngineBackend:
             job.echo_prefixes = [text for text in texts for _ in range(params.n)]
         return self._plan(work, job, prompts, params, param="prompt")
 
-    async def _plan_chat(
+    async def plan_chat(
         self,
         work: Work,
         req: protocol.ChatCompletionRequest,
-        engine: EngineClient,
-        tokenizer: Tokenizer,
         *,
         param: str,
         output: tools.OutputPlan | None = None,
     ) -> Plan:
         """A chat request's plan; a Responses request is planned as the chat request it renders
         (with its own `output` plan: custom tools, its field names)."""
+        engine, tokenizer = self._running()
         if output is None:  # response_format and tools (gateway/tools.py)
-            output = tools.plan_output(req, closed_arguments=self._closed_arguments)
+            output = tools.plan_output(req, closed_arguments=self.closed_arguments)
         size = sum(len(m.text) for m in req.messages)
         prompt = await inline_or_thread(
             lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
@@ -259,11 +246,12 @@ class EngineBackend:
         return self._plan(work, job, [prompt], params, param=param)
 
     @property
-    def _closed_arguments(self) -> bool:
+    def closed_arguments(self) -> bool:
         return self.settings.tool_arguments == "declared"
 
-    async def _plan_count(self, req: protocol.ChatCompletionRequest, tokenizer: Tokenizer) -> Plan:
+    async def plan_count(self, req: protocol.ChatCompletionRequest) -> Plan:
         """The prompt's exact token count, as `POST /v1/responses/input_tokens` answers it."""
+        _, tokenizer = self._running()
         output = tools.plan_output(req)
         size = sum(len(m.text) for m in req.messages)
         prompt = await inline_or_thread(
@@ -329,19 +317,15 @@ class EngineBackend:
             outputs = self._submit(call, prompts, params, param)
             call.on_close(outputs.aclose)
             req = call.work.request
-            chat = isinstance(req, protocol.ChatCompletionRequest)
+            answer = call.work.endpoint.answer
+            if answer is None:
+                raise RuntimeError(f"{call.work.endpoint.path} has no answer from the generation engine")
             if call.work.stream:
                 ready = await outputs.wait_ready(call.keep_alive_s)
                 error = outputs.first_error()
                 if error is not None:
                     raise error
-                if isinstance(req, ResponsesRequest):
-                    events = responses_output.response_events(req, outputs, job)
-                elif chat:
-                    events = generation.chat_events(outputs, job)
-                else:
-                    events = generation.completion_events(outputs, job)
-                return Stream(events, ready)
+                return Stream(answer.events(req, outputs, job), ready)
             choices = await generation.gather(outputs, job)
         except APIError as error:
             if error.kind is ErrorKind.OVERLOADED:
@@ -349,10 +333,7 @@ class EngineBackend:
             raise
         usage.served = True
         usage.num_cached_tokens = job.num_cached_tokens
-        if isinstance(req, ResponsesRequest):
-            return Body(responses_output.response_body(req, job, choices[0]))
-        body = generation.chat_body(job, choices) if chat else generation.completion_body(job, choices)
-        return Body(body)
+        return Body(answer.body(req, job, choices))
 
     def _submit(
         self, call: Call, prompts: Sequence[list[int]], params: SamplingParams, param: str

@@ -32,17 +32,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import httpx
 
-from gateway import admission, embeddings, endpoints, protocol
+from gateway import admission, endpoints
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Usage, Work
 from gateway.drain import DRAINING_HEADER
 from gateway.errors import APIError, ErrorKind, Refusal, sse_error_event
 from gateway.metrics import Metrics
 from gateway.replicas import ReplicaSet, Upstream
 from gateway.responses_output import TEXT_EVENTS
-from gateway.responses_request import ResponsesRequest, to_chat
 from gateway.routing import affinity_key
 from gateway.settings import Settings
 from gateway.sse import DONE
@@ -54,9 +52,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("batchgate.pool")
 
-# Reserved against the tenant when a chat request names no max_tokens (no model here to say how
-# much context is left); settlement refunds what was not used.
-DEFAULT_CHAT_MAX_TOKENS = 1024
 # The replica keeps a cut stream's usage a moment after the cut; it waits up to 2 s for it.
 REPORT_TIMEOUT_S = 3.0
 RETRY_STATUSES = (502, 503, 504)
@@ -143,40 +138,15 @@ class ReplicaBackend:
         return self._counter
 
     async def plan(self, work: Work) -> Plan:
-        req = work.request
-        if isinstance(req, ResponsesRequest):
-            chat = to_chat(req)  # what the replica renders; a 400 here, before admission, as there
-            messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-            num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
-            max_tokens = 0 if work.endpoint.count_only else req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS
-        elif isinstance(req, protocol.ChatCompletionRequest):
-            messages = work.body["messages"]
-            num_prompt = await anyio.to_thread.run_sync(self._count().count_messages, messages)
-            max_tokens = (req.requested_max_tokens or DEFAULT_CHAT_MAX_TOKENS) * req.num_choices
-        elif isinstance(req, protocol.CompletionRequest):
-            prompts = req.prompt
-
-            def count() -> int:
-                counter = self._count()
-                return sum(len(p) if isinstance(p, tuple) else counter.count(p) for p in prompts)
-
-            num_prompt = await anyio.to_thread.run_sync(count)
-            max_tokens = req.requested_max_tokens * req.num_choices  # OpenAI's default 16 when unset
-            max_tokens *= len(prompts)
-        else:
-            assert isinstance(req, protocol.EmbeddingsRequest)
-            num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, self._count())
-            max_tokens = 0
-
+        if work.endpoint.relay_hold is None:
+            raise RuntimeError(f"{work.endpoint.path} is not relayed")
+        hold = await work.endpoint.relay_hold(work, self._count())
+        num_prompt, max_tokens = hold.num_prompt_tokens, hold.max_tokens
         if work.endpoint in endpoints.COUNTABLE and self._budget_weight(work):
             num_prompt = await self._exact_prompt(work) or num_prompt
 
-        per_choice = 0 if isinstance(req, protocol.EmbeddingsRequest) else (req.requested_max_tokens or 0)
-        if isinstance(req, protocol.ChatCompletionRequest):
-            per_choice = per_choice or DEFAULT_CHAT_MAX_TOKENS
-
         async def execute(call: Call) -> Reply:
-            return await self._execute(call, num_prompt + max_tokens, per_choice)
+            return await self._execute(call, num_prompt + max_tokens, hold.max_tokens_per_choice)
 
         return Plan(num_prompt, max_tokens, execute)
 
@@ -201,7 +171,7 @@ class ReplicaBackend:
         # carries when asked: ask for it always, and keep it from a client that did not.
         hide_usage = (
             work.stream
-            and not isinstance(work.request, ResponsesRequest)  # its terminal event carries usage
+            and not work.endpoint.usage_in_stream
             and not (body.get("stream_options") or {}).get("include_usage")
         )
         if hide_usage:

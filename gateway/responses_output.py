@@ -226,7 +226,8 @@ class _Writer:
         return encode(payload)
 
     def snapshot(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.body))
+        copy: dict[str, Any] = json.loads(json.dumps(self.body))
+        return copy
 
     @property
     def index(self) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import BATCHING_MODES, DTYPES, KERNELS, QUANTIZATIONS, EngineConfig
+from engine.config import EngineConfig
 from engine.embeddings.batcher import BatchLimits
 
 ENV_PREFIX = "BATCHGATE_"
@@ -100,49 +100,63 @@ def _opt(
     )
 
 
+# An engine setting's parser, by its field's type (engine/config.py declares a `unit` where the type
+# alone does not say how it is written).
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": _int,
+    "int | None": _int,
+    "float": _float,
+    "float | None": _float,
+    "str": _str,
+    "str | None": _str,
+    "tuple[int, ...]": _int_list,
+}
+_UNIT_PARSERS: dict[str, Callable[[str], Any]] = {"bytes": parse_bytes}
+_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def _engine(name: str) -> Any:
+    """The setting of EngineConfig's field `name`, as that field declares it (engine/config.py):
+    its default, help, flag and choices are defined there only."""
+    meta = _ENGINE_FIELDS[name].metadata
+    default = getattr(EngineConfig, name) if meta["server_default"] is None else meta["server_default"]
+    parse: Callable[[str], Any] = _str  # choices: one of these words (its type may differ: a bool)
+    if not meta["choices"]:
+        parse = _UNIT_PARSERS.get(meta["unit"]) or _PARSERS[str(_ENGINE_FIELDS[name].type)]
+    return field(
+        default=default,
+        metadata={
+            "parse": parse,
+            "help": meta["help"],
+            "flag": meta["flag"],
+            "env": None,
+            "choices": meta["choices"],
+            "multi": False,
+            "engine_field": name,
+            "section": meta["section"],
+        },
+    )
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything `batchgate serve` needs; defaults serve the bundled model on 127.0.0.1:8000."""
 
     host: str = _opt("127.0.0.1", _str, "address to bind")
     port: int = _opt(8000, _int, "port to bind")
-    # The engine's settings default to EngineConfig's fields (engine/config.py), their one place.
-    model: str | None = _opt(
-        EngineConfig.model,
-        _str,
-        "a Hugging Face folder or a .gguf file (default: the bundled SmolLM2-135M), or none (no chat "
-        "model: an embedding-only replica)",
-    )
-    served_model_name: str | None = _opt(
-        EngineConfig.served_model_name, _str, "the model id clients send and /v1/models lists"
-    )
-    dtype: str = _opt(EngineConfig.dtype, _str, "weights and KV dtype", choices=DTYPES)
-    device: str = _opt(EngineConfig.device, _str, "auto, cpu or cuda[:N]")
-    block_size: int = _opt(EngineConfig.block_size, _int, "tokens per KV-cache block (a power of two)")
-    kv_cache_memory_bytes: int | None = _opt(
-        EngineConfig.kv_cache_memory_bytes,
-        parse_bytes,
-        "KV-cache size, e.g. 2GiB (default: a fraction of free memory)",
-        flag="--kv-cache-memory",
-    )
-    max_num_seqs: int = _opt(EngineConfig.max_num_seqs, _int, "most sequences in one batch")
-    max_num_batched_tokens: int = _opt(
-        EngineConfig.max_num_batched_tokens, _int, "token budget of one engine step"
-    )
-    max_model_len: int | None = _opt(
-        EngineConfig.max_model_len, _int, "context length (default: the model's, capped by KV memory)"
-    )
-    kv_cache_memory_fraction: float = _opt(
-        EngineConfig.kv_cache_memory_fraction,
-        _float,
-        "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given",
-    )
-    queue_deadline_s: float | None = _opt(
-        EngineConfig.default_queue_deadline_s,
-        _float,
-        "seconds a request may wait to start before a fast 503 (default: no deadline; plans set their own)",
-        flag="--queue-deadline",
-    )
+    # The engine's settings (sections model, cache, scheduler, parallel): each defined once, by its
+    # EngineConfig field (engine/config.py); here only its name and type, for the typed attribute.
+    model: str | None = _engine("model")
+    served_model_name: str | None = _engine("served_model_name")
+    dtype: str = _engine("dtype")
+    device: str = _engine("device")
+    block_size: int = _engine("block_size")
+    kv_cache_memory_bytes: int | None = _engine("kv_cache_memory_bytes")
+    max_num_seqs: int = _engine("max_num_seqs")
+    max_num_batched_tokens: int = _engine("max_num_batched_tokens")
+    max_model_len: int | None = _engine("max_model_len")
+    kv_cache_memory_fraction: float = _engine("kv_cache_memory_fraction")
+    queue_deadline_s: float | None = _engine("default_queue_deadline_s")
     engine_stall_timeout_s: float = _opt(
         60.0,
         _float,
@@ -150,57 +164,16 @@ class Settings:
         "the orchestrator restarts the process",
         flag="--engine-stall-timeout",
     )
-    num_threads: int | None = _opt(
-        EngineConfig.num_threads, _int, "torch CPU threads (default: torch's choice)"
-    )
-    quantization: str = _opt(
-        EngineConfig.quantization,
-        _str,
-        "quantized weights on the CPU: int4, int8 (requantize), none, or auto (a Q4_1 GGUF as it is)",
-        choices=QUANTIZATIONS,
-    )
-    int4_max_batch: int = _opt(
-        EngineConfig.int4_max_batch, _int, "largest step (tokens) that runs on the int4 weights"
-    )
-    kernels: str = _opt(
-        EngineConfig.kernels,
-        _str,
-        "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
-        choices=KERNELS,
-    )
-    tensor_parallel_size: int = _opt(
-        EngineConfig.tensor_parallel_size,
-        _int,
-        "ranks (processes; GPUs on CUDA) one model copy is split over; must divide the model's attention "
-        "and KV heads (the C++ kernels and int4 are single-rank only)",
-    )
-    prefix_caching: str = _opt(
-        "tenant",
-        _str,
-        "reuse the KV of repeated prompt prefixes: within each tenant (tenant), across tenants (global), "
-        "or off",
-        choices=("tenant", "global", "off"),
-    )
-    batching: str = _opt(
-        EngineConfig.batching, _str, "continuous batching, or static (the baseline)", choices=BATCHING_MODES
-    )
-    length_buckets: tuple[int, ...] = _opt(
-        EngineConfig.length_buckets,
-        _int_list,
-        "prompt-length bucket boundaries taking turns at prefill, e.g. 256,1024,4096 ('' or 0: off)",
-    )
-    long_prefill_share: float = _opt(
-        EngineConfig.long_prefill_share,
-        _float,
-        "most of a step's token budget one long prompt may take while shorter ones wait",
-    )
-    target_itl_ms: float = _opt(
-        EngineConfig.target_itl_ms,
-        _float,
-        "inter-token latency (ms) that long prompts' prefill chunks leave to running streams and "
-        "waiting short prompts: chunks shrink to fit steps of this length (step costs measured "
-        "online); 0: off",
-    )
+    num_threads: int | None = _engine("num_threads")
+    quantization: str = _engine("quantization")
+    int4_max_batch: int = _engine("int4_max_batch")
+    kernels: str = _engine("kernels")
+    tensor_parallel_size: int = _engine("tensor_parallel_size")
+    prefix_caching: str = _engine("enable_prefix_caching")
+    batching: str = _engine("batching")
+    length_buckets: tuple[int, ...] = _engine("length_buckets")
+    long_prefill_share: float = _engine("long_prefill_share")
+    target_itl_ms: float = _engine("target_itl_ms")
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )
@@ -239,6 +212,13 @@ class Settings:
         "lines of one tenant's batches in flight at once, where its plan sets no "
         "batch_max_concurrent_lines (open mode, or a plan without it)",
     )
+    batch_lease_s: float = _opt(
+        30.0,
+        _float,
+        "a batch's runner lease, renewed every third of it by the gateway running the batch; with "
+        "--redis-url, another gateway takes over a batch whose runner's lease lapsed (its gateway died)",
+        flag="--batch-lease",
+    )
     ledger_retention_days: int = _opt(
         90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"
     )
@@ -276,11 +256,7 @@ class Settings:
         env="BATCHGATE_LORAS",
         multi=True,
     )
-    max_loras: int = _opt(
-        EngineConfig.max_loras,
-        _int,
-        "LoRA adapters one engine step may mix (resident slots); requests of further ones wait",
-    )
+    max_loras: int = _engine("max_loras")
     upstreams: tuple[str, ...] = _opt(
         (),
         _urls,
@@ -419,6 +395,8 @@ class Settings:
             raise ValueError(
                 f"responses_background_lease_s must be > 0, got {self.responses_background_lease_s}"
             )
+        if not self.batch_lease_s > 0:
+            raise ValueError(f"batch_lease_s must be > 0, got {self.batch_lease_s}")
         if self.responses_ttl_s < 1:
             raise ValueError(f"responses_ttl_s must be >= 1, got {self.responses_ttl_s}")
         if not self.engine_stall_timeout_s > 0:
@@ -436,30 +414,15 @@ class Settings:
         self.served_loras()
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            served_model_name=self.served_model_name,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-            default_queue_deadline_s=self.queue_deadline_s,
-            num_threads=self.num_threads,
-            quantization=self.quantization,
-            int4_max_batch=self.int4_max_batch,
-            kernels=self.kernels,
-            enable_prefix_caching=self.prefix_caching != "off",
-            batching=self.batching,
-            length_buckets=self.length_buckets,
-            long_prefill_share=self.long_prefill_share,
-            target_itl_ms=self.target_itl_ms,
-            tensor_parallel_size=self.tensor_parallel_size,
-            max_loras=self.max_loras,
-        )
+        """The engine's settings, each converted where its server value differs (engine/config.py)."""
+        values = {}
+        for f in dataclasses.fields(self):
+            name = f.metadata.get("engine_field")
+            if name is not None:
+                to_engine = _ENGINE_FIELDS[name].metadata["to_engine"]
+                value = getattr(self, f.name)
+                values[name] = value if to_engine is None else to_engine(value)
+        return EngineConfig(**values)
 
     def served_loras(self) -> list[LoraSpec]:
         """The adapters `--lora` (public, of the chat model) and the models file's [[loras]] declare."""
@@ -514,12 +477,12 @@ class Settings:
         return cls(**values)
 
 
-# The settings one model of a models file may set for itself (the engine's); the rest are the server's.
-MODEL_SETTINGS = (
-    "dtype", "device", "block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-    "max_model_len", "kv_cache_memory_fraction", "queue_deadline_s", "num_threads", "quantization",
-    "int4_max_batch", "kernels", "prefix_caching", "batching", "length_buckets", "long_prefill_share",
-    "target_itl_ms", "max_loras",
+# The settings one model of a models file may set for itself (the engine's that EngineConfig
+# declares per model); the rest are the server's.
+MODEL_SETTINGS = tuple(
+    f.name
+    for f in dataclasses.fields(Settings)
+    if "engine_field" in f.metadata and _ENGINE_FIELDS[f.metadata["engine_field"]].metadata["per_model"]
 )
 
 

@@ -101,7 +101,8 @@ def _answer_schema(fmt: Any) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
         return {"type": "object"}
-    return bound_schema(fmt.json_schema.schema_)
+    schema: dict[str, Any] = bound_schema(fmt.json_schema.schema_)
+    return schema
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.loader import TRANSFORMERS_LOCK
+from engine.ops import tensor_op
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -179,7 +180,7 @@ class _Layer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         a = a.transpose(1, 2).reshape(b, n, h)
         x = self.attn_norm(x + self.attn_out(a))
-        return self.out_norm(x + self.down(self.act(self.up(x))))
+        return tensor_op(self.out_norm, x + self.down(self.act(self.up(x))))
 
 
 class BertEncoder(nn.Module):
@@ -198,11 +199,11 @@ class BertEncoder(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
         # Segment 0 for every token (single sentences), as sentence-transformers sends.
-        x = self.word(ids) + self.position(positions)[None] + self.token_type.weight[0]
-        x = self.norm(x)
+        x = tensor_op(self.word, ids) + tensor_op(self.position, positions)[None] + self.token_type.weight[0]
+        x = tensor_op(self.norm, x)
         keep = mask[:, None, None, :]
         for layer in self.layers:
-            x = layer(x, keep)
+            x = tensor_op(layer, x, keep)
         return x
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, ModelSpec
 from engine.step import StepInputs
 from engine.types import SamplingParams
-from engine.worker import build_runner
+from engine.worker import EngineWorker, build_runner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -222,7 +222,8 @@ def test_the_cuda_engine_answers_as_the_torch_path() -> None:
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = []
     for kernels in ("auto", "torch"):
-        engine = LLMEngine(_config(kernels=kernels), model=_random_model(torch.float32, "cuda"))
+        config = _config(kernels=kernels)
+        engine = LLMEngine(config, worker=EngineWorker.start(config, _random_model(torch.float32, "cuda")))
         outputs.append(engine.generate(prompts, sampling))
         graphs = engine.runner.graphs
         assert (graphs is not None and graphs.num_replays > 0) == (kernels == "auto")
