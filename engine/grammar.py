@@ -190,6 +190,9 @@ class ClosingTokens:
                 self.by_bytes.setdefault(text, []).append(t)
         self.longest = max(map(len, self.by_bytes), default=1)
         self.byte_token = numpy.array([self.by_bytes.get(bytes([b]), [-1])[0] for b in range(256)])
+        # The bytes that have a token of their own, and those tokens (to read a bitmask at once).
+        self.token_byte_values = numpy.flatnonzero(self.byte_token >= 0).astype(numpy.uint8)
+        self.byte_token_ids = self.byte_token[self.token_byte_values]
 
         def row(pattern: bytes) -> torch.Tensor:
             matcher = re.compile(pattern)
@@ -270,8 +273,10 @@ def _advance(state: LLMatcher, tokens: ClosingTokens) -> tuple[bytes, bytes] | N
         return None
     if state.is_accepting():
         return forced, b""
-    bits = numpy.unpackbits(numpy.frombuffer(state.compute_bitmask(), dtype=numpy.uint8), bitorder="little")
-    return forced, bytes(b for b in range(256) if tokens.byte_token[b] >= 0 and bits[tokens.byte_token[b]])
+    words = numpy.frombuffer(state.compute_bitmask(), dtype="<u4")  # token t: bit t % 32 of word t // 32
+    singles = tokens.byte_token_ids
+    allowed = (words[singles >> 5] >> (singles & 31).astype(numpy.uint32)) & 1
+    return forced, tokens.token_byte_values[allowed.astype(bool)].tobytes()
 
 
 def shortest_completion(
@@ -286,13 +291,13 @@ def shortest_completion(
     first = _advance(start, tokens)
     if first is None:
         return None
+    if start.is_accepting():
+        return first[0]
     queue = collections.deque([(start, first[0], first)])
     seen: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
     states = 0
     while queue and states < max_states:
         state, path, key = queue.popleft()
-        if state.is_accepting():
-            return path
         seen[key] += 1
         if seen[key] > PLAN_REVISITS:
             continue
@@ -306,7 +311,10 @@ def shortest_completion(
             if child_key is None or child_key in siblings:
                 continue
             siblings.add(child_key)
-            queue.append((child, path + bytes([b]) + child_key[0], child_key))
+            child_path = path + bytes([b]) + child_key[0]
+            if child.is_accepting():  # the first accepting state in the queue's order, found early
+                return child_path
+            queue.append((child, child_path, child_key))
     return None
 
 

@@ -10,6 +10,8 @@ their state in the response store, so any gateway of a pool polls or cancels the
       and the record reads `cancelled`
     a read of a `queued`/`in_progress` record whose lease lapsed (its gateway died) is `failed`
       with the reason; a drain deadline or a shutdown fails the runs it cuts short the same way
+    GET /v1/responses/{id}?stream=true, on any gateway -> the run's events, derived from the stored
+      record (gateway/responses_output.py `stored_events`), followed until it ends (`changed`)
 
 Cancelling a foreground response is a 400; cancelling a finished background one returns it as is
 (both as OpenAI's API).
@@ -36,6 +38,9 @@ from gateway.response_store import ResponseStore, StoredResponse
 logger = logging.getLogger("batchgate.gateway")
 
 ACTIVE = ("queued", "in_progress")
+# At most this long between a stream replay's reads of a run another gateway runs (a run on this
+# gateway wakes its replays when it ends).
+REPLAY_POLL_S = 1.0
 LAPSED = "The gateway running this background response stopped before it finished; create it again."
 DRAINED = "The gateway running this background response shut down before it finished; create it again."
 
@@ -170,6 +175,16 @@ class BackgroundRuns:
         if run is not None and run.outcome is None:
             run.outcome = outcome
             run.task.cancel()
+
+    async def changed(self, tenant: str, response_id: str) -> None:
+        """Wait until the run of `response_id` may have moved on: its end when this gateway runs
+        it, else the poll interval (a third of the lease, at most REPLAY_POLL_S)."""
+        run = self._runs.get((tenant, response_id))
+        timeout = min(self.lease_s / 3, REPLAY_POLL_S)
+        if run is not None:
+            await asyncio.wait({run.task}, timeout=timeout)
+        else:
+            await asyncio.sleep(timeout)
 
     async def view(self, tenant: str, record: StoredResponse) -> StoredResponse:
         """The record as a reader sees it: a run cancelled is cancelled (before its gateway stored

@@ -221,10 +221,9 @@ class _Writer:
     args: list[str] = field(default_factory=list)
 
     def emit(self, kind: str, **fields: Any) -> bytes:
-        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        payload = _event(kind, self.seq, **fields)
         self.seq += 1
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return encode(payload)
 
     def snapshot(self) -> dict[str, Any]:
         copy: dict[str, Any] = json.loads(json.dumps(self.body))
@@ -425,3 +424,76 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
         body["usage"] = usage(job.num_prompt_tokens, num_output, job.num_cached_tokens)
         yield writer.emit("response.failed", response=body)
     yield DONE
+
+
+def _event(kind: str, seq: int, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, "sequence_number": seq, **fields}
+
+
+def encode(event: dict[str, Any]) -> bytes:
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+def _item_events(item: dict[str, Any], index: int, seq: int) -> list[dict[str, Any]]:
+    """One stored output item as the stream wrote it: added, its content in one delta, done."""
+    at = {"item_id": item.get("id"), "output_index": index}
+    kind = item.get("type")
+    if kind == "message":
+        parts = item.get("content") or []
+        added = {**item, "status": "in_progress", "content": []}
+        events = [_event("response.output_item.added", seq, output_index=index, item=added)]
+        for c, part in enumerate(parts):
+            text = part.get("text", "")
+            logprobs = [{k: v for k, v in lp.items() if k != "bytes"} for lp in part.get("logprobs") or []]
+            empty = {**part, "text": "", "logprobs": []} if part.get("type") == "output_text" else part
+            events.append(_event("response.content_part.added", 0, **at, content_index=c, part=empty))
+            if part.get("type") == "output_text":
+                delta = {"delta": text, "logprobs": logprobs}
+                events.append(_event("response.output_text.delta", 0, **at, content_index=c, **delta))
+                done = {"text": text, "logprobs": logprobs}
+                events.append(_event("response.output_text.done", 0, **at, content_index=c, **done))
+            events.append(_event("response.content_part.done", 0, **at, content_index=c, part=part))
+    elif kind in ("function_call", "custom_tool_call"):
+        field_name, prefix = (
+            ("arguments", "response.function_call_arguments")
+            if kind == "function_call"
+            else ("input", "response.custom_tool_call_input")
+        )
+        added = {**item, field_name: ""}
+        if kind == "function_call":
+            added["status"] = "in_progress"
+        value = item.get(field_name, "")
+        done = {"name": item.get("name"), "arguments": value} if kind == "function_call" else {"input": value}
+        events = [
+            _event("response.output_item.added", seq, output_index=index, item=added),
+            _event(f"{prefix}.delta", 0, **at, delta=value),
+            _event(f"{prefix}.done", 0, **at, **done),
+        ]
+    else:
+        events = [_event("response.output_item.added", seq, output_index=index, item=item)]
+    events.append(_event("response.output_item.done", 0, output_index=index, item=item))
+    for n, event in enumerate(events):
+        event["sequence_number"] = seq + n
+    return events
+
+
+def stored_events(response: dict[str, Any], final: bool) -> list[dict[str, Any]]:
+    """The event stream of a stored background `response`, derived from it alone, so every replay
+    numbers the same events the same: `response.created` (queued) and `response.in_progress`; once
+    `final`, each output item as a stream writes it (its text or arguments in one delta) and the
+    terminal event (`response.failed` for a cancelled one too: OpenAI has no cancelled event)."""
+    opening = {**response, "output": [], "usage": None, "completed_at": None}
+    opening.update(error=None, incomplete_details=None)
+    events = [
+        _event("response.created", 0, response={**opening, "status": "queued"}),
+        _event("response.in_progress", 1, response={**opening, "status": "in_progress"}),
+    ]
+    if not final:
+        return events
+    for index, item in enumerate(response.get("output") or []):
+        events += _item_events(item, index, len(events))
+    status = response.get("status")
+    terminal = status if status in ("completed", "incomplete") else "failed"
+    events.append(_event(f"response.{terminal}", len(events), response=response))
+    return events

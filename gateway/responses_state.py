@@ -12,6 +12,9 @@ The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint ar
     background(work, plan, call, close): a `background` request, once admitted, runs on without
                    its client (gateway/responses_background.py); the client gets it `queued`
 
+`GET /v1/responses/{id}?stream=true[&starting_after=N]` replays a background response's events
+(see gateway/responses_background.py).
+
 A replica behind a gateway (an internal caller) neither resolves nor stores: its gateway did and
 will, so any gateway of a pool continues any conversation from the shared store.
 """
@@ -36,10 +39,11 @@ from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
 from gateway.responses import now
-from gateway.responses_background import BackgroundRuns, Job
-from gateway.responses_output import TERMINAL_EVENTS, skeleton
+from gateway.responses_background import ACTIVE, BackgroundRuns, Job
+from gateway.responses_output import TERMINAL_EVENTS, encode, skeleton, stored_events
 from gateway.responses_request import ResponsesRequest, items_of, parse_items
 from gateway.settings import Settings
+from gateway.sse import DONE, EventStreamResponse
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -68,9 +72,14 @@ class ResponsesState:
     """The stateful endpoint hooks and routes over one `ResponseStore` (see the module docstring)."""
 
     def __init__(
-        self, store: ResponseStore, conversations: Conversations, background: BackgroundRuns
+        self,
+        store: ResponseStore,
+        conversations: Conversations,
+        background: BackgroundRuns,
+        keep_alive_s: float,
     ) -> None:
         self.store = store
+        self.keep_alive_s = keep_alive_s  # between SSE keep-alive comments of a replay
         self.conversations = conversations
         self.background = background
 
@@ -163,7 +172,8 @@ class ResponsesState:
         response = skeleton(req, work.request_id, now(), work.model)
 
         async def finish(answer: dict[str, Any]) -> None:
-            await save({**answer, "id": work.request_id})  # a replica's own id is not this one
+            # A replica's own id and time are not this one's (a replay's opening events show these).
+            await save({**answer, "id": work.request_id, "created_at": response["created_at"]})
 
         record = StoredResponse(response, input_items, history)
         queued = await self.background.start(
@@ -183,14 +193,45 @@ class ResponsesState:
         return await self.background.view(caller.name, record)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
-        if request.query_params.get("stream") in ("true", "1"):
+        stream = _flag(request, "stream")
+        starting_after = _starting_after(request)
+        record = await self._get(caller, request.path_params["response_id"])
+        if not stream:
+            return JSONResponse(record.response)
+        if not record.response.get("background"):
             raise invalid_request(
-                "'stream' replay of a background response is not supported by this server; poll "
-                "GET /v1/responses/{response_id} until its status is final.",
+                "Streaming a stored response is only supported for responses created with "
+                "'background': true.",
                 param="stream",
             )
-        record = await self._get(caller, request.path_params["response_id"])
-        return JSONResponse(record.response)
+        events = _Events(self._replay(caller.name, record, starting_after))
+        return EventStreamResponse(
+            events,
+            keep_alive_s=self.keep_alive_s,
+            stop=self.background.drain,
+            stop_frame=events.deadline_frame,
+        )
+
+    async def _replay(self, tenant: str, record: StoredResponse, after: int) -> AsyncIterator[bytes]:
+        """The events of background `record` after sequence number `after`, then those of its run
+        as it moves on, to its terminal event and `[DONE]`."""
+        while True:
+            final = record.response.get("status") not in ACTIVE
+            for event in stored_events(record.response, final):
+                if event["sequence_number"] > after:
+                    after = event["sequence_number"]
+                    yield encode(event)
+            if final:
+                break
+            await self.background.changed(tenant, record.response_id)
+            reloaded = await self._load(tenant, record.response_id)
+            if reloaded is None:  # deleted while it ran
+                detail = _not_found(record.response_id).body()["error"]
+                error = {"code": detail["code"], "message": detail["message"], "param": None}
+                yield encode({"type": "error", "sequence_number": after + 1, **error})
+                break
+            record = await self.background.view(tenant, reloaded)
+        yield DONE
 
     async def delete(self, caller: Caller, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -209,6 +250,29 @@ class ResponsesState:
     async def aclose(self) -> None:
         await self.background.aclose()
         await self.store.aclose()
+
+
+def _flag(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "false").lower()
+    if value not in ("true", "1", "false", "0"):
+        raise invalid_request(f"'{name}' must be true or false, got '{value}'.", param=name)
+    return value in ("true", "1")
+
+
+def _starting_after(request: Request) -> int:
+    """`starting_after`: the sequence number after which a replay starts (-1: from the start)."""
+    value = request.query_params.get("starting_after")
+    if value is None:
+        return -1
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise invalid_request(
+            f"'starting_after' must be a non-negative integer, got '{value}'.", param="starting_after"
+        )
+    return number
 
 
 class _Events:
