@@ -34,8 +34,10 @@ import collections
 import dataclasses
 import hashlib
 import logging
+import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -500,6 +502,7 @@ def build_batches(
     else:
         root = Path(tempfile.mkdtemp(prefix="batchgate-files-"))
         store = BatchStore(None)
+        weakref.finalize(store, shutil.rmtree, root, True)  # gone with the store, as its database
 
     def quota(caller: Caller) -> int | None:
         return caller.tenant.plan.storage_quota_bytes if caller.tenant is not None else None
