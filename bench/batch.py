@@ -10,21 +10,64 @@ in its own process (`bench.engine_offline --json`), then a `batchgate serve` wit
 directory takes the batch: timed from `batches.create` to `completed` (validation, every line
 through the pipeline, the journal, the output file), with its output tokens read from the output
 file's usage. `--repeat N` alternates the two N times. A smoke run: `--num-requests 16 --max-tokens 8`.
+
+    python -m bench.batch --interactive --num-requests 2000 --interactive-requests 32
+
+`--interactive`: the issue's second target, in one server (a tenants file: a paid and a free tenant
+for interactive traffic, a third for the batch). (1) Interactive alone: a paid and a free client,
+4 concurrent streams each (8 in all, `bench.prompts` as issue 7's loadgen sends them), TTFT p99 and
+output tokens/s. (2) The batch alone on the idle server for as long as (1) took: the lines it
+completes. (3) Interactive again with a fresh batch running: TTFT p99 within 1.5x of (1), output
+tokens/s within 0.85x, and the batch's lines completed meanwhile, per second, at least 30% of (2)'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from bench.loadgen import LoadConfig, run_load
 from bench.offline import add_workload_args, workload
 from bench.servers import batchgate_spec, launched
+
+# --interactive: three tenants, limits far above the load (batch lines count against them too).
+TENANTS = """
+[plans.paid]
+priority = "paid"
+tokens_per_minute = 100000000
+requests_per_minute = 1000000
+max_concurrent_requests = 1000
+queue_deadline_seconds = 600
+
+[plans.free]
+priority = "free"
+tokens_per_minute = 100000000
+requests_per_minute = 1000000
+max_concurrent_requests = 1000
+queue_deadline_seconds = 600
+
+[tenants.paid]
+plan = "paid"
+keys = ["{paid}"]
+
+[tenants.free]
+plan = "free"
+keys = ["{free}"]
+
+[tenants.batch]
+plan = "paid"
+keys = ["{batch}"]
+"""
+KEYS = {"paid": "sk-bench-paid", "free": "sk-bench-free", "batch": "sk-bench-batch"}
 
 
 def offline(args: argparse.Namespace) -> float:
@@ -44,40 +87,49 @@ def offline(args: argparse.Namespace) -> float:
     return float(json.loads(out.strip().splitlines()[-1])["output_tokens_per_s"])
 
 
-def batch(args: argparse.Namespace, workdir: Path) -> tuple[float, float]:
-    """(output tokens/s, seconds) of one batch of the workload through `batchgate serve`."""
-    import openai
-
-    extra = [
+def server_args(args: argparse.Namespace, workdir: Path) -> list[str]:
+    return [
         *("--storage-dir", str(workdir / "storage"), "--embedding-model", "none"),
         *("--batch-max-concurrent-lines", str(args.concurrency), "--batch-max-lines", str(args.num_requests)),
         *(("--model", args.model) if args.model else ()),
         *(("--num-threads", str(args.threads)) if args.threads else ()),
     ]
-    spec = batchgate_spec(args.dtype, args.concurrency, extra)
+
+
+def upload_batch(args: argparse.Namespace, client: Any) -> str:
+    """The workload as a batch input file; its id."""
+    model = client.models.list().data[0].id
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": messages,
+                "max_tokens": args.max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        }
+        for i, messages in enumerate(workload(args))
+    ]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    return str(client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch").id)
+
+
+def batch(args: argparse.Namespace, workdir: Path) -> tuple[float, float]:
+    """(output tokens/s, seconds) of one batch of the workload through `batchgate serve`."""
+    import openai
+
+    spec = batchgate_spec(args.dtype, args.concurrency, server_args(args, workdir))
+    spec = replace(spec, start_timeout_s=900)
     with launched(spec, workdir / "logs"):
         client = openai.OpenAI(base_url=spec.base_url, api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        lines = [
-            {
-                "custom_id": f"line-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": model,
-                    "messages": messages,
-                    "max_tokens": args.max_tokens,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                },
-            }
-            for i, messages in enumerate(workload(args))
-        ]
-        data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-        upload = client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
+        upload_id = upload_batch(args, client)
         start = time.perf_counter()
         created = client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            input_file_id=upload_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         while (done := client.batches.retrieve(created.id)).status not in (
             "completed",
@@ -95,11 +147,100 @@ def batch(args: argparse.Namespace, workdir: Path) -> tuple[float, float]:
         return num_output / duration_s, duration_s
 
 
+def done_lines(client: Any, batch_id: str) -> int:
+    counts = client.batches.retrieve(batch_id).request_counts
+    return 0 if counts is None else int(counts.completed + counts.failed)
+
+
+async def interactive_load(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    """A paid and a free client, 4 streams each at once: TTFT p99 and output tokens/s of both."""
+
+    def config(tenant: str, seed: int) -> LoadConfig:
+        return LoadConfig(
+            base_url=base_url,
+            api_key=KEYS[tenant],
+            concurrency=4,
+            num_requests=args.interactive_requests,
+            max_tokens=args.max_tokens,
+            seed=seed,
+        )
+
+    start = time.perf_counter()
+    paid, free = await asyncio.gather(run_load(config("paid", 1)), run_load(config("free", 2)))
+    wall_s = time.perf_counter() - start
+    return {
+        "wall_s": round(wall_s, 2),
+        "output_tokens_per_s": round((paid["output_tokens"] + free["output_tokens"]) / wall_s, 1),
+        "ttft_p99_ms": {"paid": paid["ttft_ms"]["p99"], "free": free["ttft_ms"]["p99"]},
+        "errors": {"paid": paid["errors_by_status"], "free": free["errors_by_status"]},
+    }
+
+
+def interactive(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The three phases of `--interactive` (see the module docstring) on one server."""
+    import openai
+
+    from tenancy import hash_key
+
+    hashes = {name: hash_key(key) for name, key in KEYS.items()}
+    (workdir / "tenants.toml").write_text(TENANTS.format(**hashes))
+    extra = [*server_args(args, workdir), "--tenants", str(workdir / "tenants.toml")]
+    spec = replace(batchgate_spec(args.dtype, args.concurrency, extra), start_timeout_s=900)
+    with launched(spec, workdir / "logs"):
+        client = openai.OpenAI(base_url=spec.base_url, api_key=KEYS["batch"], max_retries=0)
+        upload_id = upload_batch(args, client)
+
+        def start_batch() -> str:
+            return str(
+                client.batches.create(
+                    input_file_id=upload_id, endpoint="/v1/chat/completions", completion_window="24h"
+                ).id
+            )
+
+        asyncio.run(interactive_load(args, spec.base_url))  # warm-up (untimed)
+        alone = asyncio.run(interactive_load(args, spec.base_url))
+        idle_id = start_batch()
+        while done_lines(client, idle_id) < 1:  # validated and running
+            time.sleep(0.05)
+        first = done_lines(client, idle_id)
+        began = time.perf_counter()
+        time.sleep(alone["wall_s"])
+        idle_rate = (done_lines(client, idle_id) - first) / (time.perf_counter() - began)
+        client.batches.cancel(idle_id)
+        while client.batches.retrieve(idle_id).status != "cancelled":
+            time.sleep(0.1)
+        mixed_id = start_batch()
+        while done_lines(client, mixed_id) < 1:
+            time.sleep(0.05)
+        first = done_lines(client, mixed_id)
+        began = time.perf_counter()
+        mixed = asyncio.run(interactive_load(args, spec.base_url))
+        mixed_rate = (done_lines(client, mixed_id) - first) / (time.perf_counter() - began)
+        client.batches.cancel(mixed_id)
+    return {
+        "interactive_alone": alone,
+        "interactive_with_batch": mixed,
+        "ttft_p99_ratio": {
+            c: round(mixed["ttft_p99_ms"][c] / alone["ttft_p99_ms"][c], 3) for c in ("paid", "free")
+        },
+        "output_tokens_per_s_ratio": round(mixed["output_tokens_per_s"] / alone["output_tokens_per_s"], 3),
+        "batch_lines_per_s_idle": round(idle_rate, 3),
+        "batch_lines_per_s_with_interactive": round(mixed_rate, 3),
+        "batch_share": round(mixed_rate / idle_rate, 3) if idle_rate else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(parser)
     parser.add_argument("--repeat", type=int, default=1, help="alternate offline and batch this many times")
+    parser.add_argument("--interactive", action="store_true", help="the interactive-with-a-batch run")
+    parser.add_argument("--interactive-requests", type=int, default=32, help="requests per client")
     args = parser.parse_args(argv)
+    if args.interactive:
+        with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+            print(json.dumps(interactive(args, Path(tmp))), flush=True)
+        return
     for round_ in range(args.repeat):
         with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
             engine_tps = offline(args)

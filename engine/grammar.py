@@ -26,8 +26,13 @@ closing=True)`, `ClosingTokens`): the end of sequence where the grammar allows i
 that close containers (`}` `]`, after a string's closing quote inside one), else a lone quote
 (ending a string, or starting one that the next step ends), else whatever the grammar allows (a
 required key, a comma, a number's digits), so the output ends valid and the sequence stops with
-its grammar. JSON kinds and Lark grammars marked `json_only` are steered (measured in
-docs/BENCHMARKS.md).
+its grammar. JSON kinds and Lark grammars marked `json_only` are steered so (measured in
+docs/BENCHMARKS.md). Any other grammar (Lark with free text, a regex) is steered along a plan: the
+shortest bytes that take the parser from where it is to an accepting state (`shortest_completion`,
+a breadth-first search over single-byte tokens on copies of the matcher, forced bytes taken whole),
+searched once when closing starts; its rows allow the allowed tokens that spell the plan's next
+bytes, and where the grammar accepts, the end of sequence (unless free text may go on: a text
+answer beside tools is cut by max_tokens as without a grammar, `incomplete`, not ended early).
 """
 
 from __future__ import annotations
@@ -178,6 +183,13 @@ class ClosingTokens:
     def __init__(self, token_bytes: list[bytes], end_ids: list[int]) -> None:
         self.token_bytes = token_bytes
         self.end = token_row(end_ids, len(token_bytes))
+        # For plans (any grammar): the tokens of each byte string, and one token per single byte.
+        self.by_bytes: dict[bytes, list[int]] = {}
+        for t, text in enumerate(token_bytes):
+            if text and t not in end_ids:
+                self.by_bytes.setdefault(text, []).append(t)
+        self.longest = max(map(len, self.by_bytes), default=1)
+        self.byte_token = numpy.array([self.by_bytes.get(bytes([b]), [-1])[0] for b in range(256)])
 
         def row(pattern: bytes) -> torch.Tensor:
             matcher = re.compile(pattern)
@@ -197,6 +209,105 @@ class ClosingTokens:
             if bool(narrowed.any()):
                 allowed.copy_(narrowed)
                 return
+
+    def spelling(self, plan: bytes) -> torch.Tensor:
+        """The row of the tokens whose bytes start `plan` (a non-empty prefix of it)."""
+        ids = [t for k in range(1, min(len(plan), self.longest) + 1) for t in self.by_bytes.get(plan[:k], ())]
+        return token_row(ids, len(self.token_bytes))
+
+    def follow(self, bitmask: torch.Tensor, row: int, plan: bytes) -> bool:
+        """Keep in `bitmask[row]` the allowed tokens that spell `plan`'s next bytes; False (the
+        row unchanged) if it allows none of them."""
+        allowed = bitmask[row]
+        narrowed = allowed & self.spelling(plan) if plan else None
+        if narrowed is None or not bool(narrowed.any()):
+            return False
+        allowed.copy_(narrowed)
+        return True
+
+    def finish(self, bitmask: torch.Tensor, row: int) -> None:
+        """Where a grammar accepts: keep in `bitmask[row]` only the end, unless free text may go
+        on (most of the vocabulary allowed: a text answer), which max_tokens then cuts as it
+        would without a grammar, rather than ending it early as if complete."""
+        allowed = bitmask[row]
+        if int(numpy.unpackbits(allowed.numpy().view(numpy.uint8)).sum()) > len(self.token_bytes) // 2:
+            return
+        narrowed = allowed & self.end
+        if bool(narrowed.any()):
+            allowed.copy_(narrowed)
+
+
+# A plan search (`shortest_completion`) gives up after this many parser states: ~20 ms each 100
+# on the bundled model's vocabulary; a closing Codex patch takes ~125.
+PLAN_STATES = 2000
+# States alike are searched at most this often: a bounded repetition (`[0-9]{4}`) looks alike at
+# each count, a free-text loop alike at every byte.
+PLAN_REVISITS = 4
+# Where a state allows more bytes than this, the search tries only its punctuation, whitespace and
+# one letter or digit of each kind: free text (`/.+/`) ends at a separator, not at a letter.
+PLAN_BRANCHES = 16
+
+
+def _plan_candidates(allowed: list[int]) -> list[int]:
+    """The bytes a state's search tries, letters and digits first (a plan of equal length then
+    names a file `a`, not a tab)."""
+    if len(allowed) <= PLAN_BRANCHES:
+        return allowed
+    out = []
+    for kind in (str.islower, str.isupper, str.isdigit):
+        out += [b for b in allowed if b < 128 and kind(chr(b))][:1]
+    out += [b for b in allowed if 32 <= b < 127 and not chr(b).isalnum()]
+    out += [b for b in allowed if b in (9, 10, 13)]
+    return out or allowed
+
+
+def _advance(state: LLMatcher, tokens: ClosingTokens) -> tuple[bytes, bytes] | None:
+    """Take `state`'s forced bytes (in place); those and the bytes it allows next (after them), or
+    None if a forced byte has no token of its own."""
+    forced = b"" if state.is_accepting() else state.compute_ff_bytes()
+    ids = [int(tokens.byte_token[b]) for b in forced]
+    if ids and (min(ids) < 0 or not state.consume_tokens(ids)):
+        return None
+    if state.is_accepting():
+        return forced, b""
+    bits = numpy.unpackbits(numpy.frombuffer(state.compute_bitmask(), dtype=numpy.uint8), bitorder="little")
+    return forced, bytes(b for b in range(256) if tokens.byte_token[b] >= 0 and bits[tokens.byte_token[b]])
+
+
+def shortest_completion(
+    matcher: LLMatcher, tokens: ClosingTokens, max_states: int = PLAN_STATES
+) -> bytes | None:
+    """The shortest bytes (as far as the search tells) that take `matcher` (left unchanged) to an
+    accepting state; None if none is found within `max_states`. Breadth first over single-byte
+    tokens on copies of the matcher; a state's forced bytes are taken whole, and states alike (the
+    same forced and allowed bytes) are kept once among siblings and expanded at most
+    PLAN_REVISITS times in all."""
+    start = matcher.deep_copy()
+    first = _advance(start, tokens)
+    if first is None:
+        return None
+    queue = collections.deque([(start, first[0], first)])
+    seen: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
+    states = 0
+    while queue and states < max_states:
+        state, path, key = queue.popleft()
+        if state.is_accepting():
+            return path
+        seen[key] += 1
+        if seen[key] > PLAN_REVISITS:
+            continue
+        siblings: set[tuple[bytes, bytes]] = set()
+        for b in _plan_candidates(list(key[1])):
+            child = state.deep_copy()
+            states += 1
+            if not child.consume_token(int(tokens.byte_token[b])):
+                continue
+            child_key = _advance(child, tokens)
+            if child_key is None or child_key in siblings:
+                continue
+            siblings.add(child_key)
+            queue.append((child, path + bytes([b]) + child_key[0], child_key))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,46 +333,66 @@ class JsonState:
 
 
 class _LLGuidanceGrammar:
-    def __init__(self, matcher: LLMatcher, closing: ClosingTokens | None) -> None:
+    def __init__(self, matcher: LLMatcher, closing: ClosingTokens, json_only: bool) -> None:
         import llguidance.torch
 
         self._matcher = matcher
         self._closing = closing
+        self._json = json_only  # closed as JSON (`narrow`), else along a plan (`follow`)
         self._states = [JsonState()]  # after each accepted token (JSON grammars only)
+        # The plan's bytes still to write; None: none searched yet; b"": none found (not retried).
+        self._plan: bytes | None = None
         self._fill = llguidance.torch.fill_next_token_bitmask
 
     def accept_token(self, token_id: int) -> bool:
         accepted = bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
-        if accepted and self._closing is not None:
-            self._states.append(self._states[-1].after(self._closing.token_bytes[token_id]))
+        text = self._closing.token_bytes[token_id]
+        if accepted and self._json:
+            self._states.append(self._states[-1].after(text))
+        if self._plan:  # written along the plan, or off it: searched again from there
+            self._plan = self._plan[len(text) :] if self._plan.startswith(text) else None
         return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
         self._fill(self._matcher, bitmask, row)
-        if closing and self._closing is not None:
+        if not closing:
+            return
+        if self._json:
             self._closing.narrow(bitmask, row, self._states[-1])
+            return
+        if self._matcher.is_accepting():
+            self._closing.finish(bitmask, row)
+            self._plan = None  # should a structure start after all, its own plan is searched
+            return
+        if self._plan is None:
+            self._plan = shortest_completion(self._matcher, self._closing) or b""
+        if not self._closing.follow(bitmask, row, self._plan):
+            self._plan = b""  # no allowed token spells it: the grammar's own mask goes on
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
 
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
-        if self._closing is not None and num_tokens:
-            del self._states[-num_tokens:]
+        if num_tokens:
+            self._plan = None
+            if self._json:
+                del self._states[-num_tokens:]
 
 
 class _LLGuidanceCompiled:
     """A matcher at the start of the grammar, copied for each sequence: a copy costs microseconds,
     building one from the grammar text again up to milliseconds."""
 
-    def __init__(self, prototype: LLMatcher, closing: ClosingTokens | None) -> None:
+    def __init__(self, prototype: LLMatcher, closing: ClosingTokens, json_only: bool) -> None:
         self._prototype = prototype
-        self._closing = closing  # None: not steered to close (a Lark grammar with free text)
+        self._closing = closing
+        self._json = json_only
         self._lock = threading.Lock()  # shared by every request with this spec
 
     def new_grammar(self) -> Grammar:
         with self._lock:
-            return _LLGuidanceGrammar(self._prototype.deep_copy(), self._closing)
+            return _LLGuidanceGrammar(self._prototype.deep_copy(), self._closing, self._json)
 
 
 class LLGuidanceBackend:
@@ -308,8 +439,8 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        json_only = spec.kind != "lark" or spec.json_only
-        return _LLGuidanceCompiled(matcher, self._closing if json_only else None)
+        assert self._closing is not None  # built with the tokenizer
+        return _LLGuidanceCompiled(matcher, self._closing, spec.kind != "lark" or spec.json_only)
 
     @staticmethod
     def _grammar_text(spec: GrammarSpec) -> str:

@@ -1,5 +1,7 @@
-"""The records of the Batch API, per tenant, in one SQLite file (`batches.sqlite3` in
-`--storage-dir`; in memory without one): file metadata, batch objects, and each batch's journal.
+"""The records of the Batch API, per tenant, behind one interface (`BatchStore`): file metadata,
+batch objects, each batch's journal and its runner lease. `SQLiteBatchStore` keeps them in one
+SQLite file (`batches.sqlite3` in `--storage-dir`; in memory without one) for a single gateway;
+`RedisBatchStore` (gateway/batch_redis.py, with `--redis-url`) in Redis for a pool of gateways.
 
     files   (tenant, id) -> the FileObject (bytes, filename, purpose, created_at, expires_at)
     batches (tenant, id) -> the Batch object as answered, plus who runs it (the API key's id)
@@ -9,6 +11,7 @@
 
 Lists are in creation order (ties by insertion order, SQLite's rowid). Every read names the tenant:
 another tenant's id is not there (a 404). Calls run in a worker thread behind one lock; WAL mode.
+A SQLite store belongs to one gateway (its storage directory), so its runner lease is always held.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import orjson
@@ -37,6 +40,7 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS lines (batch_id TEXT NOT NULL, custom_id TEXT NOT NULL,"
     " line INTEGER NOT NULL, failed INTEGER NOT NULL, text BLOB NOT NULL, input_tokens INTEGER NOT NULL,"
     " cached_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, PRIMARY KEY (batch_id, custom_id))",
+    "CREATE TABLE IF NOT EXISTS cancels (batch_id TEXT NOT NULL PRIMARY KEY)",
 )
 # Rows after a given one in (created_at, id) order, of the same tenant: keyset pagination.
 _AFTER = " AND (created_at, rowid) {cmp} (SELECT created_at, rowid FROM {table} WHERE tenant = ? AND id = ?)"
@@ -66,8 +70,44 @@ class StoredBatch:
     body: dict[str, Any]
 
 
-class BatchStore:
+Tally = tuple[int, int, int, int, int]  # lines done, of them failed, input, cached, output tokens
+
+
+class BatchStore(Protocol):
+    """The Batch API's records (see the module docstring). Contract: every read names the tenant;
+    `put_file` and `put_batch` insert or replace; `record` keeps a custom_id's first result only
+    (False for a second); `claim` takes or renews a batch's runner lease for `owner` (False while
+    another owner holds it), so at most one gateway runs a batch at a time, and `lease_left` says
+    how long another's lease has to run. `shared`: other gateways read and run these batches."""
+
+    shared: bool
+
+    async def put_file(self, tenant: str, body: dict[str, Any]) -> None: ...
+    async def get_file(self, tenant: str, file_id: str) -> dict[str, Any] | None: ...
+    async def list_files(
+        self, tenant: str, *, purpose: str | None, after: str | None, limit: int, ascending: bool
+    ) -> list[dict[str, Any]]: ...
+    async def delete_file(self, tenant: str, file_id: str) -> bool: ...
+    async def used_bytes(self, tenant: str) -> int: ...
+    async def put_batch(self, batch: StoredBatch) -> None: ...
+    async def get_batch(self, tenant: str, batch_id: str) -> StoredBatch | None: ...
+    async def list_batches(self, tenant: str, *, after: str | None, limit: int) -> list[dict[str, Any]]: ...
+    async def unfinished(self) -> list[StoredBatch]: ...
+    async def record(self, tenant: str, batch_id: str, result: LineResult) -> bool: ...
+    async def results(self, tenant: str, batch_id: str) -> list[LineResult]: ...
+    async def tally(self, tenant: str, batch_id: str) -> Tally: ...
+    async def claim(self, tenant: str, batch_id: str, owner: str, ttl_s: float) -> bool: ...
+    async def release(self, tenant: str, batch_id: str, owner: str) -> None: ...
+    async def lease_left(self, tenant: str, batch_id: str) -> float: ...
+    async def mark_cancel(self, tenant: str, batch_id: str) -> None: ...
+    async def cancel_marked(self, tenant: str, batch_id: str) -> bool: ...
+    async def aclose(self) -> None: ...
+
+
+class SQLiteBatchStore:
     """See the module docstring. `path` None: in memory (lost at exit)."""
+
+    shared = False
 
     def __init__(self, path: Path | None) -> None:
         self._lock = threading.Lock()
@@ -88,7 +128,8 @@ class BatchStore:
     async def put_file(self, tenant: str, body: dict[str, Any]) -> None:
         await self._run(
             self._db.execute,
-            "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, id) DO UPDATE SET"
+            " bytes = excluded.bytes, purpose = excluded.purpose, body = excluded.body",
             (tenant, body["id"], body["created_at"], body["bytes"], body["purpose"], orjson.dumps(body)),
         )
 
@@ -188,7 +229,7 @@ class BatchStore:
 
     # -- the journal ---------------------------------------------------------------------------
 
-    async def record(self, batch_id: str, result: LineResult) -> bool:
+    async def record(self, tenant: str, batch_id: str, result: LineResult) -> bool:
         """Journal one line's result; False if its custom_id already has one (kept as it was)."""
 
         def insert() -> bool:
@@ -209,7 +250,7 @@ class BatchStore:
 
         return await self._run(insert)
 
-    async def results(self, batch_id: str) -> list[LineResult]:
+    async def results(self, tenant: str, batch_id: str) -> list[LineResult]:
         """The batch's journaled lines, in input order."""
 
         def read() -> list[LineResult]:
@@ -222,10 +263,10 @@ class BatchStore:
 
         return await self._run(read)
 
-    async def tally(self, batch_id: str) -> tuple[int, int, int, int, int]:
+    async def tally(self, tenant: str, batch_id: str) -> Tally:
         """(lines done, of them failed, input, cached and output tokens) of the batch's journal."""
 
-        def count() -> tuple[int, int, int, int, int]:
+        def count() -> Tally:
             row = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(failed), 0), COALESCE(SUM(input_tokens), 0), "
                 "COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0) "
@@ -235,6 +276,27 @@ class BatchStore:
             return int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(row[4])
 
         return await self._run(count)
+
+    # -- the runner lease and cancel marks (one gateway: the lease is always its own) ------------
+
+    async def claim(self, tenant: str, batch_id: str, owner: str, ttl_s: float) -> bool:
+        return True
+
+    async def release(self, tenant: str, batch_id: str, owner: str) -> None:
+        return None
+
+    async def lease_left(self, tenant: str, batch_id: str) -> float:
+        return 0.0
+
+    async def mark_cancel(self, tenant: str, batch_id: str) -> None:
+        await self._run(self._db.execute, "INSERT OR IGNORE INTO cancels VALUES (?)", (batch_id,))
+
+    async def cancel_marked(self, tenant: str, batch_id: str) -> bool:
+        def marked() -> bool:
+            row = self._db.execute("SELECT 1 FROM cancels WHERE batch_id = ?", (batch_id,)).fetchone()
+            return row is not None
+
+        return await self._run(marked)
 
     async def aclose(self) -> None:
         with self._lock:

@@ -23,8 +23,16 @@ lines`) lines run at once over all its batches, and at most `batch_tokens_per_mi
 minute start (paced on the tokens the last minute's lines used). Refusals that pass (rate limits,
 overload, a loading model) are retried after their Retry-After; the line keeps its place.
 
-Scope: one gateway runs the batches it finds in its storage directory (a single pod with a
-volume); several gateways sharing one bucket and a runner lease per batch are not built yet.
+One runner per batch: it holds the batch's lease in the store (renewed every third of
+`--batch-lease`; a gateway that cannot renew it stops running the batch). With the SQLite store one
+gateway runs the batches of its storage directory (a single pod with a volume); with Redis
+(gateway/batch_redis.py) and the files in a shared bucket, every gateway of a pool watches the
+unfinished batches and takes over one whose lease lapsed (its gateway died), as soon as it lapses.
+The journal, not the lease, keeps each custom_id to one line: a line two runners both ran is
+journaled once and settled once.
+
+Tracing: each run of a batch is a `batch {id}` span (a root), and each line's request span starts
+a trace of its own with a link to it (OpenTelemetry span links, as for messages processed in a batch).
 """
 
 from __future__ import annotations
@@ -34,9 +42,12 @@ import collections
 import dataclasses
 import hashlib
 import logging
+import os
 import shutil
+import socket
 import tempfile
 import time
+import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -47,11 +58,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.types import Priority
-from gateway import responses
+from gateway import responses, telemetry
 from gateway.admission import Caller, tenant_caller
 from gateway.backend import Endpoint
 from gateway.batch_input import BATCH_ENDPOINTS, BatchCreateRequest, Line, parse_lines, unserved
-from gateway.batch_store import FINAL_STATUSES, SQLITE_FILE, BatchStore, LineResult, StoredBatch
+from gateway.batch_store import (
+    FINAL_STATUSES,
+    SQLITE_FILE,
+    BatchStore,
+    LineResult,
+    SQLiteBatchStore,
+    StoredBatch,
+)
 from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
 from gateway.body import read_json
 from gateway.conversations import parse_body
@@ -86,6 +104,12 @@ def line_ids(endpoint: Endpoint, batch_id: str, custom_id: str) -> tuple[str, st
     digest = hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:32]
     sep = "" if endpoint.id_prefix.endswith("_") else "-"
     return f"batch_req_{digest}", f"{endpoint.id_prefix}{sep}{digest}"
+
+
+def derived_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's output or error file (`kind`), the same on every run of it."""
+    digest = hashlib.sha256(f"{batch_id}\0{kind}".encode()).hexdigest()
+    return f"file-{digest[:24]}"
 
 
 def public(body: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +165,12 @@ class Batches:
         *,
         max_lines: int,
         max_concurrent_lines: int,
+        lease_s: float = 30.0,
+        clock: Callable[[], int] = responses.now,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"the batch lease must be positive, got {lease_s}")
         self.store = store
         self.files = files
         self.pipeline = pipeline
@@ -149,6 +178,12 @@ class Batches:
         self.metrics = metrics
         self.max_lines = max_lines
         self.max_concurrent_lines = max_concurrent_lines
+        self.lease_s = lease_s
+        self.clock = clock  # epoch seconds: timestamps and the completion window (tests move it)
+        self._sleep = sleep
+        # Who holds a batch's lease: this process, unique across restarts and hosts.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._watcher: asyncio.Task[None] | None = None
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, StoredBatch] = {}  # the records the runners update
         self._cancelled: set[str] = set()
@@ -167,7 +202,7 @@ class Batches:
                 "a batch needs purpose 'batch'.",
                 param="input_file_id",
             )
-        now = responses.now()
+        now = self.clock()
         batch: dict[str, Any] = {
             "id": f"batch_{hashlib.sha256(f'{caller.name}{time.time_ns()}'.encode()).hexdigest()[:32]}",
             "object": "batch",
@@ -208,7 +243,7 @@ class Batches:
         """The batch as answered: its counts and usage read from the journal while it runs."""
         body = stored.body
         if body["status"] in ("in_progress", "cancelling", "finalizing"):
-            _count(body, *await self.store.tally(body["id"]))
+            _count(body, *await self.store.tally(stored.tenant, body["id"]))
         return public(body)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
@@ -230,8 +265,9 @@ class Batches:
                 code="batch_not_cancellable",
             )
         if body["status"] != "cancelling":
-            body["status"], body["cancelling_at"] = "cancelling", responses.now()
+            body["status"], body["cancelling_at"] = "cancelling", self.clock()
             await self.store.put_batch(stored)
+        await self.store.mark_cancel(stored.tenant, body["id"])  # for the runner, on any gateway
         self._cancelled.add(body["id"])
         return JSONResponse(await self._live(stored))
 
@@ -239,16 +275,40 @@ class Batches:
 
     async def resume(self) -> None:
         """Start a runner for every unfinished batch in the store, and let runners start (the
-        app calls this once its models have loaded)."""
+        app calls this once its models have loaded); with a shared store, keep watching for
+        batches whose runner's lease lapses."""
         self._started.set()
+        await self._scan()
+        if self.store.shared:
+            self._watcher = asyncio.create_task(self._watch(), name="batch-watch")
+
+    async def _scan(self) -> float:
+        """Start a runner for each unfinished batch that none holds; how long until the next
+        held lease lapses (at most a third of the lease)."""
+        wait = self.lease_s / 3
         for stored in await self.store.unfinished():
-            if stored.body["status"] == "cancelling":
-                self._cancelled.add(stored.body["id"])
-            self._start(stored)
+            if stored.body["id"] in self._runners:
+                continue
+            left = await self.store.lease_left(stored.tenant, stored.body["id"])
+            if left <= 0:
+                self._start(stored)
+            else:
+                wait = min(wait, left)
+        return wait
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                wait = await self._scan()
+            except Exception as exc:  # noqa: BLE001 - a store outage: look again later
+                logger.warning("batches: cannot read the unfinished batches (%r)", exc)
+                wait = self.lease_s / 3
+            await self._sleep(wait + 0.01)
 
     async def aclose(self) -> None:
-        """Stop every runner; lines in flight are cancelled (refunded) and run again on resume."""
-        runners = list(self._runners.values())
+        """Stop every runner (and the watch); lines in flight are cancelled (refunded) and run
+        again on resume, or by another gateway once the leases, released here, are free."""
+        runners = [*self._runners.values(), *([self._watcher] if self._watcher else [])]
         for task in runners:
             task.cancel()
         await asyncio.gather(*runners, return_exceptions=True)
@@ -290,15 +350,59 @@ class Batches:
         """Why the batch's remaining lines may not start, or None."""
         if body["id"] in self._cancelled:
             return "batch_cancelled"
-        if responses.now() >= body["expires_at"]:
+        if self.clock() >= body["expires_at"]:
             return "batch_expired"
         if body["id"] in self._quota_stopped:
             return "insufficient_quota"
         return None
 
     async def _run(self, stored: StoredBatch) -> None:
-        body = stored.body
         await self._started.wait()
+        tenant, batch_id = stored.tenant, stored.body["id"]
+        if not await self.store.claim(tenant, batch_id, self.owner, self.lease_s):
+            return  # another gateway runs it
+        keeper = asyncio.create_task(self._keep(stored, asyncio.current_task()), name=f"lease-{batch_id}")
+        try:
+            fresh = await self.store.get_batch(tenant, batch_id)  # as its last runner left it
+            if fresh is None or fresh.body["status"] in FINAL_STATUSES:
+                return
+            stored.body.clear()
+            stored.body.update(fresh.body)
+            if stored.body["status"] == "cancelling" or await self.store.cancel_marked(tenant, batch_id):
+                self._cancelled.add(batch_id)
+            with telemetry.batch_span(batch_id, tenant, stored.body["endpoint"]):
+                await self._run_claimed(stored)
+        finally:
+            keeper.cancel()
+            try:
+                await self.store.release(tenant, batch_id, self.owner)
+            except Exception as exc:  # noqa: BLE001 - the lease then lapses by itself
+                logger.warning("batch %s: the lease was not released (%r)", batch_id, exc)
+
+    async def _keep(self, stored: StoredBatch, runner: asyncio.Task[Any] | None) -> None:
+        """Renew the runner's lease, and pick up a cancel asked on another gateway; a lease that
+        cannot be renewed (taken over, or the store away) stops the runner."""
+        tenant, body = stored.tenant, stored.body
+        while True:
+            await self._sleep(self.lease_s / 3)
+            try:
+                held = await self.store.claim(tenant, body["id"], self.owner, self.lease_s)
+                marked = held and await self.store.cancel_marked(tenant, body["id"])
+                if marked and body["id"] not in self._cancelled:
+                    self._cancelled.add(body["id"])
+                    if body["status"] == "in_progress":
+                        body.update(status="cancelling", cancelling_at=self.clock())
+            except Exception as exc:  # noqa: BLE001 - any store failure: the lease cannot be trusted
+                logger.warning("batch %s: the lease could not be renewed (%r)", body["id"], exc)
+                held = False
+            if not held:
+                logger.warning("batch %s: lease lost; this gateway stops running it", body["id"])
+                if runner is not None:
+                    runner.cancel()
+                return
+
+    async def _run_claimed(self, stored: StoredBatch) -> None:
+        body = stored.body
         try:
             caller = self._caller(stored)
             if caller is None:
@@ -310,7 +414,7 @@ class Batches:
             if lines is None:
                 return
             if body["in_progress_at"] is None:
-                body.update(in_progress_at=responses.now(), model=lines[0].model)
+                body.update(in_progress_at=self.clock(), model=lines[0].model)
                 body["request_counts"]["total"] = len(lines)
                 if body["status"] == "validating":  # (not when cancelled while validating)
                     body["status"] = "in_progress"
@@ -353,7 +457,7 @@ class Batches:
     async def _execute(self, stored: StoredBatch, caller: Caller, lines: list[Line]) -> None:
         body = stored.body
         endpoint = BATCH_ENDPOINTS[body["endpoint"]]
-        done = {r.custom_id for r in await self.store.results(body["id"])}
+        done = {r.custom_id for r in await self.store.results(stored.tenant, body["id"])}
         todo = [line for line in lines if line.custom_id not in done]
         lane = self._lane(caller)
         self.metrics.batch_queued.inc(len(todo))
@@ -370,7 +474,7 @@ class Batches:
                         group.create_task(self._line(stored, endpoint, caller, line, lane))
                     else:
                         lane.slots.release()
-                        await self._record(body, _stopped(endpoint, body["id"], line, stop), stop)
+                        await self._record(stored, _stopped(endpoint, body["id"], line, stop), stop)
         finally:
             self.metrics.batch_queued.dec(len(todo) - started)  # those a stop left unstarted
 
@@ -381,7 +485,7 @@ class Batches:
         try:
             result, status = await self._answer(stored.body, endpoint, caller, line)
             lane.spent(result.input_tokens + result.output_tokens)
-            await self._record(stored.body, result, status)
+            await self._record(stored, result, status)
         finally:
             self.metrics.batch_in_flight.dec()
             lane.slots.release()
@@ -422,26 +526,31 @@ class Batches:
         result = answered(reply.status, payload, _usage(payload))
         return result, "failed" if result.failed else "completed"
 
-    async def _record(self, body: dict[str, Any], result: LineResult, status: str) -> None:
-        if await self.store.record(body["id"], result):
+    async def _record(self, stored: StoredBatch, result: LineResult, status: str) -> None:
+        if await self.store.record(stored.tenant, stored.body["id"], result):
             self.metrics.batch_lines.labels(status).inc()
 
     async def _finalize(self, stored: StoredBatch, caller: Caller) -> None:
         body = stored.body
+        if await self.store.cancel_marked(stored.tenant, body["id"]):  # asked on another gateway
+            self._cancelled.add(body["id"])
         stop = self._stop_code(body)
-        body.update(status="finalizing", finalizing_at=responses.now())
+        body.update(status="finalizing", finalizing_at=self.clock())
         await self.store.put_batch(stored)
-        _count(body, *await self.store.tally(body["id"]))
-        results = await self.store.results(body["id"])
-        expiry = expires_at(body.get(_PRIVATE), responses.now())
+        _count(body, *await self.store.tally(stored.tenant, body["id"]))
+        results = await self.store.results(stored.tenant, body["id"])
+        expiry = expires_at(body.get(_PRIVATE), self.clock())
         for key, failed in (("output_file_id", False), ("error_file_id", True)):
             text = b"".join(r.text + b"\n" for r in results if r.failed == failed)
             if text and body[key] is None:
-                name = f"{body['id']}_{'error' if failed else 'output'}.jsonl"
+                kind = "error" if failed else "output"
+                # Its id derives from the batch's: a runner stopped between writing the file and
+                # saving its id writes the same file again, never an orphan.
                 file = await self.files.write(
                     caller,
                     text,
-                    filename=name,
+                    file_id=derived_file_id(body["id"], kind),
+                    filename=f"{body['id']}_{kind}.jsonl",
                     purpose="batch_output",
                     expires_at=expiry,
                     check_quota=False,
@@ -449,7 +558,7 @@ class Batches:
                 body[key] = file["id"]
                 await self.store.put_batch(stored)
         final = {"batch_cancelled": "cancelled", "batch_expired": "expired"}.get(stop or "", "completed")
-        body.update(status=final, **{f"{final}_at": responses.now()})
+        body.update(status=final, **{f"{final}_at": self.clock()})
         await self.store.put_batch(stored)
         self._cancelled.discard(body["id"])
         self._quota_stopped.discard(body["id"])
@@ -457,7 +566,7 @@ class Batches:
 
     async def _fail(self, stored: StoredBatch, errors: list[dict[str, Any]]) -> None:
         body = stored.body
-        body.update(status="failed", failed_at=responses.now(), errors={"object": "list", "data": errors})
+        body.update(status="failed", failed_at=self.clock(), errors={"object": "list", "data": errors})
         await self.store.put_batch(stored)
 
 
@@ -493,16 +602,23 @@ def _batch_error(code: str, message: str, param: str | None = None) -> dict[str,
 def build_batches(
     settings: Settings, pipeline: Pipeline, tenancy: Tenancy | None, metrics: Metrics
 ) -> tuple[Files, Batches]:
-    """The Files and Batches APIs over `--storage-dir` (batches.sqlite3 and files/), or, without
-    one, over an in-memory database and a temporary directory (lost at exit, as the other
-    embedded stores are without a storage directory)."""
-    if settings.storage_dir:
-        root = Path(settings.storage_dir)
-        store = BatchStore(root / SQLITE_FILE)
+    """The Files and Batches APIs: with `--redis-url` and `--files-bucket`, records in Redis and
+    bytes in the bucket, shared by a pool of gateways; else this gateway's own, the records in
+    `--storage-dir`'s batches.sqlite3 and the bytes in the bucket or the storage directory's files/
+    (records in Redis beside bytes only one gateway holds would be 404s on the others). Without a
+    storage directory: an in-memory database and a temporary directory (lost at exit, as the
+    other embedded stores are without one)."""
+    storage = Path(settings.storage_dir) if settings.storage_dir else None
+    root = storage or Path(tempfile.mkdtemp(prefix="batchgate-files-"))
+    store: BatchStore
+    if settings.redis_url and settings.files_bucket:
+        from gateway.batch_redis import RedisBatchStore
+
+        store = RedisBatchStore(settings.redis_url)
     else:
-        root = Path(tempfile.mkdtemp(prefix="batchgate-files-"))
-        store = BatchStore(None)
-        weakref.finalize(store, shutil.rmtree, root, True)  # gone with the store, as its database
+        store = SQLiteBatchStore(None if storage is None else storage / SQLITE_FILE)
+    if storage is None:
+        weakref.finalize(store, shutil.rmtree, root, True)  # the temporary files go with the store
 
     def quota(caller: Caller) -> int | None:
         return caller.tenant.plan.storage_quota_bytes if caller.tenant is not None else None
@@ -527,5 +643,6 @@ def build_batches(
         metrics,
         max_lines=settings.batch_max_lines,
         max_concurrent_lines=settings.batch_max_concurrent_lines,
+        lease_s=settings.batch_lease_s,
     )
     return files, batches

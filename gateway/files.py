@@ -110,14 +110,15 @@ class Files:
         purpose: str,
         expires_at: int | None = None,
         check_quota: bool = True,
+        file_id: str | None = None,
     ) -> dict[str, Any]:
-        """Store `data` as a new file of the caller's tenant; its FileObject. `check_quota` False:
+        """Store `data` as a file of the caller's tenant; its FileObject. `check_quota` False:
         a batch's output, which counts toward the quota but is never refused (it is the result
-        of work done and billed)."""
+        of work done and billed). `file_id`: that id (written again, it is replaced), else a new one."""
         if check_quota:
             await self._check_quota(caller, len(data))
         body: dict[str, Any] = {
-            "id": new_file_id(),
+            "id": file_id or new_file_id(),
             "object": "file",
             "bytes": len(data),
             "created_at": responses.now(),

@@ -248,6 +248,7 @@ class EngineBackend:
             max_model_len=engine.max_model_len,
             vocab_size=tokenizer.vocab_size,
             prompt_param=param,
+            limit="max_output_tokens" if param == "input" else "max_tokens",
         )
         params = _within_reservation(params, work.caller, len(prompt))
         if output.grammar is not None:

@@ -651,7 +651,10 @@ def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
 # -- conversion to the engine's sampling parameters -------------------------------------------
 
 
-def context_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, param: str) -> APIError:
+def context_error(
+    max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, param: str, limit: str = "max_tokens"
+) -> APIError:
+    """`context_length_exceeded`; `limit` names the completion's token limit as the request does."""
     if max_tokens is None:
         message = (
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
@@ -662,7 +665,7 @@ def context_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int | 
         message = (
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            "in the completion). Please reduce the length of the prompt or of max_tokens."
+            f"in the completion). Please reduce the length of the prompt or of {limit}."
         )
     return APIError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, message, param=param)
 
@@ -674,8 +677,10 @@ def sampling_params(
     max_model_len: int,
     vocab_size: int,
     prompt_param: str | None = None,
+    limit: str = "max_tokens",
 ) -> SamplingParams:
-    """The engine's SamplingParams for `req`; APIError(400) when the prompt and max_tokens do not fit.
+    """The engine's SamplingParams for `req`; APIError(400) when the prompt and max_tokens do not fit
+    (`limit`: the request's name for max_tokens, `max_output_tokens` for a Responses request).
 
     Defaults follow OpenAI: temperature 1.0, top_p 1.0, n 1; chat's max_tokens defaults to the
     context left after the prompt, completions' to 16.
@@ -688,7 +693,7 @@ def sampling_params(
         if max_tokens < 1:
             raise context_error(max_model_len, num_prompt_tokens, None, prompt_param)
     elif num_prompt_tokens + max_tokens > max_model_len:
-        raise context_error(max_model_len, num_prompt_tokens, max_tokens, prompt_param)
+        raise context_error(max_model_len, num_prompt_tokens, max_tokens, prompt_param, limit)
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
         raise invalid_request(

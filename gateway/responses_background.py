@@ -78,10 +78,12 @@ def _failure(reply: Reply) -> str:
     return "The model backend failed."
 
 
-async def _ended(task: asyncio.Task[None]) -> None:
-    """Cancel `task` and wait until it has stopped (its store write done, if one was under way)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+async def _ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    """Stop the renewal `task` between its store writes, and wait until it has: a Redis call
+    cancelled mid-command can leave its connection waiting for a reply that never comes (a
+    background run whose replica failed at once stayed `in_progress` so)."""
+    stop.set()
+    await asyncio.wait({task})
 
 
 class BackgroundRuns:
@@ -119,11 +121,12 @@ class BackgroundRuns:
     async def _run(self, tenant: str, record: StoredResponse, job: Job) -> None:
         run = self._runs.get((tenant, record.response_id))
         self.drain.enter()
-        renewing = asyncio.get_running_loop().create_task(self._renew(tenant, record))
+        stop = asyncio.Event()
+        renewing = asyncio.get_running_loop().create_task(self._renew(tenant, record, stop))
         try:
             with self.drain.on_stop(lambda: self._stop(tenant, record.response_id, DRAINED)):
                 reply = await job.execute()
-            await _ended(renewing)
+            await _ended(renewing, stop)
             if isinstance(reply, Body) and reply.status == 200:
                 payload = reply.payload
                 response = orjson.loads(payload) if isinstance(payload, bytes) else dict(payload)
@@ -133,13 +136,13 @@ class BackgroundRuns:
             else:
                 await self._put(tenant, _with_status(record, "failed", _failure(reply)))
         except asyncio.CancelledError:
-            await _ended(renewing)
+            await _ended(renewing, stop)
             outcome = (run.outcome if run is not None else None) or DRAINED
             status, error = ("cancelled", None) if outcome == "cancelled" else ("failed", outcome)
             with contextlib.suppress(APIError):
                 await self._put(tenant, _with_status(record, status, error))
         except Exception as exc:  # noqa: BLE001 - the client is gone: the record carries the error
-            await _ended(renewing)
+            await _ended(renewing, stop)
             failure = exc if isinstance(exc, APIError) else APIError(ErrorKind.INTERNAL, "It failed.")
             logger.warning("%s: background response failed: %s", record.response_id, failure.message)
             with contextlib.suppress(APIError):
@@ -149,14 +152,15 @@ class BackgroundRuns:
             await asyncio.shield(job.close())
             self.drain.exit()
 
-    async def _renew(self, tenant: str, record: StoredResponse) -> None:
-        """Renew the lease while the run lasts; a cancel mark from another gateway stops it."""
-        while True:
+    async def _renew(self, tenant: str, record: StoredResponse, stop: asyncio.Event) -> None:
+        """Renew the lease until `stop`; a cancel mark from another gateway stops the run."""
+        while not stop.is_set():
             if await self._cancel_marked(tenant, record.response_id):
                 self._stop(tenant, record.response_id, "cancelled")
                 return
             await self._put(tenant, self._leased(record, "in_progress"))
-            await asyncio.sleep(self.lease_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.lease_s / 3)
 
     async def _cancel_marked(self, tenant: str, response_id: str) -> bool:
         return await guarded(self.store.get(tenant, _cancel_key(response_id))) is not None

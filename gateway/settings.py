@@ -239,6 +239,13 @@ class Settings:
         "lines of one tenant's batches in flight at once, where its plan sets no "
         "batch_max_concurrent_lines (open mode, or a plan without it)",
     )
+    batch_lease_s: float = _opt(
+        30.0,
+        _float,
+        "a batch's runner lease, renewed every third of it by the gateway running the batch; with "
+        "--redis-url, another gateway takes over a batch whose runner's lease lapsed (its gateway died)",
+        flag="--batch-lease",
+    )
     ledger_retention_days: int = _opt(
         90, _int, "days the usage ledger keeps its hourly counters (Redis or the storage directory)"
     )
@@ -419,6 +426,8 @@ class Settings:
             raise ValueError(
                 f"responses_background_lease_s must be > 0, got {self.responses_background_lease_s}"
             )
+        if not self.batch_lease_s > 0:
+            raise ValueError(f"batch_lease_s must be > 0, got {self.batch_lease_s}")
         if self.responses_ttl_s < 1:
             raise ValueError(f"responses_ttl_s must be >= 1, got {self.responses_ttl_s}")
         if not self.engine_stall_timeout_s > 0:

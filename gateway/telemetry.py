@@ -20,16 +20,20 @@ Prompt text is recorded (`gen_ai.input.messages`) only when
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 PROVIDER_NAME = "batchgate"
 _enabled = False
+# The span the request spans started here link to (a Batch API run's span), or None.
+_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("batchgate_batch_span", default=None)
 
 
 def wanted(environ: Mapping[str, str] | None = None) -> bool:
@@ -118,6 +122,30 @@ def instrument_client(client: Any) -> None:
     HTTPXClientInstrumentor().instrument_client(client)
 
 
+@contextlib.contextmanager
+def batch_span(batch_id: str, tenant: str, endpoint: str) -> Iterator[None]:
+    """While inside (and in the tasks started inside), a `batch {id}` span is open, a root of its
+    own trace, and each request span starts a new trace with a link to it: one line's trace per
+    line, all reachable from the batch's. A no-op when tracing is off."""
+    if not _enabled:
+        yield
+        return
+    from opentelemetry import context, trace
+
+    attributes = {"batchgate.batch_id": batch_id, "batchgate.tenant": tenant, "batchgate.endpoint": endpoint}
+    tracer = trace.get_tracer("batchgate.gateway")
+    span = tracer.start_span(f"batch {batch_id}", context=context.Context(), attributes=attributes)
+    token = _batch.set(span)
+    try:
+        yield
+    except BaseException as exc:
+        span.set_attribute("error.type", type(exc).__name__)
+        raise
+    finally:
+        _batch.reset(token)
+        span.end()
+
+
 class ChatSpan:
     """The GenAI span of one request; every method is a no-op when tracing is off."""
 
@@ -157,9 +185,21 @@ class ChatSpan:
         if messages is not None and capture_content():
             attributes["gen_ai.input.messages"] = json.dumps(list(messages), ensure_ascii=False, default=str)
         tracer = trace.get_tracer("batchgate.gateway")
-        self._span = tracer.start_span(
-            f"{operation} {model}", kind=trace.SpanKind.INTERNAL, attributes=attributes
-        )
+        batch = _batch.get()
+        if batch is None:
+            self._span = tracer.start_span(
+                f"{operation} {model}", kind=trace.SpanKind.INTERNAL, attributes=attributes
+            )
+        else:  # a batch line: a trace of its own, linked to the batch's span
+            from opentelemetry import context
+
+            self._span = tracer.start_span(
+                f"{operation} {model}",
+                context=context.Context(),
+                kind=trace.SpanKind.INTERNAL,
+                attributes=attributes,
+                links=[trace.Link(batch.get_span_context())],
+            )
 
     @property
     def recording(self) -> bool:

@@ -35,6 +35,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, _apply_bitmask_batched, apply_bitmask, sample
 from engine.types import FinishReason, GenerationRequest, GrammarError, GrammarSpec, SamplingParams
 from tests.engine.helpers import chat_ids, run_all, text_of, tiny_engine, tokens_of
+from tests.lark_check import APPLY_PATCH_GRAMMAR, lark_parser
 
 VOCAB = 40
 
@@ -407,6 +408,57 @@ def test_json_object_output_is_one_object(llguidance_engine: LLMEngine) -> None:
     for i in range(4):  # an unbounded object too is closed before max_tokens
         assert outs[("obj", i)][-1].finish_reason is FinishReason.STOP
         assert isinstance(json.loads(text_of(outs[("obj", i)])), dict)
+
+
+# Grammars with free text, which the JSON steer cannot close: Codex's apply_patch (a line runs until
+# a newline the random weights never pick), a regex, a nested Lark rule.
+FREE_TEXT_GRAMMARS = {
+    "patch": GrammarSpec.lark(APPLY_PATCH_GRAMMAR),
+    "regex": GrammarSpec.regex(r"[A-Z]{3}-[0-9]{4} [a-z ]{1,200}!"),
+    "nested": GrammarSpec.lark('start: "(" expr ")"\nexpr: /[a-z ]+/ | "(" expr ")" | expr "," expr'),
+}
+
+
+def test_grammars_with_free_text_close_before_max_tokens(llguidance_engine: LLMEngine) -> None:
+    """Near max_tokens a Lark or regex grammar is steered along its shortest completion: every
+    output of the random weights stops with its grammar, whole in the language (by the official
+    Lark parser, not the matcher that made it)."""
+    engine = llguidance_engine
+    requests = [
+        GenerationRequest(
+            name,
+            chat_ids(engine.tokenizer, "Write it."),
+            SamplingParams(max_tokens=48, temperature=1.0, seed=3, n=2, grammar=spec),
+        )
+        for name, spec in FREE_TEXT_GRAMMARS.items()
+    ]
+    outs = run_all(engine, requests)
+    patch, nested = lark_parser(APPLY_PATCH_GRAMMAR), lark_parser(FREE_TEXT_GRAMMARS["nested"].source)
+    for i in range(2):
+        for name in FREE_TEXT_GRAMMARS:
+            assert outs[(name, i)][-1].finish_reason is FinishReason.STOP, (name, text_of(outs[(name, i)]))
+        patch.parse(text_of(outs[("patch", i)]))
+        nested.parse(text_of(outs[("nested", i)]))
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{4} [a-z ]{1,200}!", text_of(outs[("regex", i)]))
+
+
+def test_a_shortest_completion_takes_forced_text_whole_and_counts_repeats(
+    llguidance_engine: LLMEngine,
+) -> None:
+    tokenizer = llguidance_engine.tokenizer
+    backend = LLGuidanceBackend(tokenizer, 49152, (2,))
+    for spec, prefix, plan in [
+        (
+            GrammarSpec.lark(APPLY_PATCH_GRAMMAR),
+            "*** Begin Patch\n*** Add File: a.txt\n+hi th",
+            b"\n*** End Patch",
+        ),
+        (GrammarSpec.regex(r"[A-Z]{3}-[0-9]{4}"), "Q", b"AA-0000"),  # a repeat looks alike at each count
+        (GrammarSpec.regex(r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"), "bob", b"@a.com"),
+    ]:
+        grammar = backend.compile(spec).new_grammar()
+        assert all(grammar.accept_token(t) for t in tokenizer.encode(prefix, add_special_tokens=False))
+        assert grammar_module.shortest_completion(grammar._matcher, grammar._closing) == plan  # type: ignore[attr-defined]
 
 
 def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_engine: LLMEngine) -> None:

@@ -157,3 +157,20 @@ def serve_model(model_dir: Any, max_model_len: int, max_num_seqs: int) -> Iterat
 def tiny_server(tiny_model_dir: Any) -> Iterator[TinyServer]:
     """The gateway over the real engine with the tiny random model, served by uvicorn."""
     yield from serve_model(tiny_model_dir, TINY_MAX_MODEL_LEN, TINY_MAX_NUM_SEQS)
+
+
+@pytest.fixture(scope="module")
+def real_server(real_model_dir: Any) -> Iterator[TinyServer]:
+    """The gateway over the real engine with the bundled SmolLM2-135M (2,048 tokens of context)."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=str(real_model_dir), max_model_len=2048, kv_cache_memory_bytes=128 << 20)
+    )
+    server = LiveServer(create_app(Settings(keep_alive_s=1.0), engine=engine))
+    try:
+        yield TinyServer(engine, server)
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from openai.types import Batch
 
 from tenancy import hash_key
 from tenancy.config import load_config
@@ -49,8 +50,32 @@ def serve(workdir: Path, model_dir: Path, name: str) -> Process:
         str(workdir / "tenants.toml"),
     ]
     process = start(name, [*args, "--storage-dir", str(workdir / "storage")], workdir)
-    wait_ready([process])
+    try:
+        wait_ready([process])
+    except BaseException:
+        process.stop()
+        raise
     return process
+
+
+def chat_lines() -> bytes:
+    """The batch's input file: NUM_LINES chat lines of 24 output tokens each."""
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"Count to {i}"}],
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        }
+        for i in range(NUM_LINES)
+    ]
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
 def completed(client: openai.OpenAI, batch_id: str) -> int:
@@ -65,6 +90,36 @@ def wait_for_lines(client: openai.OpenAI, batch_id: str, at_least: int, timeout_
         time.sleep(0.05)
 
 
+def assert_completed_once_and_billed_once(url: str, batch_id: str, tenants: Path) -> Batch:
+    """Wait for the batch to complete: one output line per custom_id, each of 24 tokens, and the
+    ledger (`/v1/usage` by batch) equal to the lines' usage at the batch price."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch_id)).status != "completed":
+        assert batch.status in ("in_progress", "finalizing"), batch
+        assert time.monotonic() < deadline, f"batch not completed: {batch}"
+        time.sleep(0.1)
+    assert batch.error_file_id is None and batch.output_file_id is not None
+    out = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines()]
+    assert sorted(line["custom_id"] for line in out) == sorted(f"line-{i}" for i in range(NUM_LINES))
+    usage = [line["response"]["body"]["usage"] for line in out]
+    assert all(u["completion_tokens"] == 24 for u in usage)
+    price = load_config(tenants).price("tiny")
+    ledger = httpx.get(
+        url + "/v1/usage",
+        params={"start_time": int(time.time()) - 3600, "group_by": "batch"},
+        headers={"authorization": f"Bearer {KEY}"},
+    ).json()
+    rows = [r for bucket in ledger["data"] for r in bucket["results"]]
+    assert rows and all(r["batch"] for r in rows)
+    assert sum(r["num_model_requests"] for r in rows) == NUM_LINES
+    assert sum(r["input_tokens"] for r in rows) == sum(u["prompt_tokens"] for u in usage)
+    assert sum(r["output_tokens"] for r in rows) == 24 * NUM_LINES
+    expected = sum(price.cost(u["prompt_tokens"], 0, 24, batch=True) for u in usage)
+    assert sum(r["cost_micros"] for r in rows) == expected
+    return batch
+
+
 def test_a_batch_killed_twice_completes_once_per_line_and_is_billed_once(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -72,23 +127,7 @@ def test_a_batch_killed_twice_completes_once_per_line_and_is_billed_once(
     gateway = serve(tmp_path, tiny_model_dir, "gateway-1")
     try:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
-        lines = [
-            {
-                "custom_id": f"line-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "tiny",
-                    "messages": [{"role": "user", "content": f"Count to {i}"}],
-                    "max_tokens": 24,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                },
-            }
-            for i in range(NUM_LINES)
-        ]
-        data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-        upload = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        upload = client.files.create(file=("in.jsonl", io.BytesIO(chat_lines())), purpose="batch")
         batch_id = client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         ).id
@@ -97,29 +136,7 @@ def test_a_batch_killed_twice_completes_once_per_line_and_is_billed_once(
             gateway.kill()  # SIGKILL: lines in flight are lost mid-generation
             gateway = serve(tmp_path, tiny_model_dir, name)
             client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
-        deadline = time.monotonic() + 90
-        while (batch := client.batches.retrieve(batch_id)).status != "completed":
-            assert batch.status in ("in_progress", "finalizing"), batch
-            assert time.monotonic() < deadline, f"batch not completed: {batch}"
-            time.sleep(0.1)
-        assert batch.error_file_id is None and batch.output_file_id is not None
-        out = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines()]
-        assert sorted(line["custom_id"] for line in out) == sorted(f"line-{i}" for i in range(NUM_LINES))
-        usage = [line["response"]["body"]["usage"] for line in out]
-        assert all(u["completion_tokens"] == 24 for u in usage)
-        price = load_config(tmp_path / "tenants.toml").price("tiny")
-        ledger = httpx.get(
-            gateway.url + "/v1/usage",
-            params={"start_time": int(time.time()) - 3600, "group_by": "batch"},
-            headers={"authorization": f"Bearer {KEY}"},
-        ).json()
-        rows = [r for bucket in ledger["data"] for r in bucket["results"]]
-        assert rows and all(r["batch"] for r in rows)
-        assert sum(r["num_model_requests"] for r in rows) == NUM_LINES
-        assert sum(r["input_tokens"] for r in rows) == sum(u["prompt_tokens"] for u in usage)
-        assert sum(r["output_tokens"] for r in rows) == 24 * NUM_LINES
-        expected = sum(price.cost(u["prompt_tokens"], 0, 24, batch=True) for u in usage)
-        assert sum(r["cost_micros"] for r in rows) == expected
+        batch = assert_completed_once_and_billed_once(gateway.url, batch_id, tmp_path / "tenants.toml")
         assert batch.usage is not None and batch.usage.output_tokens == 24 * NUM_LINES
     finally:
         gateway.stop()

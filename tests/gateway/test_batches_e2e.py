@@ -312,6 +312,44 @@ def test_batches_are_listed_newest_first_and_cancelled(server: LiveServer) -> No
         client.batches.cancel(first.id)
 
 
+def test_lines_left_at_expiry_end_in_batch_expired_lines(server: LiveServer) -> None:
+    """The completion window passes mid-batch (the runner's clock moved 24 h on, no sleep): the
+    lines in flight finish, every line not started gets a `batch_expired` error line, and the
+    batch ends `expired`, with one line per custom_id."""
+    app: Any = server.server.config.app
+    batches = app.state.gateway.batches
+    real_clock = batches.clock
+    client = sdk(server)
+    lines = [chat_line(f"x{i}", max_tokens=32, ignore_eos=True) for i in range(24)]
+    upload = client.files.create(file=("x.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    created = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (counts := client.batches.retrieve(created.id).request_counts) is None or counts.completed < 2:
+            assert time.monotonic() < deadline, "no line completed"
+            time.sleep(0.02)
+        batches.clock = lambda: real_clock() + 24 * 3600 + 1
+        batch = wait_done(client, created.id)
+    finally:
+        batches.clock = real_clock
+    assert batch.status == "expired" and batch.expired_at and batch.expires_at
+    assert batch.expired_at >= batch.expires_at
+    served = lines_of(client, batch.output_file_id)
+    expired = lines_of(client, batch.error_file_id)
+    assert sorted(line["custom_id"] for line in served + expired) == sorted(f"x{i}" for i in range(24))
+    assert len(served) >= 2 and expired
+    assert all(line["error"]["code"] == "batch_expired" and line["response"] is None for line in expired)
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 32 for line in served)
+    counts = batch.request_counts
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (
+        24,
+        len(served),
+        len(expired),
+    )
+
+
 def test_a_hard_budget_stops_the_batch_with_insufficient_quota_lines(server: LiveServer) -> None:
     client = sdk(server, "sk-capped")
     batch = run_batch(client, [chat_line(f"q{i}") for i in range(12)], "/v1/chat/completions")

@@ -6,62 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from gateway.app import create_app
 from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
 from gateway.settings import Settings
-from tests.conftest_redis import free_port
 from tests.gateway.conftest import LiveServer
 from tests.gateway.fakes import FakeEngine
-
-BUCKET = "batchgate-files"
+from tests.gateway.s3_server import BUCKET, moto_server
 
 
 @pytest.fixture(scope="module")
 def s3_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """moto's S3 server on a free port, with the bucket created; the AWS_* variables boto3 reads."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    server = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(server), "-p", str(port)], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    saved = {
-        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    }
-    os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                httpx.get(url, timeout=1)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, f"moto did not start:\n{log.read_text()}"
-                time.sleep(0.1)
-        import boto3
-
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+    with moto_server(tmp_path_factory.mktemp("moto")) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(params=["directory", "s3"])

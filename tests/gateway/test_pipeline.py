@@ -464,3 +464,40 @@ def test_ten_turns_alternate_two_gateways_over_one_redis_with_a_replica_gone(
     finally:
         for server in (*gateways, *replicas):  # stopping twice is harmless
             server.stop()
+
+
+@pytest.mark.parametrize("fault", ["generation fails", "replica stops"])
+def test_a_background_response_whose_replica_fails_reads_failed_and_releases_everything(
+    tmp_path: Path, redis_url: str, store: redis.Redis, fault: str
+) -> None:
+    """Pool mode: the replica running a background response fails it mid-generation, or goes away
+    while it runs; the response reads `failed` with a reason (never "not found"), and its lease and
+    hold are settled once."""
+    deployment = deploy("proxy", tmp_path, redis_url, tpm=TPM)
+    replica = deployment.servers[0]
+    try:
+        if fault == "generation fails":
+            deployment.engine.fail_after = 2
+        else:
+            deployment.engine.gate = asyncio.Event()  # never set: the run waits on the replica
+        with httpx.Client(base_url=deployment.url, headers=ACME, timeout=10) as client:
+            queued = client.post("/v1/responses", json=resp(background=True, max_output_tokens=100)).json()
+            assert queued["status"] == "queued", queued
+            if fault == "replica stops":
+                _wait_for(lambda: deployment.engine.num_active == 1)
+                replica.stop()
+
+            def status() -> dict[str, Any]:
+                r = client.get(f"/v1/responses/{queued['id']}")
+                assert r.status_code == 200, r.text  # never a 404
+                return dict(r.json())
+
+            _wait_for(lambda: status()["status"] not in ("queued", "in_progress"), timeout_s=20)
+            failed = status()
+            assert failed["status"] == "failed" and failed["error"]["message"], failed
+            assert failed["error"]["code"], failed
+        _wait_for(_settled(store, 1))  # the gateway's lease released, the hold settled once
+        if fault == "generation fails":  # (a replica that went away took its engine with it)
+            assert deployment.engine.num_active == 0
+    finally:
+        deployment.stop()

@@ -115,3 +115,24 @@ async def test_the_app_keeps_responses_in_the_storage_dir_and_counts_evictions(
         metrics = (await client.get("/metrics")).text
     assert "batchgate_response_store_evictions_total 2.0" in metrics
     assert (tmp_path / "state" / SQLITE_FILE).exists()
+
+
+async def test_the_servers_store_keeps_its_bound_and_counts_evictions(make_app: Any, tmp_path: Path) -> None:
+    """Through the app (--storage-dir, --responses-max-stored): past the bound the least recently
+    used responses go, each counted in the eviction metric, and a continuation from one is a 404."""
+    from tests.gateway.conftest import client_for
+
+    async with client_for(make_app(storage_dir=str(tmp_path), responses_max_stored=3)) as client:
+        ids = []
+        for i in range(5):
+            r = await client.post("/v1/responses", json={"model": "fake-model", "input": f"turn {i}"})
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+        assert [(await client.get(f"/v1/responses/{i}")).status_code for i in ids] == [404] * 2 + [200] * 3
+        metrics = (await client.get("/metrics")).text
+        assert "batchgate_response_store_evictions_total 2.0" in metrics, metrics
+        r = await client.post(
+            "/v1/responses", json={"model": "fake-model", "input": "x", "previous_response_id": ids[0]}
+        )
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=3).count() == 3

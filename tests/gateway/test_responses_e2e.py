@@ -322,6 +322,7 @@ def test_truncation_auto_drops_the_oldest_items_to_fit(
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == "input"
     assert error["code"] == "context_length_exceeded"
+    assert "of max_output_tokens." in error["message"] and "max_tokens" not in error["message"]  # its field
     resp = client.responses.create(**fields, truncation="auto")
     assert resp.truncation == "auto" and resp.usage is not None
 

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from gateway.app import create_app
-from gateway.settings import Settings
 from gateway.tools import MAX_PARALLEL_TOOL_CALLS
-from tests.gateway.conftest import LiveServer, TinyServer
+from tests.gateway.conftest import TinyServer
 
 pytestmark = pytest.mark.real_model
 
@@ -32,22 +29,6 @@ class GetWeather(BaseModel):
 
     city: str = Field(max_length=40)
     unit: Literal["celsius", "fahrenheit"]
-
-
-@pytest.fixture(scope="module")
-def real_server(real_model_dir: Path) -> Iterator[TinyServer]:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-
-    engine = AsyncEngine.from_config(
-        EngineConfig(model=str(real_model_dir), max_model_len=2048, kv_cache_memory_bytes=128 << 20)
-    )
-    server = LiveServer(create_app(Settings(keep_alive_s=1.0), engine=engine))
-    try:
-        yield TinyServer(engine, server)
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ class ReceivedSpan:
     kind: int
     attributes: dict[str, Any]
     events: list[str] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (trace id, span id) of each link
 
 
 @dataclass
@@ -99,6 +100,7 @@ class OTLPReceiver:
                             kind=s.kind,
                             attributes={a.key: _value(a.value) for a in s.attributes},
                             events=[e.name for e in s.events],
+                            links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
                         )
                     )
         with self._lock:

@@ -34,7 +34,7 @@ that `helm lint`, `helm template` and `helm install` all stop with a readable me
 {{- end }}
 {{- $g := .Values.gateway }}
 {{- if and $g.storage.persistence.enabled (or $g.autoscaling.enabled (gt (int $g.replicaCount) 1)) }}
-{{- fail "gateway.storage.persistence is one ReadWriteOnce volume: it serves one gateway pod (gateway.replicaCount=1, gateway.autoscaling.enabled=false); several gateways need a shared bucket, not built yet" }}
+{{- fail "gateway.storage.persistence is one ReadWriteOnce volume: it serves one gateway pod (gateway.replicaCount=1, gateway.autoscaling.enabled=false); several gateways share the Batch API through Redis and gateway.storage.filesBucket, with persistence off" }}
 {{- end }}
 {{- include "batchgate.validateModels" . }}
 {{- end }}
