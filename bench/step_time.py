@@ -2,11 +2,13 @@
 
     python -m bench.step_time --batch 32             # median of 4 windows of 8 steps, in ms
     python -m bench.step_time --batch 32 --profile   # plus torch.profiler's table of 10 steps
+    python -m bench.step_time --batch 32 --adapters 8 --rank 16 --profile   # rows spread over 8 LoRAs
 
 `batch` sequences share a 40-token prompt and decode greedily (EOS ignored); the windows start after
 10 warm-up steps, so contexts run from ~50 to ~90 tokens. Engine settings are the defaults (the
 bundled model, bf16 where the CPU has it), overridable with --set FIELD=VALUE (EngineConfig fields,
-e.g. --set kernels=torch --set quantization=none).
+e.g. --set kernels=torch --set quantization=none). `--adapters N` spreads the rows round-robin over N
+random LoRA adapters of rank `--rank` on all seven projections (bench/lora.py makes them).
 """
 
 from __future__ import annotations
@@ -35,17 +37,34 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters the rows use (0: none)")
+    parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
+
+    import tempfile
+    from pathlib import Path
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
 
     overrides = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
-    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides))
+    if args.adapters:
+        overrides.setdefault("max_loras", args.adapters)
+    config = EngineConfig(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides)
+    engine = LLMEngine(config)
+    loras: list[Any] = [None]
+    if args.adapters:
+        from bench.lora import make_adapters
+        from bench.model import hf_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = make_adapters(hf_folder(config.model), Path(tmp), args.adapters, args.rank)
+            loras = [engine.load_lora(f"a{i}", str(p)) for i, p in enumerate(paths)]
     params = SamplingParams(max_tokens=10 + 8 * args.windows + 20, ignore_eos=True, temperature=0.0)
     for i in range(args.batch):
-        engine.add_request(GenerationRequest(f"r{i}", list(range(100, 140)), params))
+        request = GenerationRequest(f"r{i}", list(range(100, 140)), params, lora=loras[i % len(loras)])
+        engine.add_request(request)
     for _ in range(10):
         engine.step()
     windows = []

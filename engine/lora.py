@@ -68,29 +68,18 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
 
 
 @dataclass(frozen=True)
-class LoraLinear:
-    """The delta of one fused linear (qkv, o, gate_up, down) of one layer, as two matmuls: its
-    modules read the same input, so their A are stacked into one shrink, and their B (times the
-    adapter's scale) laid block-diagonally over the fused output into one expand, zero where a
-    module is not targeted. Both stored transposed, as the matmuls read them."""
+class LoraModule:
+    """One target module's delta `x @ a.T @ b.T` (PEFT's layout), B already times the scale."""
 
-    a_t: torch.Tensor  # [in, sum of r]
-    b_t: torch.Tensor  # [sum of r, fused out]
-    modules: tuple[str, ...]
-
-    def to(self, device: torch.device, dtype: torch.dtype) -> LoraLinear:
-        return LoraLinear(self.a_t.to(device, dtype), self.b_t.to(device, dtype), self.modules)
-
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice) -> None:
-        """y[rows] += this delta of x[rows], in place."""
-        y[rows].addmm_(x[rows] @ self.a_t, self.b_t)
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
 
     @property
     def nbytes(self) -> int:
-        return (self.a_t.numel() + self.b_t.numel()) * self.a_t.element_size()
+        return (self.a.numel() + self.b.numel()) * self.a.element_size()
 
 
-LayerLora = dict[str, LoraLinear]  # fused linear name -> its delta (absent: no delta)
+LayerLora = dict[str, LoraModule]  # PEFT module name -> its delta (absent: not targeted)
 
 
 @dataclass(eq=False)
@@ -166,18 +155,6 @@ def _targets(cfg: dict[str, Any], name: str) -> tuple[str, ...]:
     return targets
 
 
-def _fused(parts: list[tuple[str, torch.Tensor, torch.Tensor, int]], width: int) -> LoraLinear:
-    """One fused linear's modules (name, A [r, in], scaled B [out, r], output offset) as one
-    shrink and one block-diagonal expand over the fused output `width`."""
-    a_t = torch.cat([a for _, a, _, _ in parts]).T.contiguous()
-    b_t = torch.zeros(a_t.shape[1], width)
-    rank_start = 0
-    for _, a, b, offset in parts:
-        b_t[rank_start : rank_start + a.shape[0], offset : offset + b.shape[0]] = b.T
-        rank_start += a.shape[0]
-    return LoraLinear(a_t, b_t, tuple(m for m, _, _, _ in parts))
-
-
 def content_hash(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     for file in ("adapter_config.json", "adapter_model.safetensors"):
@@ -220,12 +197,10 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
     if not found:
         raise LoraError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    # each fused linear's output width (qkv: q + k + v, ...)
-    widths = {f: max(o + n for m, (_, n, o) in shapes.items() if TARGETS[m] == f) for f in TARGETS.values()}
     layers: list[LayerLora] = []
     for layer in range(spec.num_layers):
-        by_fused: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, int]]] = {}
-        for module in TARGETS:  # in fusion order
+        modules: LayerLora = {}
+        for module in TARGETS:
             ab = found.get(layer, {}).get(module)
             if ab is None:
                 continue
@@ -234,16 +209,16 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
                 raise LoraError(
                     f"adapter {name!r}: layer {layer} {module} lacks lora_{'A' if a is None else 'B'}"
                 )
-            fan_in, fan_out, offset = shapes[module]
+            fan_in, fan_out, _ = shapes[module]
             if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
                 raise LoraError(
                     f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)},"
                     f" but this base model needs A ({rank}, {fan_in}) and B ({fan_out}, {rank}): "
                     f"it was trained for a different base model"
                 )
-            by_fused.setdefault(TARGETS[module], []).append((module, a.float(), b.float() * scale, offset))
-        layers.append({f: _fused(parts, widths[f]) for f, parts in by_fused.items()})
-    nbytes = sum(d.nbytes for layer_lora in layers for d in layer_lora.values())
+            modules[module] = LoraModule(a.float().contiguous(), (b.float() * scale).contiguous())
+        layers.append(modules)
+    nbytes = sum(m.nbytes for layer_lora in layers for m in layer_lora.values())
     return LoraAdapter(
         name=name,
         path=str(folder),
@@ -401,3 +376,129 @@ class LoraSlots:
 
     def resident(self) -> list[LoraAdapter]:
         return [a for a in self._adapter if a is not None]
+
+
+class LoraStack:
+    """Every slot's delta for one fused linear (qkv, o, gate_up, down) of one layer, stacked for
+    batched matmuls on the model's device: A of each of the linear's modules side by side
+    [slots, in, modules * R], and B cut into equal column chunks of the fused output
+    [slots, chunks, R, chunk], R the largest rank installed so far (zero-padded: exact). A chunk
+    (the gcd of the modules' widths: q is 3 chunks of k's width) belongs to one module, so one
+    batched expand writes each module's own output columns, without block-diagonal zeros."""
+
+    def __init__(
+        self,
+        modules: list[tuple[str, int]],
+        fan_in: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: Any = None,
+    ) -> None:
+        """`kernel`: engine/csrc/lora.cpp's lora_decode_ for the decode rows (float32 on the CPU),
+        or None for the torch ops."""
+        self.modules = [name for name, _ in modules]
+        widths = [width for _, width in modules]
+        self.chunk = math.gcd(*widths)
+        owner = [m for m, width in enumerate(widths) for _ in range(width // self.chunk)]
+        self.num_chunks = len(owner)
+        # which module's shrink output each chunk expands; None: chunk i is module i's
+        self.owner = None if owner == list(range(len(widths))) else torch.tensor(owner, device=device)
+        self.kernel = kernel
+        self.kernel_owner = torch.tensor(owner)
+        self.first_chunk = [owner.index(m) for m in range(len(widths))]
+        self.fan_in, self.num_slots, self.dtype, self.device = fan_in, num_slots, dtype, device
+        self.rank = 0
+        self.a = self.b = torch.empty(0)
+
+    def install(self, slot: int, layer: LayerLora | None) -> None:
+        """Slot `slot` holds `layer`'s deltas of this linear's modules (None or none: zero)."""
+        parts = [(m, layer[name]) for m, name in enumerate(self.modules) if layer and name in layer]
+        rank = max((p.a.shape[0] for _, p in parts), default=0)
+        if rank > self.rank:
+            self._grow(rank)
+        if self.rank == 0:
+            return
+        r_max = self.rank
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for m, part in parts:
+            r = part.a.shape[0]
+            self.a[slot, :, m * r_max : m * r_max + r] = part.a.T
+            b_t = part.b.T.reshape(r, -1, self.chunk).transpose(0, 1)  # [its chunks, r, chunk]
+            self.b[slot, self.first_chunk[m] : self.first_chunk[m] + b_t.shape[0], :r] = b_t
+
+    def _grow(self, rank: int) -> None:
+        old_a, old_b, old = self.a, self.b, self.rank
+        m = len(self.modules)
+        self.a = torch.zeros(self.num_slots, self.fan_in, m * rank, dtype=self.dtype, device=self.device)
+        self.b = torch.zeros(
+            self.num_slots, self.num_chunks, rank, self.chunk, dtype=self.dtype, device=self.device
+        )
+        if old:
+            self.a.view(self.num_slots, self.fan_in, m, rank)[..., :old] = old_a.view(
+                self.num_slots, self.fan_in, m, old
+            )
+            self.b[:, :, :old] = old_b
+        self.rank = rank
+
+    def _per_chunk(self, shrunk: torch.Tensor, dim: int) -> torch.Tensor:
+        """The shrink output of each chunk's module: [..., modules, R] -> [..., chunks, R] on `dim`."""
+        return shrunk if self.owner is None else shrunk.index_select(dim, self.owner)
+
+    def add_decode(self, y: torch.Tensor, x: torch.Tensor, plan: Any) -> None:
+        """y[plan.lo:plan.hi] += each decode row's delta: one shrink and one expand for all slots
+        (`plan`: engine/step.py's LoraDecodePlan; `dense`: its rows are the [slots, width] grid)."""
+        if self.kernel is not None and y.is_contiguous():
+            self.kernel(y, x.contiguous(), self.a, self.b, plan.slot, self.kernel_owner, plan.lo)
+            return
+        s, w, r, c, n = plan.num_slots, plan.width, self.rank, self.num_chunks, plan.hi - plan.lo
+        rows = x[plan.lo : plan.hi] if plan.dense else x.index_select(0, plan.gather)
+        shrunk = torch.bmm(rows.view(s, w, -1), self.a[:s])
+        lhs = self._per_chunk(shrunk.view(s, w, -1, r), 2).transpose(1, 2).reshape(s * c, w, r)
+        out = torch.bmm(lhs, self.b[:s].view(s * c, r, self.chunk))  # [slots * chunks, width, chunk]
+        target = y[plan.lo : plan.hi]
+        if plan.dense:
+            target.view(s, w, c, self.chunk).add_(out.view(s, c, w, self.chunk).transpose(1, 2))
+        else:
+            picked = out.view(-1, self.chunk).index_select(0, plan.back(c).view(-1))
+            target.view(n, c, self.chunk).add_(picked.view(n, c, self.chunk))
+
+    def add_rows(self, y: torch.Tensor, x: torch.Tensor, slot: int, rows: slice) -> None:
+        """y[rows] += slot `slot`'s delta of x[rows] (a run of prefill rows)."""
+        n, r = rows.stop - rows.start, self.rank
+        lhs = self._per_chunk((x[rows] @ self.a[slot]).view(n, -1, r), 1)  # [n, chunks, R]
+        out = torch.bmm(lhs.transpose(0, 1), self.b[slot])  # [chunks, n, chunk]
+        y[rows].view(n, self.num_chunks, self.chunk).add_(out.transpose(0, 1))
+
+
+class LoraWeights:
+    """The model's LoRA slots: a LoraStack per layer and fused linear, for `spec`'s shapes.
+    `kernels`: engine/native.py's, whose lora_decode_ serves float32 decode rows on the CPU."""
+
+    def __init__(
+        self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device, kernels: Any = None
+    ) -> None:
+        shapes = module_shapes(spec)
+        fused: dict[str, list[tuple[str, int]]] = {}
+        for module, linear in TARGETS.items():  # in fusion order
+            fused.setdefault(linear, []).append((module, shapes[module][1]))
+        fan_in = {linear: shapes[modules[0][0]][0] for linear, modules in fused.items()}
+        kernel = kernels.lora_decode_ if kernels is not None and dtype == torch.float32 else None
+        self.num_slots = num_slots
+        self.installed: list[str | None] = [None] * num_slots  # each slot's adapter id
+        self.layers = [
+            {
+                linear: LoraStack(modules, fan_in[linear], num_slots, dtype, device, kernel)
+                for linear, modules in fused.items()
+            }
+            for _ in range(spec.num_layers)
+        ]
+
+    def install(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put `adapter`'s weights into `slot` (None empties it); between steps only."""
+        self.installed[slot] = adapter.id if adapter is not None else None
+        for i, stacks in enumerate(self.layers):
+            layer = adapter.layers[i] if adapter is not None else None
+            for stack in stacks.values():
+                stack.install(slot, layer)  # the copy into the stack casts and moves

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import ModelSpec
-from engine.lora import LayerLora, LoraAdapter
+from engine.lora import LoraAdapter, LoraWeights
 from engine.quant import Linear, WeightFormat
 from engine.step import ForwardBatch
 
@@ -152,11 +152,8 @@ class LlamaModel:
         self.cos = emb.cos().to(self.dtype)  # [max_positions, head_dim]
         self.sin = emb.sin().to(self.dtype)
         self.scale = spec.head_dim**-0.5
-        # Each LoRA slot's per-layer deltas, in this model's device and dtype (None: empty slot),
-        # and for decode rows the same stacked over the slots: per layer and linear, A [S, in, R]
-        # and B [S, R, out], R the largest rank any slot has there (zero-padded: exact).
-        self.lora_slots: list[list[LayerLora] | None] = [None] * max_loras
-        self.lora_stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.layers]
+        # The LoRA slots' weights, stacked per layer and linear (engine/lora.py); None: no slots.
+        self.lora = LoraWeights(spec, max_loras, self.dtype, self.device, kernels) if max_loras else None
         self.decode_weights = self._native_decode_weights()
 
     def _native_decode_weights(self) -> tuple[list[torch.Tensor], list[int], list[int], float] | None:
@@ -181,45 +178,24 @@ class LlamaModel:
         return (weights, kinds, sizes, ratios.pop()) if len(ratios) == 1 else None
 
     def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Put `adapter`'s weights into `slot` (None empties it), and restack; between steps only."""
-        self.lora_slots[slot] = (
-            None
-            if adapter is None
-            else [{n: d.to(self.device, self.dtype) for n, d in layer.items()} for layer in adapter.layers]
-        )
-        for i in range(len(self.layers)):
-            self.lora_stacks[i] = {}
-            for linear in ("qkv", "o", "gate_up", "down"):
-                deltas = [(s, w[i][linear]) for s, w in enumerate(self.lora_slots) if w and linear in w[i]]
-                if not deltas:
-                    continue
-                rank = max(d.a_t.shape[1] for _, d in deltas)
-                fan_in, fan_out = deltas[0][1].a_t.shape[0], deltas[0][1].b_t.shape[1]
-                a = torch.zeros(len(self.lora_slots), fan_in, rank, dtype=self.dtype, device=self.device)
-                b = torch.zeros(len(self.lora_slots), rank, fan_out, dtype=self.dtype, device=self.device)
-                for s, d in deltas:
-                    a[s, :, : d.a_t.shape[1]] = d.a_t
-                    b[s, : d.b_t.shape[0]] = d.b_t
-                self.lora_stacks[i][linear] = (a, b)
+        """Put `adapter`'s weights into `slot` (None empties it); between steps only."""
+        assert self.lora is not None
+        self.lora.install(slot, adapter)
 
     def _add_lora(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch
     ) -> torch.Tensor:
         """y (the base matmul's output for all rows) plus each row's adapter delta, in place: the
-        decode rows of every slot in one batched shrink and expand over the stacked slots; each
-        run of prefill rows of one slot in one shrink and one expand (engine/lora.py)."""
-        plan = batch.lora_decode
-        stack = self.lora_stacks[layer].get(linear)
-        if plan is not None and stack is not None:
-            a, b = stack
-            shrunk = torch.bmm(x.index_select(0, plan.gather).view(a.shape[0], plan.width, -1), a)
-            delta = torch.bmm(shrunk, b).view(-1, b.shape[2])
-            y.index_add_(0, plan.rows, delta.index_select(0, plan.back))
+        decode rows of every slot in one batched shrink and expand, each run of prefill rows of
+        one slot in one shrink and expand (engine/lora.py's LoraStack)."""
+        assert self.lora is not None
+        stack = self.lora.layers[layer][linear]
+        if stack.rank == 0:
+            return y
+        if batch.lora_decode is not None:
+            stack.add_decode(y, x, batch.lora_decode)
         for slot, rows in batch.lora_groups:
-            weights = self.lora_slots[slot]
-            run = weights[layer].get(linear) if weights is not None else None
-            if run is not None:
-                run.add_to(y, x, rows)
+            stack.add_rows(y, x, slot, rows)
         return y
 
     # ---- the elementwise parts: native fused kernels, or the torch ops they replace ----------

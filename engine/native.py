@@ -1,6 +1,6 @@
 """The engine's C++ kernels for the CPU (engine/csrc/kernels.cpp): decode attention straight from
 the paged KV cache, K/V writes into it, and the fused elementwise parts of a layer (RMSNorm with the
-residual add, RoPE in place, SiLU-and-multiply).
+residual add, RoPE in place, SiLU-and-multiply), and the LoRA deltas of decode rows (csrc/lora.cpp).
 
 Compiled with the machine's C++ compiler on first use (about 20 s on 2 cores) through
 `torch.utils.cpp_extension`, then cached (under $TORCH_EXTENSIONS_DIR, by default
@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-# Architecture-neutral: a decode step's layers in one call, over the ops of the files above.
-_COMMON_SOURCES = [CSRC / "decode_layers.cpp"]
+# Plain C++, every ISA: LoRA's decode deltas, and a decode step's layers in one call over the ops
+# of the other files.
+_COMMON_SOURCES = [CSRC / "lora.cpp", CSRC / "decode_layers.cpp"]
 # The quantized matmuls are per ISA: one file each (x86 only so far; elsewhere torch ops serve).
 _ISA_SOURCES = {"x86_64": [CSRC / "qmatmul_x86.cpp"], "amd64": [CSRC / "qmatmul_x86.cpp"]}
 
@@ -103,8 +104,8 @@ def march_flags() -> list[str]:
 
 def native_kernels() -> Any:
     """The compiled ops (`torch.ops.batchgate`: paged_decode_attention, write_kv_, rms_norm,
-    add_rms_norm, rope_, silu_mul); raises RuntimeError (with the compiler's reason) if they cannot
-    be built."""
+    add_rms_norm, rope_, silu_mul, lora_decode_); raises RuntimeError (with the compiler's reason)
+    if they cannot be built."""
     global _loaded, _error
     with _lock:
         if _loaded is None and _error is None:

@@ -57,7 +57,7 @@ class ModelRunner:
 
     def forward_batch(self, inputs: StepInputs) -> ForwardBatch:
         """The step's tensors on this rank's device."""
-        return forward_batch(inputs, self.block_size, self.device, len(self.model.lora_slots))
+        return forward_batch(inputs, self.block_size, self.device)
 
     # A step is two calls, so that the engine knows which of them failed (engine/llm_engine.py).
 

@@ -118,42 +118,60 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
     # (LoRA slot, a run of consecutive prefill rows using it); empty: none.
     lora_groups: list[tuple[int, slice]] = field(default_factory=list)
-    # The decode rows with an adapter, all slots in one batched shrink/expand; None: none.
+    # The decode rows with an adapter, all slots in one batched shrink and expand; None: none.
     lora_decode: LoraDecodePlan | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoraDecodePlan:
-    """The decode rows' adapters as one batched matmul over every slot: `gather` [S * width] takes
-    each slot's rows (padded with row 0, whose padded results are never read) into [S, width],
-    and `back` picks each adapter row's result from the flat [S * width] output for `rows`."""
+    """The decode rows with an adapter, rows [lo, hi) in slot order (`SchedulerOutput.by_adapter`),
+    as one batched matmul over slots 0..num_slots-1: `gather` [num_slots * width] takes each slot's
+    rows into [num_slots, width] (padded with row lo, whose padded results are never read); row
+    lo + i is entry `j[i]` of slot `slot[i]` (engine/lora.py's LoraStack reads it). `dense`: every
+    slot has `width` rows, so the rows are that grid as they lie (no gather, no scatter)."""
 
+    num_slots: int
     width: int
+    lo: int
+    hi: int
+    dense: bool
     gather: torch.Tensor
-    rows: torch.Tensor
-    back: torch.Tensor
+    slot: torch.Tensor
+    j: torch.Tensor
+    _back: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def back(self, chunks: int) -> torch.Tensor:
+        """[hi - lo, chunks]: where each row's `chunks` column chunks lie in a flat
+        [num_slots * chunks * width] expand output; the same for every linear of the step."""
+        if chunks not in self._back:
+            first = self.slot * (chunks * self.width) + self.j
+            steps = torch.arange(chunks, device=first.device) * self.width
+            self._back[chunks] = first.unsqueeze(1) + steps
+        return self._back[chunks]
 
 
-def lora_decode_plan(inputs: StepInputs, num_slots: int, device: torch.device) -> LoraDecodePlan | None:
-    by_slot: dict[int, list[int]] = {}
-    for row, slot in enumerate(inputs.lora_slots[: inputs.num_decode]):
-        if slot >= 0:
-            by_slot.setdefault(slot, []).append(row)
-    if not by_slot:
+def lora_decode_plan(inputs: StepInputs, device: torch.device) -> LoraDecodePlan | None:
+    rows = [(row, slot) for row, slot in enumerate(inputs.lora_slots[: inputs.num_decode]) if slot >= 0]
+    if not rows:
         return None
-    width = max(len(r) for r in by_slot.values())
-    gather = [0] * (num_slots * width)
-    rows, back = [], []
-    for slot, slot_rows in by_slot.items():
-        for j, row in enumerate(slot_rows):
-            gather[slot * width + j] = row
-            rows.append(row)
-            back.append(slot * width + j)
+    lo, hi = rows[0][0], rows[-1][0] + 1
+    slots = [slot for _, slot in rows]
+    assert hi - lo == len(rows) and slots == sorted(slots), "decode rows are not in slot order"
+    counts: dict[int, int] = {}
+    js = []
+    for slot in slots:
+        js.append(counts.get(slot, 0))
+        counts[slot] = js[-1] + 1
+    num_slots, width = slots[-1] + 1, max(counts.values())
+    gather = [lo] * (num_slots * width)
+    for (row, slot), j in zip(rows, js, strict=True):
+        gather[slot * width + j] = row
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return LoraDecodePlan(width, tensor(gather), tensor(rows), tensor(back))
+    dense = num_slots * width == len(rows)
+    return LoraDecodePlan(num_slots, width, lo, hi, dense, tensor(gather), tensor(slots), tensor(js))
 
 
 @dataclass
@@ -212,9 +230,7 @@ def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> t
     return block_tables[:, pos // block_size] * block_size + pos % block_size
 
 
-def forward_batch(
-    inputs: StepInputs, block_size: int, device: torch.device, num_lora_slots: int = 0
-) -> ForwardBatch:
+def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> ForwardBatch:
     """The step's tensors on `device`."""
     num_decode, prefill_ranges = inputs.num_decode, inputs.prefill_ranges
     tables = torch.tensor(inputs.block_tables, dtype=torch.long, device=device)
@@ -246,5 +262,5 @@ def forward_batch(
         prefills=prefills,
         logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
         lora_groups=lora_groups(inputs) if inputs.lora_slots else [],
-        lora_decode=lora_decode_plan(inputs, num_lora_slots, device) if inputs.lora_slots else None,
+        lora_decode=lora_decode_plan(inputs, device) if inputs.lora_slots else None,
     )
