@@ -9,7 +9,7 @@ adds to a request.
    hour plus the hours index; SQLite: the `ledger` table in the storage directory's file). Then
    `GET /v1/usage?bucket_width=1h&group_by=model` over the last 30 days for one tenant, through a
    real gateway (uvicorn on loopback, the tenant's own key): median and p95 of `--queries`
-   calls, and the ledger read alone (the store's rows for that tenant and window).
+   calls, and the ledger read alone (the store's sums by hour and model for that tenant and window).
 2. **Settlement.** Per request, in one run and in interleaved rounds: admit alone ("settlement
    off"; the lease is then dropped untimed, so holds do not pile up) against admit then settle
    with a money budget and the ledger (what every request pays when it ends), against a real
@@ -38,7 +38,15 @@ from tenancy.billing import Budget, Charge, Price
 from tenancy.config import Plan
 from tenancy.keys import hash_key
 from tenancy.keyspace import held_key, leases_key, ledger_hours_key, ledger_prefix, open_async
-from tenancy.ledger import COUNTERS, HOUR_S, LEDGER_FILE, MemoryStore, field_prefix, read_redis_ledger
+from tenancy.ledger import (
+    COUNTERS,
+    HOUR_S,
+    LEDGER_FILE,
+    LedgerQuery,
+    MemoryStore,
+    field_prefix,
+    read_redis_sums,
+)
 from tenancy.limiter import MemoryLimiter
 from tenancy.redis_limiter import RedisLimiter
 from tests.conftest_redis import RedisProcess
@@ -166,6 +174,7 @@ def query_bench(backend: str, work: Path, redis_url: str | None, args: argparse.
     # The store's read alone, on a client of this loop (the server's is on its own).
     start_hour, end_hour = (now - 30 * 86400) // HOUR_S, last_hour + 1
     expected = len(models) * len(range(max(start_hour, hours.start), end_hour))
+    query = LedgerQuery(start_hour, end_hour, 1, ("model",))  # what GET /v1/usage asks the store
 
     async def reads() -> None:
         if redis_url is not None:
@@ -173,7 +182,7 @@ def query_bench(backend: str, work: Path, redis_url: str | None, args: argparse.
             try:
                 for _ in range(args.queries):
                     t0 = time.perf_counter()
-                    rows = await read_redis_ledger(client, [tenant], start_hour, end_hour)
+                    rows = await read_redis_sums(client, [tenant], query)
                     read_times.append(time.perf_counter() - t0)
                     assert len(rows) == expected, (len(rows), expected)
             finally:
@@ -183,7 +192,7 @@ def query_bench(backend: str, work: Path, redis_url: str | None, args: argparse.
             try:
                 for _ in range(args.queries):
                     t0 = time.perf_counter()
-                    rows = store.ledger([tenant], start_hour, end_hour)
+                    rows = store.sums([tenant], query)
                     read_times.append(time.perf_counter() - t0)
                     assert len(rows) == expected, (len(rows), expected)
             finally:

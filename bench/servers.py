@@ -234,7 +234,9 @@ def launched(spec: ServerSpec, log_dir: Path) -> Iterator[subprocess.Popen]:
             stderr=subprocess.STDOUT,
             cwd=REPO,
             env={**os.environ, **spec.env},
-            start_new_session=True,
+            # Its own process group (stopped as one), in our session: so in our autogroup too, and
+            # a benchmark run at a raised autogroup priority gives it that priority.
+            process_group=0,
         )
     try:
         wait_ready(spec, proc, log_path)

@@ -30,7 +30,7 @@ from gateway import admission
 from gateway.errors import APIError, ErrorKind, invalid_request
 
 if TYPE_CHECKING:
-    from tenancy.ledger import LedgerRow
+    from tenancy.ledger import LedgerQuery, Sums
     from tenancy.service import Tenancy
 
 BUCKET_WIDTHS = {"1h": 3600, "1d": 86400}
@@ -103,24 +103,25 @@ class Query:
         self.models = set(_values(request, "models"))
         self.api_key_ids = set(_values(request, "api_key_ids"))
 
-    @property
-    def hours(self) -> tuple[int, int]:
+    def ledger_query(self) -> LedgerQuery:
+        """What the store sums: the hours from the first bucket's start, by bucket and group."""
+        from tenancy.ledger import LedgerQuery
+
         first = self.start_time - self.start_time % self.width_s
-        return first // 3600, math.ceil(self.end_time / 3600)
+        return LedgerQuery(
+            first // 3600,
+            math.ceil(self.end_time / 3600),
+            self.width_s // 3600,
+            tuple(self.group_by),
+            frozenset(self.models),
+            frozenset(self.api_key_ids),
+        )
 
-    def keep(self, rows: list[LedgerRow]) -> list[LedgerRow]:
-        return [
-            r
-            for r in rows
-            if (not self.models or r.model in self.models)
-            and (not self.api_key_ids or r.key_id in self.api_key_ids)
-        ]
+    def buckets(self, sums: Sums) -> list[dict[str, Any]]:
+        from tenancy.ledger import page
 
-    def buckets(self, rows: list[LedgerRow]) -> list[dict[str, Any]]:
-        from tenancy.ledger import buckets
-
-        return buckets(
-            self.keep(rows),
+        return page(
+            sums,
             start_time=self.start_time,
             end_time=self.end_time,
             bucket_width_s=self.width_s,
@@ -157,18 +158,18 @@ class UsageRoutes:
         from tenancy.errors import LimiterUnavailableError
 
         try:
-            rows = await tenancy.ledger([caller.tenant.name], *query.hours)
+            sums = await tenancy.usage_sums([caller.tenant.name], query.ledger_query())
             states = await tenancy.budget_states(caller.tenant)
         except LimiterUnavailableError as exc:
             raise _unavailable(exc) from None
-        body = _page(query.buckets(rows), budgets=[s.body() for s in states])
+        body = _page(query.buckets(sums), budgets=[s.body() for s in states])
         for bucket in body["data"]:
             for result in bucket["results"]:
                 result["object"] = "usage.completions.result"
                 result.pop("project_id", None)
         return _json(body)
 
-    async def _admin_rows(self, request: Request) -> tuple[Query, list[LedgerRow]]:
+    async def _admin_sums(self, request: Request) -> tuple[Query, Sums]:
         tenancy = self._tenancy()
         admission.check_admin(self.admin_key_hash, request.headers)
         query = Query(request, ADMIN_GROUPS)
@@ -177,22 +178,22 @@ class UsageRoutes:
         from tenancy.errors import LimiterUnavailableError
 
         try:
-            return query, await tenancy.ledger(tenants, *query.hours)
+            return query, await tenancy.usage_sums(tenants, query.ledger_query())
         except LimiterUnavailableError as exc:
             raise _unavailable(exc) from None
 
     async def organization(self, request: Request) -> Response:
         """`GET /v1/organization/usage/completions`: every tenant, in OpenAI's shape."""
-        query, rows = await self._admin_rows(request)
-        return _json(_page(query.buckets(rows)))
+        query, sums = await self._admin_sums(request)
+        return _json(_page(query.buckets(sums)))
 
     async def csv_export(self, request: Request) -> Response:
         """`GET /admin/usage.csv`: the same buckets, one CSV row per bucket and group."""
-        query, rows = await self._admin_rows(request)
+        query, sums = await self._admin_sums(request)
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
-        for bucket in query.buckets(rows):
+        for bucket in query.buckets(sums):
             for result in bucket["results"]:
                 row = {**result, "start_time": bucket["start_time"], "end_time": bucket["end_time"]}
                 writer.writerow(["" if row.get(c) is None else row[c] for c in CSV_COLUMNS])

@@ -30,7 +30,7 @@ from tenancy.config import load_config
 from tenancy.errors import TenancyError, UnknownTenantError
 from tenancy.keys import IssuedKey, Revocation, hash_key, issue_key, new_key, revoke_key
 from tenancy.keyspace import open_async, open_sync
-from tenancy.ledger import GROUPS, LEDGER_FILE, LedgerRow, MemoryStore, buckets, read_redis_ledger
+from tenancy.ledger import GROUPS, LEDGER_FILE, LedgerQuery, MemoryStore, Sums, page, read_redis_sums
 from tenancy.usage import TenantUsage, read_redis_usage_sync
 
 REDIS_URL_ENV = "BATCHGATE_REDIS_URL"
@@ -155,7 +155,8 @@ def usage_buckets(
             raise TenancyError(f"--group-by must be among {', '.join(GROUPS)}, got {group!r}")
     width = WIDTHS[bucket_width]
     start_hour, end_hour = (start_time - start_time % width) // 3600, -(-end_time // 3600)
-    rows: list[LedgerRow]
+    query = LedgerQuery(start_hour, end_hour, width // 3600, tuple(group_by or ()))
+    sums: Sums
     if redis_url:
         if not tenants:
             client = open_sync(redis_url)
@@ -163,7 +164,7 @@ def usage_buckets(
                 tenants = list(read_redis_usage_sync(client))
             finally:
                 client.close()
-        rows = asyncio.run(_redis_rows(redis_url, tenants, start_hour, end_hour))
+        sums = asyncio.run(_redis_sums(redis_url, tenants, query))
     elif storage_dir:
         path = Path(storage_dir) / LEDGER_FILE
         if not path.exists():
@@ -172,16 +173,14 @@ def usage_buckets(
         try:
             if not tenants:
                 tenants = sorted({r.tenant for r in store.ledger_all(start_hour, end_hour)})
-            rows = store.ledger(tenants, start_hour, end_hour)
+            sums = store.sums(tenants, query)
         finally:
             store.close()
     else:
         raise TenancyError(
             f"--redis-url (or ${REDIS_URL_ENV}) or --storage-dir (or ${STORAGE_DIR_ENV}) is needed"
         )
-    data = buckets(
-        rows, start_time=start_time, end_time=end_time, bucket_width_s=width, group_by=group_by or []
-    )
+    data = page(sums, start_time=start_time, end_time=end_time, bucket_width_s=width, group_by=group_by or [])
     if as_csv:
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
@@ -194,10 +193,10 @@ def usage_buckets(
     return data
 
 
-async def _redis_rows(url: str, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
+async def _redis_sums(url: str, tenants: list[str], query: LedgerQuery) -> Sums:
     client = open_async(url, operation_timeout_s=10.0)
     try:
-        return await read_redis_ledger(client, tenants, start_hour, end_hour)
+        return await read_redis_sums(client, tenants, query)
     finally:
         await client.aclose()
 

@@ -98,6 +98,7 @@ class KeyStore:
         self._wall = time.time
         self._policy = FailurePolicy.parse(policy)
         self._deadline_s = deadline_s
+        self._in_flight: dict[str, asyncio.Future[list[Any]]] = {}
 
     def reconfigure(self, config: TenancyConfig) -> None:
         """Resolve against ``config`` from now on (tenants and static keys changed at run time)."""
@@ -115,12 +116,7 @@ class KeyStore:
         if self._client is None:
             return self._tenant(static_owner), {}
         try:
-            async with asyncio.timeout(self._deadline_s):
-                pipe = self._client.pipeline(transaction=False)
-                pipe.sismember(REVOKED_KEYS, key_hash)
-                pipe.hget(ISSUED_KEYS, key_hash)
-                pipe.hget(KEY_META, key_hash)
-                revoked, issued_owner, meta = await pipe.execute()
+            revoked, issued_owner, meta = await self._lookup(key_hash)
         except UNAVAILABLE_ERRORS as exc:
             if self._policy is FailurePolicy.FAIL_OPEN:
                 logger.warning("tenancy: Redis unavailable for key lookup; static keys only (fail_open)")
@@ -134,6 +130,33 @@ class KeyStore:
         if isinstance(issued_owner, bytes):
             issued_owner = issued_owner.decode()
         return self._tenant(issued_owner), parsed
+
+    async def _lookup(self, key_hash: str) -> list[Any]:
+        """Revoked?, issued owner, metadata of ``key_hash``: one pipelined round trip, shared by
+        the requests that present the same key while it is in flight (a burst of one tenant's
+        requests makes one lookup, not hundreds that queue for connections past the timeout).
+        A request that joins sees Redis as of less than a round trip before it arrived."""
+        pending = self._in_flight.get(key_hash)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch(key_hash))
+            self._in_flight[key_hash] = pending
+            pending.add_done_callback(lambda done: self._lookup_done(key_hash, done))
+        return await asyncio.shield(pending)
+
+    def _lookup_done(self, key_hash: str, done: asyncio.Future[list[Any]]) -> None:
+        if self._in_flight.get(key_hash) is done:
+            del self._in_flight[key_hash]
+        if not done.cancelled():
+            done.exception()  # retrieved here too: every waiter may have gone
+
+    async def _fetch(self, key_hash: str) -> list[Any]:
+        assert self._client is not None
+        async with asyncio.timeout(self._deadline_s):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.sismember(REVOKED_KEYS, key_hash)
+            pipe.hget(ISSUED_KEYS, key_hash)
+            pipe.hget(KEY_META, key_hash)
+            return list(await pipe.execute())
 
     def _tenant(self, name: str | None) -> Tenant | None:
         if name is None:

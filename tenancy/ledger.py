@@ -3,8 +3,10 @@
 Settlement writes the ledger in the same atomic step as the refund and the budgets: in Redis
 (``tenancy.scripts.SETTLE_SCRIPT``, one hash per tenant and hour) or, without Redis, in SQLite
 (:class:`MemoryStore`: a file in the storage directory, so a restart keeps budgets and ledger,
-or an in-memory database when there is no storage directory). Rows are summed into OpenAI's
-organization Usage API buckets by :func:`buckets`.
+or an in-memory database when there is no storage directory). A usage read is summed by the
+store itself (:class:`LedgerQuery`: ``SUM_SCRIPT`` over a tenant's hourly hashes in Redis, one
+GROUP BY in SQLite) and written as OpenAI's organization Usage API buckets by :func:`page`;
+:func:`buckets` does the same from rows already read.
 """
 
 from __future__ import annotations
@@ -92,26 +94,145 @@ def rows_of_hash(tenant: str, hour: int, fields: Mapping[Any, Any]) -> list[Ledg
     return rows
 
 
-async def read_redis_ledger(
-    client: aioredis.Redis, tenants: Iterable[str], start_hour: int, end_hour: int
-) -> list[LedgerRow]:
-    """Every row of ``tenants`` in ``[start_hour, end_hour)``: the hours index of each tenant
-    first, then one pipelined HGETALL per hour that has data."""
+@dataclass(frozen=True)
+class LedgerQuery:
+    """What a usage read sums: hours ``[start_hour, end_hour)``, in buckets of ``width_hours``
+    from ``start_hour``, grouped by ``group_by`` (fields of :data:`GROUPS`), optionally only
+    some models and API key ids."""
+
+    start_hour: int
+    end_hour: int
+    width_hours: int = 1
+    group_by: tuple[str, ...] = ()
+    models: frozenset[str] = frozenset()
+    key_ids: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        for group in self.group_by:
+            if group not in GROUPS:
+                raise ValueError(f"group_by: unknown field {group!r} (one of {', '.join(GROUPS)})")
+
+
+# Summed counters (requests, input, cached, output, cost) by (bucket index, group values); the
+# group values follow LedgerQuery.group_by: tenant, model, key id or None, batch as bool.
+Sums = dict[tuple[int, tuple[Any, ...]], list[int]]
+
+
+def add_sums(into: Sums, key: tuple[int, tuple[Any, ...]], counts: Sequence[int]) -> None:
+    total = into.get(key)
+    if total is None:
+        into[key] = list(counts)
+    else:
+        for i, value in enumerate(counts):
+            total[i] += value
+
+
+def sum_rows(rows: Iterable[LedgerRow], query: LedgerQuery) -> Sums:
+    """``rows`` summed as the stores sum them (for rows already read)."""
+    sums: Sums = {}
+    for row in rows:
+        if not query.start_hour <= row.hour < query.end_hour:
+            continue
+        if (query.models and row.model not in query.models) or (
+            query.key_ids and row.key_id not in query.key_ids
+        ):
+            continue
+        key = (
+            (row.hour - query.start_hour) // query.width_hours,
+            tuple(_group_value(row, g) for g in query.group_by),
+        )
+        add_sums(sums, key, (row.requests, row.input, row.cached, row.output, row.cost))
+    return sums
+
+
+def rows_of_sums(sums: Sums, query: LedgerQuery) -> list[LedgerRow]:
+    """Sums of a query grouped by every field at a width of one hour, as rows (sorted)."""
+    assert query.group_by == GROUPS and query.width_hours == 1
+    rows = [
+        LedgerRow(tenant, query.start_hour + b, model, key_id or "", batch, *counts)
+        for (b, (tenant, model, key_id, batch)), counts in sums.items()
+    ]
+    rows.sort(key=lambda r: (r.tenant, r.hour, r.model, r.key_id, r.batch))
+    return rows
+
+
+def _group_values(
+    group_by: Sequence[str], tenant: str, model: str, key_id: str, batch: str
+) -> tuple[Any, ...]:
+    values = {"project_id": tenant, "model": model, "api_key_id": key_id or None, "batch": batch == "1"}
+    return tuple(values[g] for g in group_by)
+
+
+def _parse_sums(tenant: str, raw: Sequence[Any], query: LedgerQuery, into: Sums) -> None:
+    """Add one tenant's reply of SUM_SCRIPT to ``into``."""
+    num_groups = int(raw[0])
+    groups = [
+        _group_values(query.group_by, tenant, *(str(v) for v in raw[1 + 3 * g : 4 + 3 * g]))
+        for g in range(num_groups)
+    ]
+    values = [int(v) for v in raw[1 + 3 * num_groups :]]
+    for i in range(0, len(values), 7):
+        key = (values[i], groups[values[i + 1] - 1])
+        total = into.get(key)
+        if total is None:
+            into[key] = values[i + 2 : i + 7]
+        else:
+            for j, value in enumerate(values[i + 2 : i + 7]):
+                total[j] += value
+
+
+def sum_args(query: LedgerQuery, tenant: str) -> list[Any]:
+    return [
+        ledger_prefix(tenant),
+        query.start_hour,
+        query.width_hours,
+        *(int(g in query.group_by) for g in ("model", "api_key_id", "batch")),
+        len(query.models),
+        *sorted(query.models),
+        len(query.key_ids),
+        *sorted(query.key_ids),
+    ]
+
+
+async def read_redis_sums(client: aioredis.Redis, tenants: Iterable[str], query: LedgerQuery) -> Sums:
+    """``query`` over ``tenants``, summed by Redis: the hours index of each tenant first (one
+    pipelined round trip), then one SUM_SCRIPT per tenant over its hourly hashes, which answers
+    per-bucket, per-group totals (3,600 numbers for 30 days of 5 models by the hour, not the
+    18,000 hash fields), so neither Python nor the wire handles the raw fields."""
+    from tenancy.scripts import SUM_SCRIPT
+
     tenants = list(tenants)
     pipe = client.pipeline(transaction=False)
     for tenant in tenants:
-        pipe.zrangebyscore(ledger_hours_key(tenant), start_hour, f"({end_hour}")
-    wanted = [(t, int(h)) for t, hours in zip(tenants, await pipe.execute(), strict=True) for h in hours]
-    rows: list[LedgerRow] = []
-    for chunk in range(0, len(wanted), 1000):
-        part = wanted[chunk : chunk + 1000]
+        pipe.zrangebyscore(ledger_hours_key(tenant), query.start_hour, f"({query.end_hour}")
+    wanted = [(t, hours) for t, hours in zip(tenants, await pipe.execute(), strict=True) if hours]
+    script = client.register_script(SUM_SCRIPT)
+    sums: Sums = {}
+    if len(wanted) == 1:  # a tenant's own query: one call, no pipeline (whose script check costs a trip)
+        tenant, hours = wanted[0]
+        keys = [ledger_prefix(tenant) + str(h) for h in hours]
+        _parse_sums(tenant, await script(keys=keys, args=sum_args(query, tenant)), query, sums)
+        return sums
+    for chunk in range(0, len(wanted), 100):
+        part = wanted[chunk : chunk + 100]
         pipe = client.pipeline(transaction=False)
-        for tenant, hour in part:
-            pipe.hgetall(ledger_prefix(tenant) + str(hour))
-        for (tenant, hour), fields in zip(part, await pipe.execute(), strict=True):
-            if fields:
-                rows.extend(rows_of_hash(tenant, hour, fields))
-    return rows
+        for tenant, hours in part:
+            await script(
+                keys=[ledger_prefix(tenant) + str(h) for h in hours],
+                args=sum_args(query, tenant),
+                client=pipe,
+            )
+        for (tenant, _), raw in zip(part, await pipe.execute(), strict=True):
+            _parse_sums(tenant, raw, query, sums)
+    return sums
+
+
+async def read_redis_ledger(
+    client: aioredis.Redis, tenants: Iterable[str], start_hour: int, end_hour: int
+) -> list[LedgerRow]:
+    """Every row of ``tenants`` in ``[start_hour, end_hour)`` (the sums grouped by everything)."""
+    query = LedgerQuery(start_hour, end_hour, 1, GROUPS)
+    return rows_of_sums(await read_redis_sums(client, tenants, query), query)
 
 
 _SCHEMA = """
@@ -239,6 +360,33 @@ class MemoryStore:
             ).fetchall()
         return [LedgerRow(t, h, m, k, bool(b), r, i, c, o, x) for t, h, m, k, b, r, i, c, o, x in found]
 
+    def sums(self, tenants: Sequence[str], query: LedgerQuery) -> Sums:
+        """``query`` over ``tenants``, summed by SQLite (one GROUP BY, the bucket computed in SQL)."""
+        columns = {"project_id": "tenant", "model": "model", "api_key_id": "key_id", "batch": "batch"}
+        groups = [columns[g] for g in query.group_by]
+        where = [f"tenant IN ({','.join('?' * len(tenants))})", "hour >= ?", "hour < ?"]
+        params: list[Any] = [*tenants, query.start_hour, query.end_hour]
+        for column, wanted in (("model", query.models), ("key_id", query.key_ids)):
+            if wanted:
+                where.append(f"{column} IN ({','.join('?' * len(wanted))})")
+                params += sorted(wanted)
+        group_sql = "".join(f", {g}" for g in groups)
+        sql = (
+            f"SELECT (hour - ?) / ? AS b{group_sql}, SUM(requests), SUM(input), SUM(cached), "
+            f"SUM(output), SUM(cost) FROM ledger WHERE {' AND '.join(where)} GROUP BY b{group_sql}"
+        )
+        with self._lock:
+            found = self._db.execute(sql, (query.start_hour, query.width_hours, *params)).fetchall()
+        n = len(groups)
+        sums: Sums = {}
+        for row in found:
+            values = tuple(
+                (v or None) if g == "api_key_id" else bool(v) if g == "batch" else v
+                for g, v in zip(query.group_by, row[1 : 1 + n], strict=True)
+            )
+            sums[(row[0], values)] = list(row[1 + n :])
+        return sums
+
     def ledger_all(self, start_hour: int, end_hour: int) -> list[LedgerRow]:
         """Every tenant's rows in ``[start_hour, end_hour)``."""
         with self._lock:
@@ -258,31 +406,40 @@ def buckets(
     bucket_width_s: int,
     group_by: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """``rows`` summed into OpenAI's organization Usage API buckets (``object: bucket``, each
-    with its ``results``), one bucket per ``bucket_width_s`` from ``start_time`` (aligned to the
+    """``rows`` summed into OpenAI's organization Usage API buckets (see :func:`page`)."""
+    first = start_time - start_time % bucket_width_s
+    query = LedgerQuery(first // HOUR_S, -(-end_time // HOUR_S), bucket_width_s // HOUR_S, tuple(group_by))
+    return page(
+        sum_rows(rows, query),
+        start_time=start_time,
+        end_time=end_time,
+        bucket_width_s=bucket_width_s,
+        group_by=group_by,
+    )
+
+
+def page(
+    sums: Sums, *, start_time: int, end_time: int, bucket_width_s: int, group_by: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Sums (as a store answers a :class:`LedgerQuery` whose first hour is ``start_time``
+    aligned to the width) as OpenAI's organization Usage API buckets (``object: bucket``, each
+    with its ``results``): one bucket per ``bucket_width_s`` from ``start_time`` (aligned to the
     width, UTC) to ``end_time``; results grouped by ``group_by`` fields of :data:`GROUPS`."""
     first = start_time - start_time % bucket_width_s
-    # Plain lists (requests, input, cached, output, cost) per bucket and group: a 30-day hourly
-    # query sums thousands of rows, and a dataclass per addition costs most of its time.
-    sums: dict[int, dict[tuple[Any, ...], list[int]]] = {}
-    for row in rows:
-        ts = row.hour * HOUR_S
-        if not first <= ts < end_time:
-            continue
-        key = tuple(_group_value(row, g) for g in group_by)
-        total = sums.setdefault((ts - first) // bucket_width_s, {}).setdefault(key, [0, 0, 0, 0, 0])
-        total[0] += row.requests
-        total[1] += row.input
-        total[2] += row.cached
-        total[3] += row.output
-        total[4] += row.cost
+    # Results in a bucket ordered by their group values as text; each group's rank found once.
+    groups = sorted({key for _, key in sums}, key=lambda key: tuple(str(v) for v in key))
+    rank = {key: i for i, key in enumerate(groups)}
+    by_bucket: dict[int, list[tuple[tuple[Any, ...], list[int]]]] = {}
+    for (index, key), total in sorted(sums.items(), key=lambda item: (item[0][0], rank[item[0][1]])):
+        by_bucket.setdefault(index, []).append((key, total))
+    where = {g: i for i, g in enumerate(group_by)}
+    tenant_at, model_at, key_at, batch_at = (where.get(g) for g in GROUPS)
     out = []
     index = 0
     while first + index * bucket_width_s < end_time:
         start = first + index * bucket_width_s
         results = []
-        for key, total in sorted(sums.get(index, {}).items(), key=lambda kv: tuple(str(v) for v in kv[0])):
-            grouped = dict(zip(group_by, key, strict=True))
+        for key, total in by_bucket.get(index, ()):
             results.append(
                 {
                     "object": "organization.usage.completions.result",
@@ -291,11 +448,11 @@ def buckets(
                     "input_cached_tokens": total[2],
                     "num_model_requests": total[0],
                     "cost_micros": total[4],  # batchgate's own: micro-dollars at the configured prices
-                    "project_id": grouped.get("project_id"),
+                    "project_id": None if tenant_at is None else key[tenant_at],
                     "user_id": None,
-                    "api_key_id": grouped.get("api_key_id"),
-                    "model": grouped.get("model"),
-                    "batch": grouped.get("batch"),
+                    "api_key_id": None if key_at is None else key[key_at],
+                    "model": None if model_at is None else key[model_at],
+                    "batch": None if batch_at is None else key[batch_at],
                 }
             )
         out.append(

@@ -30,7 +30,7 @@ from tenancy.bucket import (
     seconds_to_full,
 )
 from tenancy.config import Plan
-from tenancy.ledger import HOUR_S, BudgetUpdate, LedgerRow, MemoryStore
+from tenancy.ledger import HOUR_S, BudgetUpdate, LedgerQuery, LedgerRow, MemoryStore, Sums
 from tenancy.usage import MemoryUsage, TenantUsage
 
 DEFAULT_LEASE_TTL_S = 60.0
@@ -249,6 +249,10 @@ class Limiter(Protocol):
         """The ledger's rows of ``tenants`` for hours in ``[start_hour, end_hour)``."""
         ...
 
+    async def usage_sums(self, tenants: list[str], query: LedgerQuery) -> Sums:
+        """The ledger of ``tenants`` summed as ``query`` asks, by the store."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -449,6 +453,9 @@ class MemoryLimiter:
 
     async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
         return self.store.ledger(tenants, start_hour, end_hour)
+
+    async def usage_sums(self, tenants: list[str], query: LedgerQuery) -> Sums:
+        return self.store.sums(tenants, query)
 
     async def aclose(self) -> None:
         self.store.close()

@@ -25,9 +25,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -48,7 +48,15 @@ from tenancy.keyspace import (
     tokens_key,
     usage_key,
 )
-from tenancy.ledger import DEFAULT_RETENTION_S, LedgerRow, field_prefix, read_redis_ledger
+from tenancy.ledger import (
+    DEFAULT_RETENTION_S,
+    LedgerQuery,
+    LedgerRow,
+    Sums,
+    field_prefix,
+    read_redis_ledger,
+    read_redis_sums,
+)
 from tenancy.limiter import (
     DEFAULT_LEASE_TTL_S,
     Decision,
@@ -64,6 +72,7 @@ from tenancy.scripts import ADMIT_SCRIPT, BUDGETS_SCRIPT, RENEW_SCRIPT, SETTLE_S
 from tenancy.usage import TenantUsage, read_redis_usage
 
 logger = logging.getLogger("batchgate.tenancy")
+_T = TypeVar("_T")
 
 # Upper bound on one limiter call, retries included: a request never waits longer on Redis.
 CALL_DEADLINE_S = 1.5
@@ -395,9 +404,16 @@ class RedisLimiter:
 
     async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
         """The ledger's rows (LimiterUnavailableError when Redis is away)."""
+        return await self._read_ledger(read_redis_ledger(self._client, tenants, start_hour, end_hour))
+
+    async def usage_sums(self, tenants: list[str], query: LedgerQuery) -> Sums:
+        """The ledger summed by Redis (LimiterUnavailableError when Redis is away)."""
+        return await self._read_ledger(read_redis_sums(self._client, tenants, query))
+
+    async def _read_ledger(self, read: Awaitable[_T]) -> _T:
         try:
             async with asyncio.timeout(self._deadline_s * 4):
-                return await read_redis_ledger(self._client, tenants, start_hour, end_hour)
+                return await read
         except UNAVAILABLE_ERRORS as exc:
             raise LimiterUnavailableError(f"Redis unavailable while reading the ledger: {exc!r}") from exc
 

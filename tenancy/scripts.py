@@ -266,3 +266,84 @@ end
 return out
 """
 )
+
+# KEYS: a tenant's hourly ledger hashes (prefix .. hour index) to read
+# ARGV: ledger key prefix, first hour, bucket width in hours, group by model / key / batch ('1' or
+#       '0' each), number of models to keep (0: all), the models, number of key ids (0: all), the ids
+# -> {number of groups G, then per group its model, key id, batch ('' where not grouped by it),
+#     then per (bucket, group) with data: bucket index, group number (1..G), requests, input,
+#     cached, output, cost}
+# Summed here so that a 30-day read returns a few thousand integers instead of every hash field.
+# Integers stay exact in Lua's doubles up to 2^53 (9e15 tokens or micro-dollars a bucket).
+SUM_SCRIPT = """
+local prefix_len = #ARGV[1]
+local first, width = tonumber(ARGV[2]), tonumber(ARGV[3])
+local by_model, by_key, by_batch = ARGV[4] == '1', ARGV[5] == '1', ARGV[6] == '1'
+local keep_models, keep_keys = nil, nil
+local nm = tonumber(ARGV[7])
+if nm > 0 then
+  keep_models = {}
+  for i = 1, nm do keep_models[ARGV[7 + i]] = true end
+end
+local nk = tonumber(ARGV[8 + nm])
+if nk > 0 then
+  keep_keys = {}
+  for i = 1, nk do keep_keys[ARGV[8 + nm + i]] = true end
+end
+local counter = {requests = 1, input = 2, cached = 3, output = 4, cost = 5}
+-- Each field name is parsed once: its group number (false: filtered out) and counter index.
+local group_of, index_of = {}, {}
+local group_id, groups, num_groups = {}, {}, 0
+local cells, order = {}, {}
+for _, key in ipairs(KEYS) do
+  local bucket = math.floor((tonumber(string.sub(key, prefix_len + 1)) - first) / width)
+  local row = cells[bucket]
+  if not row then row = {}; cells[bucket] = row end
+  local fields = redis.call('HGETALL', key)
+  for j = 1, #fields, 2 do
+    local name = fields[j]
+    local gid = group_of[name]
+    if gid == nil then
+      local model, key_id, batch, c = string.match(name, '^(.*)\\t(.*)\\t(.*)\\t(.*)$')
+      gid = false
+      local kept = c and counter[c] and (not keep_models or keep_models[model])
+      if kept and (not keep_keys or keep_keys[key_id]) then
+        local m, k, b = by_model and model or '', by_key and key_id or '', by_batch and batch or ''
+        local id = m .. '\\t' .. k .. '\\t' .. b
+        gid = group_id[id]
+        if not gid then
+          num_groups = num_groups + 1
+          gid = num_groups
+          group_id[id] = gid
+          groups[#groups + 1] = m
+          groups[#groups + 1] = k
+          groups[#groups + 1] = b
+        end
+        index_of[name] = counter[c]
+      end
+      group_of[name] = gid
+    end
+    if gid then
+      local cell = row[gid]
+      if not cell then
+        cell = {0, 0, 0, 0, 0}
+        row[gid] = cell
+        order[#order + 1] = bucket
+        order[#order + 1] = gid
+      end
+      local i = index_of[name]
+      cell[i] = cell[i] + tonumber(fields[j + 1])
+    end
+  end
+end
+local out = {num_groups}
+for _, v in ipairs(groups) do out[#out + 1] = v end
+for j = 1, #order, 2 do
+  local bucket, gid = order[j], order[j + 1]
+  local cell = cells[bucket][gid]
+  out[#out + 1] = bucket
+  out[#out + 1] = gid
+  for i = 1, 5 do out[#out + 1] = cell[i] end
+end
+return out
+"""

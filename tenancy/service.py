@@ -34,7 +34,7 @@ from tenancy.billing import Budget, BudgetState, Charge
 from tenancy.config import OPEN_PLAN, OPEN_TENANT, TenancyConfig, Tenant, key_budgets, load_config
 from tenancy.errors import AuthError, TenancyConfigError
 from tenancy.keys import KeyStore, hash_key, key_id_of
-from tenancy.ledger import DEFAULT_RETENTION_S, LEDGER_FILE, LedgerRow, MemoryStore
+from tenancy.ledger import DEFAULT_RETENTION_S, LEDGER_FILE, LedgerQuery, LedgerRow, MemoryStore, Sums
 from tenancy.limiter import DEFAULT_LEASE_TTL_S, Decision, FailurePolicy, Lease, Limiter, MemoryLimiter
 from tenancy.redis_limiter import RedisLimiter
 from tenancy.tokens import TokenCounter, Tokenize
@@ -325,6 +325,11 @@ class Tenancy:
     async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
         """The ledger's rows of ``tenants`` for hours ``[start_hour, end_hour)`` since the epoch."""
         return await self.limiter.ledger(tenants, start_hour, end_hour)
+
+    async def usage_sums(self, tenants: list[str], query: LedgerQuery) -> Sums:
+        """The ledger of ``tenants`` summed as ``query`` asks (LimiterUnavailableError if Redis
+        is away)."""
+        return await self.limiter.usage_sums(tenants, query)
 
     def on_soft_limit(self, callback: Callable[[str, Budget], None]) -> None:
         """Call ``callback(tenant, budget)`` when a settlement crosses a budget's soft threshold

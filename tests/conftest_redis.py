@@ -71,10 +71,18 @@ class RedisProcess:
     (``appendfsync always``), so a killed and restarted server has every key back, as a
     production Redis with persistence has."""
 
-    def __init__(self, workdir: Path, binary: str | None = None, *, persistent: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        binary: str | None = None,
+        *,
+        persistent: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.workdir = workdir
         self.persistent = persistent
+        self.env = env  # added to this process's environment for the server (e.g. libfaketime)
         self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -101,7 +109,8 @@ class RedisProcess:
             "--dir", str(self.workdir),
             "--loglevel", "warning",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env = None if self.env is None else {**os.environ, **self.env}
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=0.2)
         try:

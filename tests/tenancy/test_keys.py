@@ -74,3 +74,29 @@ async def test_static_keystore_resolves_keys_without_redis() -> None:
     assert tenant is not None and tenant.name == "acme" and tenant.plan.name == "paid"
     assert await store.resolve("bg-nope") is None
     assert await store.resolve(hash_key(STATIC_KEY)) is None  # the hash itself is not a key
+
+
+async def test_concurrent_lookups_of_one_key_share_one_round_trip(redis_url: str) -> None:
+    """A burst of one key's requests makes one Redis lookup, not one each (with hundreds in flight
+    those queued past the timeout, 503s); a lookup after a revocation still sees it at once."""
+    import asyncio
+
+    import redis
+
+    from tenancy.keys import revoke_key
+    from tenancy.keyspace import open_async
+
+    client = open_async(redis_url)
+    sync = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        store = KeyStore(parse_config(CONFIG_TEXT), client)
+        await store.resolve(STATIC_KEY)  # connect first
+        sync.config_resetstat()
+        tenants = await asyncio.gather(*(store.resolve(STATIC_KEY) for _ in range(200)))
+        assert all(t is not None and t.name == "acme" for t in tenants)
+        assert sync.info("commandstats")["cmdstat_sismember"]["calls"] <= 2
+        revoke_key(sync, STATIC_KEY)
+        assert await store.resolve(STATIC_KEY) is None
+    finally:
+        sync.close()
+        await client.aclose()
