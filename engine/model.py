@@ -155,6 +155,28 @@ class LlamaModel:
         self.scale = spec.head_dim**-0.5
         # The LoRA slots' weights, stacked per layer and linear (engine/lora.py); None: no slots.
         self.lora = LoraWeights(spec, max_loras, self.dtype, self.device, kernels) if max_loras else None
+        self.decode_weights = self._native_decode_weights()
+
+    def _native_decode_weights(self) -> tuple[list[torch.Tensor], list[int], list[int], float] | None:
+        """The layers' weights for the one-call decode op (engine/csrc/decode_layers.cpp): every
+        projection on our quantized kernels, without a bias, on one rank; else None."""
+        if self.kernels is None or self.tp is not None or not hasattr(self.kernels, "decode_layers"):
+            return None
+        weights: list[torch.Tensor] = []
+        kinds: list[int] = []
+        sizes: list[int] = []
+        ratios: set[float] = set()
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            quants = [lin.quant for lin in linears if lin.quant is not None and lin.bias is None]
+            if len(quants) != len(linears):
+                return None
+            qkv, o, gate_up, down = (q.packed for q in quants)
+            weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
+            kinds += [0 if q.kind == "q4" else 1 for q in quants]
+            sizes += [q.n for q in quants]
+            ratios.update(lin.outlier_ratio for lin in linears)
+        return (weights, kinds, sizes, ratios.pop()) if len(ratios) == 1 else None
 
     def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Put `adapter`'s weights into `slot` (None empties it); between steps only."""
@@ -233,6 +255,24 @@ class LlamaModel:
             if self.tp is None
             else self.tp.embed(batch.input_ids, self.embed)
         )
+        lora = self._add_lora if batch.lora_groups or batch.lora_decode is not None else _no_lora
+        if self.decode_weights is not None and not batch.prefills and lora is _no_lora:
+            hidden, residual = self._decode_layers(hidden, batch, kv_caches, self.decode_weights)
+        else:
+            hidden, residual = self._layers(hidden, batch, kv_caches, lora)
+        rows = batch.logits_indices
+        last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)
+        logits = self.lm_head(last)
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: Callable[[torch.Tensor, torch.Tensor, int, str, ForwardBatch], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the batch; (hidden, residual) after the last."""
         gathered = (
             None
             if self.paged_decode is not None
@@ -244,7 +284,6 @@ class LlamaModel:
         # Q4_1 values, the bf16 one rounds them: near-ties of the two can differ.)
         int4_ok = not batch.prefills
         residual: torch.Tensor | None = None
-        lora = self._add_lora if batch.lora_groups or batch.lora_decode is not None else _no_lora
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = hidden
@@ -261,10 +300,39 @@ class LlamaModel:
             act = self._silu_mul(gate_up)
             hidden = lora(layer.down(act, int4_ok), act, i, "down", batch)
         assert residual is not None
-        rows = batch.logits_indices
-        last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)
-        logits = self.lm_head(last)
-        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+        return hidden, residual
+
+    def _decode_layers(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        weights: tuple[list[torch.Tensor], list[int], list[int], float],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_layers` for a step that only decodes, in one native call: the same ops, bit for bit."""
+        assert batch.decode_tables is not None and batch.decode_lens is not None
+        spec = self.spec
+        tensors, kinds, sizes, outlier_ratio = weights
+        return self.kernels.decode_layers(
+            hidden,
+            tensors,
+            kinds,
+            sizes,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            batch.positions,
+            batch.slot_mapping,
+            batch.decode_tables,
+            batch.decode_lens,
+            self.cos,
+            self.sin,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            self.scale,
+            spec.rms_norm_eps,
+            outlier_ratio,
+        )
 
     def _write_kv(
         self,

@@ -36,13 +36,15 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-LORA_SOURCE = CSRC / "lora.cpp"  # plain C++: every ISA
+# Plain C++, every ISA: LoRA's decode deltas, and a decode step's layers in one call over the ops
+# of the other files.
+_COMMON_SOURCES = [CSRC / "lora.cpp", CSRC / "decode_layers.cpp"]
 # The quantized matmuls are per ISA: one file each (x86 only so far; elsewhere torch ops serve).
 _ISA_SOURCES = {"x86_64": [CSRC / "qmatmul_x86.cpp"], "amd64": [CSRC / "qmatmul_x86.cpp"]}
 
 
 def sources() -> list[str]:
-    return [str(p) for p in (SOURCE, LORA_SOURCE, *_ISA_SOURCES.get(platform.machine().lower(), []))]
+    return [str(p) for p in (SOURCE, *_COMMON_SOURCES, *_ISA_SOURCES.get(platform.machine().lower(), []))]
 
 def build_name() -> str:
     """The cache entry of this build: the CPU level's key and the sources' digest."""

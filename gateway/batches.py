@@ -43,10 +43,12 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -615,6 +617,8 @@ def build_batches(
         store = RedisBatchStore(settings.redis_url)
     else:
         store = SQLiteBatchStore(None if storage is None else storage / SQLITE_FILE)
+    if storage is None:
+        weakref.finalize(store, shutil.rmtree, root, True)  # the temporary files go with the store
 
     def quota(caller: Caller) -> int | None:
         return caller.tenant.plan.storage_quota_bytes if caller.tenant is not None else None

@@ -31,6 +31,10 @@
 #include <immintrin.h>
 #define BATCHGATE_AVX512_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BATCHGATE_AVX2_FMA 1
+#endif
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -225,16 +229,148 @@ bool decode_attention_bf16_group(int64_t group, const at::Tensor& q, const at::T
 }
 #endif
 
+#ifdef BATCHGATE_AVX2_FMA
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// fast_exp on 8 lanes, the same steps (without FMA contractions), so a lane rounds as fast_exp.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// softmax_rows with the exponentials 8 at a time (the compiler leaves fast_exp scalar where the
+// attention kernel inlines it).
+inline void softmax_rows8(float* scores, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+      _mm256_storeu_ps(sg + t, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8);
+    for (; t < n; ++t) {
+      sg[t] = fast_exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (t = 0; t < n; ++t) sg[t] *= inv;
+  }
+}
+
+// The fp32 fast path (AVX2 and FMA), for G query heads per KV head known at compile time and
+// head_dim a multiple of 32: each key row is loaded once for the G dot products, and the values
+// are summed in registers over the whole context, a slice of head_dim at a time.
+template <int G>
+void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
+                          at::Tensor& out) {
+  constexpr int KA = G <= 4 ? 2 : 1;  // accumulators per query head for q . k
+  constexpr int VW = G <= 3 ? 4 : 2;  // registers (of 8 floats) per query head for the values
+  const PagedBatch<float> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  const int64_t hd = b.head_dim;
+  at::parallel_for(0, b.num_seqs * b.num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t s = work / b.num_kv, h = work % b.num_kv;
+      const int64_t ctx = b.lens[s];
+      scores.resize(G * ctx);
+      float* sc = scores.data();
+      const float* qg[G];
+      for (int g = 0; g < G; ++g) qg[g] = b.query(s, h * G + g);
+      b.for_each_block(b.k, s, h, [&](int64_t t0, const float* rows, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float* kr = rows + i * hd;
+          __m256 acc[G][KA];
+          for (int g = 0; g < G; ++g)
+            for (int a = 0; a < KA; ++a) acc[g][a] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < hd; d += 8 * KA)
+            for (int a = 0; a < KA; ++a) {
+              const __m256 kv = _mm256_loadu_ps(kr + d + 8 * a);
+              for (int g = 0; g < G; ++g)
+                acc[g][a] = _mm256_fmadd_ps(_mm256_loadu_ps(qg[g] + d + 8 * a), kv, acc[g][a]);
+            }
+          for (int g = 0; g < G; ++g) {
+            __m256 sum = acc[g][0];
+            for (int a = 1; a < KA; ++a) sum = _mm256_add_ps(sum, acc[g][a]);
+            sc[g * ctx + t0 + i] = hsum8(sum) * scale;
+          }
+        }
+      });
+      softmax_rows8(sc, G, ctx);
+      for (int64_t d0 = 0; d0 < hd; d0 += 8 * VW) {
+        __m256 acc[G][VW];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_setzero_ps();
+        b.for_each_block(b.v, s, h, [&](int64_t t0, const float* rows, int64_t n) {
+          for (int64_t i = 0; i < n; ++i) {
+            __m256 v[VW];
+            for (int j = 0; j < VW; ++j) v[j] = _mm256_loadu_ps(rows + i * hd + d0 + 8 * j);
+            for (int g = 0; g < G; ++g) {
+              const __m256 p = _mm256_set1_ps(sc[g * ctx + t0 + i]);
+              for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_fmadd_ps(p, v[j], acc[g][j]);
+            }
+          }
+        });
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < VW; ++j) _mm256_storeu_ps(b.output(s, h * G + g) + d0 + 8 * j, acc[g][j]);
+      }
+    }
+  });
+}
+
+bool decode_attention_f32_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out) {
+  switch (group) {
+    case 1: decode_attention_f32<1>(q, k, v, tables, lens, scale, out); return true;
+    case 2: decode_attention_f32<2>(q, k, v, tables, lens, scale, out); return true;
+    case 3: decode_attention_f32<3>(q, k, v, tables, lens, scale, out); return true;
+    case 4: decode_attention_f32<4>(q, k, v, tables, lens, scale, out); return true;
+    case 6: decode_attention_f32<6>(q, k, v, tables, lens, scale, out); return true;
+    case 8: decode_attention_f32<8>(q, k, v, tables, lens, scale, out); return true;
+    default: return false;
+  }
+}
+#endif
+
 // The fast path's shapes where the CPU has it; false: use the portable kernel.
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                            const at::Tensor& lens, double scale, at::Tensor& out) {
-#ifdef BATCHGATE_AVX512_BF16
-  if (q.scalar_type() != at::kBFloat16) return false;
   const int64_t group = q.size(1) / k.size(0);
   const float fscale = static_cast<float>(scale);
-  if (q.size(2) == 64) return decode_attention_bf16_group<64>(group, q, k, v, tables, lens, fscale, out);
-  if (q.size(2) == 128) return decode_attention_bf16_group<128>(group, q, k, v, tables, lens, fscale, out);
+#ifdef BATCHGATE_AVX512_BF16
+  if (q.scalar_type() == at::kBFloat16 && q.size(2) == 64)
+    return decode_attention_bf16_group<64>(group, q, k, v, tables, lens, fscale, out);
+  if (q.scalar_type() == at::kBFloat16 && q.size(2) == 128)
+    return decode_attention_bf16_group<128>(group, q, k, v, tables, lens, fscale, out);
 #endif
+#ifdef BATCHGATE_AVX2_FMA
+  if (q.scalar_type() == at::kFloat && q.size(2) % 32 == 0)
+    return decode_attention_f32_group(group, q, k, v, tables, lens, fscale, out);
+#endif
+  (void)group, (void)fscale;
   (void)q, (void)k, (void)v, (void)tables, (void)lens, (void)scale, (void)out;
   return false;
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +162,38 @@ def test_linear_on_our_kernels_keeps_no_float_copy() -> None:
     assert layer.weight is None and layer.packed is None and layer.int4 is None
     x = torch.randn(3, 64)
     assert (layer(x) - F.linear(x, weight)).abs().max() < 0.05 * F.linear(x, weight).abs().max()
+
+
+@needs_qmatmul
+def test_a_decode_step_in_one_native_call_gives_the_same_logits_bit_for_bit(
+    tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_tiny_model(
+        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
+    )
+    engine = tiny_engine(model, quantization="int4")
+    llama = engine.runner.model
+    assert llama.decode_weights is not None
+    assert tiny_engine(model, quantization="none").runner.model.decode_weights is None  # float weights
+    forward = type(llama).forward
+    compared: list[bool] = []
+
+    def both(self: Any, batch: Any, kv_caches: Any) -> torch.Tensor:
+        fused = forward(self, batch, kv_caches)
+        if batch.prefills:
+            return fused
+        weights, self.decode_weights = self.decode_weights, None
+        try:
+            compared.append(torch.equal(fused, forward(self, batch, kv_caches)))  # K/V rewritten alike
+        finally:
+            self.decode_weights = weights
+        return fused
+
+    monkeypatch.setattr(type(llama), "forward", both)
+    # Sequences of different lengths, joining at different steps: decode rows over varied contexts.
+    requests = [
+        GenerationRequest(f"r{i}", list(range(100 + i, 120 + 7 * i)), greedy(10 + i)) for i in range(4)
+    ]
+    run_all(engine, requests)
+    assert len(compared) >= 8 and all(compared)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
