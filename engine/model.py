@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.loader import ModelSpec
 from engine.lora import LoraAdapter, LoraWeights
-from engine.ops import tensor_op
+from engine.ops import tensor_op, tensor_pair_op
 from engine.quant import Linear, WeightFormat
 from engine.step import ForwardBatch
 
@@ -313,7 +313,8 @@ class LlamaModel:
         assert batch.decode_tables is not None and batch.decode_lens is not None
         spec = self.spec
         tensors, kinds, sizes, outlier_ratio = weights
-        return self.kernels.decode_layers(
+        return tensor_pair_op(
+            self.kernels.decode_layers,
             hidden,
             tensors,
             kinds,

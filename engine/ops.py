@@ -15,6 +15,11 @@ def tensor_op(op: Any, *args: object) -> torch.Tensor:
     return cast(torch.Tensor, op(*args))
 
 
+def tensor_pair_op(op: Any, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """`op(*args)`, an op that returns two tensors."""
+    return cast(tuple[torch.Tensor, torch.Tensor], op(*args))
+
+
 def mkldnn_available() -> bool:
     """torch.backends.mkldnn.is_available(), which torch leaves untyped."""
     return cast(Callable[[], bool], torch.backends.mkldnn.is_available)()
