@@ -55,6 +55,9 @@ USAGE_PATTERN = "{tenant:*}:usage"
 # at once; a black-holed host costs at most connect + one retry.
 CONNECT_TIMEOUT_S = 0.5
 OPERATION_TIMEOUT_S = 0.5
+# How long a call may wait for a free pooled connection: a burst's queue, not Redis's health, so
+# as long as a limiter call may take (redis_limiter.CALL_DEADLINE_S bounds the whole call).
+POOL_WAIT_S = 1.5
 
 
 def tenant_tag(tenant: str) -> str:
@@ -135,12 +138,12 @@ def open_async(
     operation_timeout_s: float = OPERATION_TIMEOUT_S,
 ) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` with tenancy's short timeouts (no I/O yet). Its pool
-    makes a call wait (up to the operation timeout) for a connection when MAX_CONNECTIONS are
+    makes a call wait (up to POOL_WAIT_S) for a connection when MAX_CONNECTIONS are
     busy, instead of failing it: redis-py's default pool refuses the 101st concurrent call."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=MAX_CONNECTIONS,
-        timeout=operation_timeout_s,
+        timeout=max(operation_timeout_s, POOL_WAIT_S),
         retry=Retry(NoBackoff(), 1),
         **connection_kwargs(connect_timeout_s, operation_timeout_s),
     )
