@@ -7,6 +7,10 @@ conversation's length, on the SQLite store and on Redis, side by side in one run
 A request without `previous_response_id` does none of this, so each figure is the cost the
 lookup adds. Each turn is a user message, a function call, its output and an answer (~80 words
 in all); Redis runs as a real redis-server on a free port.
+
+Each length also gets a control row: a pure-Python loop calibrated to that length's SQLite p50,
+timed the same way in the same run. It touches no store and parses nothing, so its p99 is what
+preemption alone adds on this machine (on a shared one, most of a lookup's p99).
 """
 
 from __future__ import annotations
@@ -59,6 +63,26 @@ async def _lookups(store: ResponseStore, key: str, n: int) -> list[float]:
     return times
 
 
+def _control(target_ms: float, n: int) -> list[float]:
+    """`n` timings of a busy loop as long as `target_ms` on an idle core."""
+    iterations = 1000
+    while True:  # calibrate: the fastest of a few runs, as an idle core would take it
+        best = min(_spin(iterations) for _ in range(5))
+        if best >= 0.2:
+            break
+        iterations *= 4
+    iterations = max(1, int(iterations * target_ms / best))
+    return [_spin(iterations) for _ in range(n)]
+
+
+def _spin(iterations: int) -> float:
+    start = time.perf_counter()
+    total = 0
+    for i in range(iterations):
+        total += i
+    return (time.perf_counter() - start) * 1e3
+
+
 def _row(name: str, turns: int, size: int, times: list[float]) -> str:
     times.sort()
     p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
@@ -83,11 +107,14 @@ async def main(turns: list[int], n: int) -> None:
             print("| store | turns | record KiB | p50 ms | p99 ms |\n|---|---:|---:|---:|---:|")
             for k in turns:
                 record = _record(k)
+                medians = []
                 for name, store in stores:
                     await store.put("bench", record.response_id, record.dumps())
                     await _lookups(store, record.response_id, 10)  # warm
                     times = await _lookups(store, record.response_id, n)
+                    medians.append(statistics.median(times))
                     print(_row(name, k, len(record.dumps()), times))
+                print(_row("(control) busy loop", k, 0, _control(medians[0], n)))
             for _, store in stores:
                 await store.aclose()
     finally:
