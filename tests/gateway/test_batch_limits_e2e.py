@@ -126,7 +126,7 @@ def test_a_running_batch_leaves_the_tenant_its_whole_interactive_limits(
     server: LiveServer, redis_server: str
 ) -> None:
     client = sdk(server, "sk-lanes")
-    batch = create(client, 60, max_tokens=128)  # 10 rounds of 6 lines: seconds of work
+    batch = create(client, 36, max_tokens=96)  # 6 rounds of 6 lines: seconds of work
     observer = redis.Redis.from_url(redis_server)
     deadline = time.monotonic() + 30
     while observer.zcard(leases_key("lanes", batch=True)) < 3:  # more lines than the 2 requests at once
@@ -153,18 +153,18 @@ def test_a_running_batch_leaves_the_tenant_its_whole_interactive_limits(
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
     running = client.batches.retrieve(batch.id)
     assert running.status == "in_progress" and running.request_counts is not None
-    assert running.request_counts.completed < 60  # all of that while the batch ran
+    assert running.request_counts.completed < 36  # all of that while the batch ran
     done = wait(client, batch.id, ended, "the batch")
     assert done.status == "completed" and done.request_counts is not None
-    assert (done.request_counts.completed, done.request_counts.failed) == (60, 0)
+    assert (done.request_counts.completed, done.request_counts.failed) == (36, 0)
     usage = httpx.get(
         server.base_url + "/v1/usage",
         params={"start_time": int(time.time()) - 3600, "group_by": "batch"},
         headers={"authorization": "Bearer sk-lanes"},
     ).json()
     billed = [r for bucket in usage["data"] for r in bucket["results"] if r.get("batch")]
-    assert sum(r["num_model_requests"] for r in billed) == 60
-    assert sum(r["output_tokens"] for r in billed) == 60 * 128
+    assert sum(r["num_model_requests"] for r in billed) == 36
+    assert sum(r["output_tokens"] for r in billed) == 36 * 96
 
 
 def test_a_batch_over_the_enqueued_token_limit_fails_with_token_limit_exceeded(server: LiveServer) -> None:
