@@ -76,7 +76,8 @@ def batchgate_spec(
         + (extra_args or [])
     )
     base = f"http://127.0.0.1:{port}"
-    return ServerSpec("batchgate serve", argv, f"{base}/v1", f"{base}/v1/models")
+    # /ready, not /v1/models: with --tenants a model list needs a key (a 401 forever).
+    return ServerSpec("batchgate serve", argv, f"{base}/v1", f"{base}/ready")
 
 
 def fastapi_path() -> str | None:
@@ -202,10 +203,13 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen, log_path: Path) -> None
         if proc.poll() is not None:
             raise RuntimeError(f"{spec.label} exited with {proc.returncode}; log tail:\n{tail(log_path)}")
         try:
-            if httpx.get(spec.ready_url, timeout=5).status_code == 200:
-                return
+            status = httpx.get(spec.ready_url, timeout=5).status_code
         except httpx.HTTPError:
-            pass
+            status = None
+        if status == 200:
+            return
+        if status in (401, 403):  # up, but the probe needs a key: it would never turn 200
+            raise RuntimeError(f"{spec.label}: {spec.ready_url} answers {status}; probe a public URL")
         time.sleep(1.0)
     raise RuntimeError(
         f"{spec.label} not ready after {spec.start_timeout_s:.0f} s; log tail:\n{tail(log_path)}"

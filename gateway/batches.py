@@ -18,10 +18,17 @@ the lines without a result. Every custom_id ends in exactly one output or error 
 cannot run gets an error line (`batch_cancelled`, `batch_expired`, `insufficient_quota` once a
 hard budget refused one of the batch's lines).
 
-Per tenant, at most the plan's `batch_max_concurrent_lines` (default `--batch-max-concurrent-
-lines`) lines run at once over all its batches, and at most `batch_tokens_per_minute` tokens a
-minute start (paced on the tokens the last minute's lines used). Refusals that pass (rate limits,
-overload, a loading model) are retried after their Retry-After; the line keeps its place.
+Limits. A batch's lines are admitted in the tenant's batch lane (tenancy.limiter), not against
+its interactive requests, tokens a minute or concurrency: the plan's `batch_tokens_per_minute` and
+`batch_max_concurrent_lines` bound them, over every gateway with Redis; budgets and the ledger are
+shared with interactive traffic. Per model, the prompt tokens of a tenant's unfinished batches stay
+within the plan's `batch_enqueued_tokens` (OpenAI's batch queue limit): a batch that would go over
+fails validation with `token_limit_exceeded`. On each gateway: at most `--batch-max-running`
+batches run at once (the others wait, `validating`, or go to a gateway with room), at most
+`--batch-max-in-flight` lines of all of them, and at most `--batch-max-concurrent-lines` of one
+tenant's (or its plan's `batch_max_concurrent_lines`). Refusals that pass (rate limits, overload, a
+loading model) are retried after their Retry-After; the line keeps its place. A refusal that
+waiting cannot cure (a line larger than the batch tokens a minute) is that line's error.
 
 One runner per batch: it holds the batch's lease in the store (renewed every third of
 `--batch-lease`; a gateway that cannot renew it stops running the batch). With the SQLite store one
@@ -38,7 +45,6 @@ a trace of its own with a link to it (OpenTelemetry span links, as for messages 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import hashlib
 import logging
@@ -53,6 +59,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -81,6 +88,7 @@ from gateway.settings import Settings
 
 if TYPE_CHECKING:
     from tenancy.service import Tenancy
+    from tenancy.tokens import TokenCounter
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -96,6 +104,7 @@ STOP_MESSAGES = {
     "insufficient_quota": "This request was not executed: a hard budget of your account was reached.",
 }
 _PRIVATE = "_output_expires_after"  # kept with the batch, not shown
+_ENQUEUED = "_enqueued_tokens"  # {model: prompt tokens} of a validated batch, for the queue limit
 
 
 def line_ids(endpoint: Endpoint, batch_id: str, custom_id: str) -> tuple[str, str]:
@@ -127,31 +136,6 @@ def _usage(payload: Any) -> tuple[int, int, int]:
     return num_in, int(details.get("cached_tokens", 0) or 0), num_out
 
 
-@dataclasses.dataclass
-class Lane:
-    """One tenant's share of the batch runner: a slot per concurrent line, and the tokens its lines
-    used in the last minute (a line starts only while they are under `tokens_per_minute`)."""
-
-    slots: asyncio.Semaphore
-    tokens_per_minute: int | None
-    clock: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
-    used: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
-
-    def spent(self, num_tokens: int) -> None:
-        self.used.append((self.clock(), num_tokens))
-
-    async def pace(self) -> None:
-        """Wait while the last minute's lines used the tenant's batch tokens per minute."""
-        while self.tokens_per_minute is not None:
-            now = self.clock()
-            while self.used and self.used[0][0] <= now - 60:
-                self.used.popleft()
-            if sum(n for _, n in self.used) < self.tokens_per_minute:
-                return
-            await self.sleep(self.used[0][0] + 60 - now)
-
-
 class Batches:
     """The batch routes and runner (see the module docstring)."""
 
@@ -165,6 +149,8 @@ class Batches:
         *,
         max_lines: int,
         max_concurrent_lines: int,
+        max_in_flight: int,
+        max_running: int,
         lease_s: float = 30.0,
         clock: Callable[[], int] = responses.now,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -188,7 +174,10 @@ class Batches:
         self._running: dict[str, StoredBatch] = {}  # the records the runners update
         self._cancelled: set[str] = set()
         self._quota_stopped: set[str] = set()
-        self._lanes: dict[str, Lane] = {}
+        self._lanes: dict[str, asyncio.Semaphore] = {}  # per tenant: its lines in flight here
+        self._in_flight = asyncio.Semaphore(max_in_flight)  # every batch's lines in flight here
+        self._run_slots = asyncio.Semaphore(max_running)  # batches this gateway runs at once
+        self._enqueue_lock = asyncio.Lock()  # the queue limit's check and the batch's record
         self._started = asyncio.Event()  # set by `resume`: the models are loaded
 
     # -- routes ----------------------------------------------------------------------------------
@@ -337,13 +326,13 @@ class Batches:
             tenant_caller(tenant, stored.key_id), priority=Priority.BATCH, queue_deadline_s=None
         )
 
-    def _lane(self, caller: Caller) -> Lane:
+    def _lane(self, caller: Caller) -> asyncio.Semaphore:
+        """The tenant's slots for lines in flight on this gateway."""
         lane = self._lanes.get(caller.name)
         if lane is None:
             plan = caller.tenant.plan if caller.tenant is not None else None
             slots = (plan.batch_max_concurrent_lines if plan else None) or self.max_concurrent_lines
-            lane = Lane(asyncio.Semaphore(slots), plan.batch_tokens_per_minute if plan else None)
-            self._lanes[caller.name] = lane
+            lane = self._lanes[caller.name] = asyncio.Semaphore(slots)
         return lane
 
     def _stop_code(self, body: dict[str, Any]) -> str | None:
@@ -358,6 +347,10 @@ class Batches:
 
     async def _run(self, stored: StoredBatch) -> None:
         await self._started.wait()
+        async with self._run_slots:
+            await self._run_held(stored)
+
+    async def _run_held(self, stored: StoredBatch) -> None:
         tenant, batch_id = stored.tenant, stored.body["id"]
         if not await self.store.claim(tenant, batch_id, self.owner, self.lease_s):
             return  # another gateway runs it
@@ -413,12 +406,8 @@ class Batches:
             lines = await self._validate(stored, caller)
             if lines is None:
                 return
-            if body["in_progress_at"] is None:
-                body.update(in_progress_at=self.clock(), model=lines[0].model)
-                body["request_counts"]["total"] = len(lines)
-                if body["status"] == "validating":  # (not when cancelled while validating)
-                    body["status"] = "in_progress"
-                await self.store.put_batch(stored)
+            if body["in_progress_at"] is None and not await self._enqueue(stored, caller, lines):
+                return
             await self._execute(stored, caller, lines)
             await self._finalize(stored, caller)
         except asyncio.CancelledError:
@@ -454,6 +443,38 @@ class Batches:
             return None
         return lines
 
+    async def _enqueue(self, stored: StoredBatch, caller: Caller, lines: list[Line]) -> bool:
+        """Take the validated batch into the queue, `in_progress`; False after failing it with
+        `token_limit_exceeded` when its prompt tokens would take the tenant's unfinished batches
+        of a model over the plan's `batch_enqueued_tokens` (as OpenAI's batch queue limit)."""
+        body = stored.body
+        plan = caller.tenant.plan if caller.tenant is not None else None
+        limit = plan.batch_enqueued_tokens if plan is not None else None
+        async with self._enqueue_lock:  # the check and the record as one, on this gateway
+            if limit is not None and self.tenancy is not None:
+                body[_ENQUEUED] = await anyio.to_thread.run_sync(prompt_tokens, self.tenancy.tokens, lines)
+                queued: dict[str, int] = {}
+                for other in await self.store.unfinished():
+                    if other.tenant == stored.tenant and other.body["id"] != body["id"]:
+                        for model, num in (other.body.get(_ENQUEUED) or {}).items():
+                            queued[model] = queued.get(model, 0) + num
+                for model, num in body[_ENQUEUED].items():
+                    if queued.get(model, 0) + num > limit:
+                        message = (
+                            f"Enqueued token limit reached for {model} of tenant {stored.tenant}. Limit: "
+                            f"{limit:,} enqueued tokens; this batch has {num:,}, the tenant's unfinished "
+                            f"batches {queued.get(model, 0):,}. Please try again once some in_progress "
+                            "batches have been completed."
+                        )
+                        await self._fail(stored, [_batch_error("token_limit_exceeded", message)])
+                        return False
+            body.update(in_progress_at=self.clock(), model=lines[0].model)
+            body["request_counts"]["total"] = len(lines)
+            if body["status"] == "validating":  # (not when cancelled while validating)
+                body["status"] = "in_progress"
+            await self.store.put_batch(stored)
+        return True
+
     async def _execute(self, stored: StoredBatch, caller: Caller, lines: list[Line]) -> None:
         body = stored.body
         endpoint = BATCH_ENDPOINTS[body["endpoint"]]
@@ -465,30 +486,34 @@ class Batches:
         try:
             async with asyncio.TaskGroup() as group:
                 for line in todo:
-                    await lane.slots.acquire()
-                    started += 1
-                    self.metrics.batch_queued.dec()
+                    await lane.acquire()
                     stop = self._stop_code(body)
                     if stop is None:
-                        await lane.pace()
+                        await self._in_flight.acquire()
+                        stop = self._stop_code(body)  # (it may have waited long)
+                        if stop is not None:
+                            self._in_flight.release()
+                    started += 1
+                    self.metrics.batch_queued.dec()
+                    if stop is None:
                         group.create_task(self._line(stored, endpoint, caller, line, lane))
                     else:
-                        lane.slots.release()
+                        lane.release()
                         await self._record(stored, _stopped(endpoint, body["id"], line, stop), stop)
         finally:
             self.metrics.batch_queued.dec(len(todo) - started)  # those a stop left unstarted
 
     async def _line(
-        self, stored: StoredBatch, endpoint: Endpoint, caller: Caller, line: Line, lane: Lane
+        self, stored: StoredBatch, endpoint: Endpoint, caller: Caller, line: Line, lane: asyncio.Semaphore
     ) -> None:
         self.metrics.batch_in_flight.inc()
         try:
             result, status = await self._answer(stored.body, endpoint, caller, line)
-            lane.spent(result.input_tokens + result.output_tokens)
             await self._record(stored, result, status)
         finally:
             self.metrics.batch_in_flight.dec()
-            lane.slots.release()
+            self._in_flight.release()
+            lane.release()
 
     async def _answer(
         self, body: dict[str, Any], endpoint: Endpoint, caller: Caller, line: Line
@@ -509,10 +534,11 @@ class Batches:
                 break
             except APIError as exc:
                 stop = self._stop_code(body)
-                if exc.kind in RETRIED:
+                wait_s = _retry_wait(exc)
+                if wait_s is not None:
                     if stop is not None:
                         return _stopped(endpoint, body["id"], line, stop), stop
-                    await asyncio.sleep(min(exc.retry_after_s or 1.0, MAX_RETRY_WAIT_S))
+                    await asyncio.sleep(wait_s)
                     continue
                 if exc.kind is ErrorKind.INSUFFICIENT_QUOTA:
                     self._quota_stopped.add(body["id"])
@@ -568,6 +594,33 @@ class Batches:
         body = stored.body
         body.update(status="failed", failed_at=self.clock(), errors={"object": "list", "data": errors})
         await self.store.put_batch(stored)
+
+
+def _retry_wait(exc: APIError) -> float | None:
+    """How long a refused line waits before it runs again (its Retry-After, capped); None: the
+    refusal is the line's answer (a rate limit without Retry-After never admits it)."""
+    if exc.kind not in RETRIED:
+        return None
+    wait_ms = exc.headers.get("retry-after-ms")
+    if exc.retry_after_s is None and wait_ms is None:
+        return None if exc.kind is ErrorKind.RATE_LIMITED else 1.0
+    wait_s = exc.retry_after_s if exc.retry_after_s is not None else int(wait_ms or 0) / 1000
+    return min(wait_s, MAX_RETRY_WAIT_S)
+
+
+def prompt_tokens(counter: TokenCounter, lines: list[Line]) -> dict[str, int]:
+    """The prompt tokens of `lines` per model, as admission estimates them: chat `messages`, or
+    the `prompt` (completions) or `input` (embeddings, responses: text or message items)."""
+    out: dict[str, int] = {}
+    for line in lines:
+        body = line.body
+        value = body.get("messages", body.get("prompt", body.get("input")))
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            num = counter.count_messages(value)
+        else:
+            num = counter.count_prompt(value)
+        out[line.model] = out.get(line.model, 0) + num
+    return out
 
 
 def _count(
@@ -643,6 +696,8 @@ def build_batches(
         metrics,
         max_lines=settings.batch_max_lines,
         max_concurrent_lines=settings.batch_max_concurrent_lines,
+        max_in_flight=settings.batch_max_in_flight,
+        max_running=settings.batch_max_running,
         lease_s=settings.batch_lease_s,
     )
     return files, batches

@@ -212,6 +212,18 @@ class Settings:
         "lines of one tenant's batches in flight at once, where its plan sets no "
         "batch_max_concurrent_lines (open mode, or a plan without it)",
     )
+    batch_max_in_flight: int = _opt(
+        256,
+        _int,
+        "lines of all batches this gateway runs in flight at once (the engine's batch class, or the "
+        "pool's), over all tenants",
+    )
+    batch_max_running: int = _opt(
+        16,
+        _int,
+        "batches this gateway runs at once; the others wait, validating (with --redis-url and a "
+        "bucket, another gateway with room takes them)",
+    )
     batch_lease_s: float = _opt(
         30.0,
         _float,
@@ -395,6 +407,10 @@ class Settings:
             raise ValueError(
                 f"responses_background_lease_s must be > 0, got {self.responses_background_lease_s}"
             )
+        batch_caps = ("batch_max_lines", "batch_max_concurrent_lines", "batch_max_in_flight")
+        for name in (*batch_caps, "batch_max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.batch_lease_s > 0:
             raise ValueError(f"batch_lease_s must be > 0, got {self.batch_lease_s}")
         if self.responses_ttl_s < 1:

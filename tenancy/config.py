@@ -8,9 +8,10 @@ The file looks like::
     requests_per_minute = 600
     max_concurrent_requests = 32
     queue_deadline_seconds = 10
-    batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches.py): lines in
-    batch_tokens_per_minute = 2000000 # flight, tokens a minute, bytes of files; unset: no limit
-    storage_quota_bytes = 10000000000
+    batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches.py), a lane of
+    batch_tokens_per_minute = 2000000 # their own beside the interactive limits: lines in flight,
+    batch_enqueued_tokens = 20000000  # tokens a minute, prompt tokens of unfinished batches per
+    storage_quota_bytes = 10000000000 # model, bytes of files; unset: no limit
 
     budget_usd = 500.0                # optional: or budget_tokens = 2000000 (or both)
     budget_window = "monthly"         # "daily", "monthly" or "none"; UTC calendar windows
@@ -60,7 +61,12 @@ _PLAN_INT_FIELDS = ("tokens_per_minute", "requests_per_minute", "max_concurrent_
 _BUDGET_FIELDS = {"budget_usd", "budget_tokens", "budget_window", "budget_soft_ratio"}
 _PLAN_REQUIRED = {"priority", *_PLAN_INT_FIELDS, "queue_deadline_seconds"}
 # Optional batch-queue limits (the Batch API, gateway/batches.py); unset: no limit.
-_PLAN_BATCH_FIELDS = ("batch_tokens_per_minute", "batch_max_concurrent_lines", "storage_quota_bytes")
+_PLAN_BATCH_FIELDS = (
+    "batch_tokens_per_minute",
+    "batch_max_concurrent_lines",
+    "batch_enqueued_tokens",
+    "storage_quota_bytes",
+)
 _PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS | set(_PLAN_BATCH_FIELDS)
 _TENANT_FIELDS = {"plan", "keys"} | _BUDGET_FIELDS
 _PRICE_FIELDS = {"input", "cached_input", "output", "batch_multiplier"}
@@ -83,6 +89,9 @@ class Plan:
     budgets: tuple[Budget, ...] = ()  # a default for each tenant of the plan
     batch_tokens_per_minute: int | None = None  # prompt + output tokens of its batches' lines
     batch_max_concurrent_lines: int | None = None  # lines of its batches in flight at once
+    # Prompt tokens of its unfinished batches, per model (OpenAI's batch queue limit): a batch that
+    # would go over fails validation with `token_limit_exceeded`.
+    batch_enqueued_tokens: int | None = None
     storage_quota_bytes: int | None = None  # bytes of its files (/v1/files, batch outputs)
 
     @property

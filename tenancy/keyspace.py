@@ -6,6 +6,9 @@ Redis Cluster (they live in the same slot)::
     {tenant:acme}:tokens    hash  level, ts      token bucket (ts in Redis-clock seconds)
     {tenant:acme}:requests  hash  level, ts      request bucket
     {tenant:acme}:leases    zset  lease_id -> expiry (Redis-clock seconds)
+    {tenant:acme}:lane:batch:tokens, :lane:batch:requests, :lane:batch:leases   the same for the
+                            Batch API's lines (a lane of their own: batch_tokens_per_minute,
+                            batch_max_concurrent_lines)
     {tenant:acme}:usage     hash  prompt_tokens, completion_tokens, requests
     {tenant:acme}:held      hash  lease_id -> budget holds of a live lease ("<key> <window> <amount>" lines)
     {tenant:acme}:budget:tenant.usd     hash  w (window index), used, soft (window whose soft
@@ -65,16 +68,21 @@ def tenant_tag(tenant: str) -> str:
     return "{tenant:" + tenant + "}"
 
 
-def tokens_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":tokens"
+def _lane(tenant: str, batch: bool) -> str:
+    """The prefix of a lane's keys: interactive requests, or the Batch API's lines."""
+    return tenant_tag(tenant) + (":lane:batch:" if batch else ":")
 
 
-def requests_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":requests"
+def tokens_key(tenant: str, batch: bool = False) -> str:
+    return _lane(tenant, batch) + "tokens"
 
 
-def leases_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":leases"
+def requests_key(tenant: str, batch: bool = False) -> str:
+    return _lane(tenant, batch) + "requests"
+
+
+def leases_key(tenant: str, batch: bool = False) -> str:
+    return _lane(tenant, batch) + "leases"
 
 
 def usage_key(tenant: str) -> str:

@@ -2,6 +2,11 @@
 
 ``admit`` reserves ``tokens`` from the tenant's token bucket, one request from its request
 bucket and one concurrency lease, all or nothing (the arithmetic is in ``tenancy.bucket``).
+Each tenant has two lanes of these: interactive requests, under the plan's ``tokens_per_minute``,
+``requests_per_minute`` and ``max_concurrent_requests``, and the Batch API's lines (a charge with
+``batch``), under ``batch_tokens_per_minute`` and ``batch_max_concurrent_lines`` only (no request
+rate), so a running batch takes nothing of the tenant's interactive limits. Budgets are one pool:
+both lanes' holds count against them.
 The caller then runs the request, calls ``renew`` every ``lease_ttl_s / 3`` while it runs, and
 ``settle`` once when it ends, which refunds the tokens reserved but not used and releases the
 lease. ``tenancy.service.LeaseHolder`` does the renew/settle part for the gateway.
@@ -14,7 +19,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tenancy.billing import NO_CHARGE, Budget, BudgetRefusal, BudgetState, Charge, window_index
@@ -169,6 +174,21 @@ def limits_of(plan: Plan) -> Limits | None:
     return Limits(plan.tokens_per_minute, plan.requests_per_minute, plan.max_concurrent_requests)
 
 
+# A batch lane limit the plan does not set: never reached (exact in a double, as Lua needs).
+UNLIMITED = 10**15
+
+
+def lane_limits(plan: Plan, batch: bool) -> Limits | None:
+    """The limits of the plan's interactive lane, or of its batch lane (module docstring); None
+    for an unlimited plan (both lanes untracked)."""
+    limits = limits_of(plan)
+    if limits is None or not batch:
+        return limits
+    return Limits(
+        plan.batch_tokens_per_minute or UNLIMITED, UNLIMITED, plan.batch_max_concurrent_lines or UNLIMITED
+    )
+
+
 def new_lease_id() -> str:
     """A random lease id, unique across gateway processes."""
     return uuid.uuid4().hex
@@ -257,11 +277,20 @@ class Limiter(Protocol):
 
 
 @dataclass
-class _TenantState:
+class _LaneState:
     tokens: BucketState | None = None
     requests: BucketState | None = None
-    leases: dict[str, float] | None = None  # lease_id -> expiry
+    leases: dict[str, float] = field(default_factory=dict)  # lease_id -> expiry
+
+
+@dataclass
+class _TenantState:
+    interactive: _LaneState = field(default_factory=_LaneState)
+    batch: _LaneState = field(default_factory=_LaneState)
     holds: dict[str, list[tuple[str, int, int]]] | None = None  # lease_id -> (budget, window, amount)
+
+    def lane(self, batch: bool) -> _LaneState:
+        return self.batch if batch else self.interactive
 
 
 def budget_store_key(tenant: str, budget: Budget) -> str:
@@ -300,12 +329,14 @@ class MemoryLimiter:
         self.store = store or MemoryStore()
         self.on_soft_limit: Callable[[str, Budget], None] = lambda tenant, budget: None
 
-    def _live_leases(self, state: _TenantState, now: float) -> dict[str, float]:
-        leases = {lid: exp for lid, exp in (state.leases or {}).items() if exp > now}
-        state.leases = leases
+    def _live_leases(self, state: _TenantState, now: float, batch: bool = False) -> dict[str, float]:
+        """The live leases of one lane, after pruning both lanes' expired leases and their holds."""
+        for lane in (state.interactive, state.batch):
+            lane.leases = {lid: exp for lid, exp in lane.leases.items() if exp > now}
         if state.holds:
-            state.holds = {lid: h for lid, h in state.holds.items() if lid in leases}
-        return leases
+            live = state.interactive.leases.keys() | state.batch.leases.keys()
+            state.holds = {lid: h for lid, h in state.holds.items() if lid in live}
+        return state.lane(batch).leases
 
     def _reserved(self, state: _TenantState, key: str, window: int) -> int:
         return sum(
@@ -331,17 +362,18 @@ class MemoryLimiter:
         self, tenant: str, plan: Plan, tokens: int, request_id: str, charge: Charge = NO_CHARGE
     ) -> Decision:
         now = self._now()
-        limits = limits_of(plan)
+        limits = lane_limits(plan, charge.batch)
         if limits is None:
             return untracked_decision(tenant, tokens, request_id, self.lease_ttl_s, now, charge=charge)
         state = self._tenants.setdefault(tenant, _TenantState())
-        leases = self._live_leases(state, now)
+        leases = self._live_leases(state, now, charge.batch)
+        lane = state.lane(charge.batch)
         step = admission_step(
             now=now,
             tokens=tokens,
             limits=limits,
-            token_bucket=state.tokens,
-            request_bucket=state.requests,
+            token_bucket=lane.tokens,
+            request_bucket=lane.requests,
             num_leases=len(leases),
         )
         holds, refusal = self._check_budgets(tenant, state, charge)
@@ -354,8 +386,8 @@ class MemoryLimiter:
             return decision_from_step(budget_step, limits, tokens, None, refusal)
         if not step.admitted:
             return decision_from_step(step, limits, tokens, None)
-        state.tokens = BucketState(step.token_level, now)
-        state.requests = BucketState(step.request_level, now)
+        lane.tokens = BucketState(step.token_level, now)
+        lane.requests = BucketState(step.request_level, now)
         lease = Lease(
             new_lease_id(),
             tenant,
@@ -381,7 +413,7 @@ class MemoryLimiter:
         live = False
         holds: list[tuple[str, int, int]] = []
         if state is not None and lease.limits is not None:
-            live = self._live_leases(state, now).pop(lease.lease_id, None) is not None
+            live = self._live_leases(state, now, lease.charge.batch).pop(lease.lease_id, None) is not None
             holds = (state.holds or {}).pop(lease.lease_id, [])
         charge = lease.charge
         admitted_in = {key: window for key, window, _ in holds}
@@ -417,9 +449,10 @@ class MemoryLimiter:
         if limits is None or state is None:
             return False
         if live:
-            level = refilled(state.tokens, now, limits.tokens_per_minute, limits.tokens_per_second)
+            lane = state.lane(lease.charge.batch)
+            level = refilled(lane.tokens, now, limits.tokens_per_minute, limits.tokens_per_second)
             unused = lease.reserved_tokens - (prompt_tokens + completion_tokens)
-            state.tokens = BucketState(refund(level, unused, limits.tokens_per_minute), now)
+            lane.tokens = BucketState(refund(level, unused, limits.tokens_per_minute), now)
         return live
 
     async def renew(self, lease: Lease) -> bool:
@@ -429,7 +462,7 @@ class MemoryLimiter:
         state = self._tenants.get(lease.tenant)
         if state is None:
             return False
-        leases = self._live_leases(state, now)
+        leases = self._live_leases(state, now, lease.charge.batch)
         if lease.lease_id not in leases:
             return False
         leases[lease.lease_id] = now + lease.ttl_s
@@ -460,7 +493,7 @@ class MemoryLimiter:
     async def aclose(self) -> None:
         self.store.close()
 
-    def num_leases(self, tenant: str) -> int:
-        """Live leases of ``tenant`` now (for tests and metrics)."""
+    def num_leases(self, tenant: str, batch: bool = False) -> int:
+        """Live leases of ``tenant``'s interactive (or batch) lane now (for tests and metrics)."""
         state = self._tenants.get(tenant)
-        return 0 if state is None else len(self._live_leases(state, self._now()))
+        return 0 if state is None else len(self._live_leases(state, self._now(), batch))

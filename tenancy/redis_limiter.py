@@ -63,7 +63,7 @@ from tenancy.limiter import (
     FailurePolicy,
     Lease,
     decision_from_step,
-    limits_of,
+    lane_limits,
     new_lease_id,
     soft_threshold,
     untracked_decision,
@@ -211,13 +211,15 @@ class RedisLimiter:
     ) -> Decision:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        limits = limits_of(plan)
+        limits = lane_limits(plan, charge.batch)
         if limits is None:
             return untracked_decision(
                 tenant, tokens, request_id, self.lease_ttl_s, time.time(), charge=charge
             )
         lease_id = new_lease_id()
-        keys = [tokens_key(tenant), requests_key(tenant), leases_key(tenant), held_key(tenant)]
+        lane = charge.batch
+        keys = [tokens_key(tenant, lane), requests_key(tenant, lane), leases_key(tenant, lane)]
+        keys += [held_key(tenant), leases_key(tenant, not lane)]
         keys += [budget_key(tenant, b.name) for b in charge.budgets]
         args: list[Any] = [
             tokens,
@@ -289,8 +291,8 @@ class RedisLimiter:
         charge = lease.charge
         cached = min(max(cached_tokens, 0), prompt_tokens)
         keys = [
-            tokens_key(tenant),
-            leases_key(tenant),
+            tokens_key(tenant, charge.batch),
+            leases_key(tenant, charge.batch),
             usage_key(tenant),
             held_key(tenant),
             settled_key(tenant, lease.request_id),
@@ -379,7 +381,7 @@ class RedisLimiter:
             return True
         args = (lease.lease_id, repr(float(lease.ttl_s)), self._now_arg())
         try:
-            keys = (leases_key(lease.tenant), held_key(lease.tenant))
+            keys = (leases_key(lease.tenant, lease.charge.batch), held_key(lease.tenant))
             return bool(await self._call("renew", self._renew, keys, args))
         except LimiterUnavailableError as exc:
             logger.warning("tenancy: could not renew the lease of %s (%s)", lease.request_id, exc)
@@ -397,7 +399,8 @@ class RedisLimiter:
         """Each budget's use and holds now (LimiterUnavailableError when Redis is away)."""
         if not budgets:
             return []
-        keys = [budget_key(tenant, b.name) for b in budgets] + [held_key(tenant), leases_key(tenant)]
+        keys = [budget_key(tenant, b.name) for b in budgets]
+        keys += [held_key(tenant), leases_key(tenant), leases_key(tenant, batch=True)]
         args = [self._now_arg(), *(window_code(b.window) for b in budgets)]
         raw = [int(float(_text(v))) for v in await self._call("budgets", self._budgets, keys, args)]
         return [BudgetState(b, raw[1 + 3 * i], raw[2 + 3 * i], raw[3 + 3 * i]) for i, b in enumerate(budgets)]
@@ -417,10 +420,11 @@ class RedisLimiter:
         except UNAVAILABLE_ERRORS as exc:
             raise LimiterUnavailableError(f"Redis unavailable while reading the ledger: {exc!r}") from exc
 
-    async def num_leases(self, tenant: str) -> int:
-        """Leases of ``tenant`` not yet expired by Redis's clock (for tests and metrics)."""
+    async def num_leases(self, tenant: str, batch: bool = False) -> int:
+        """Leases of ``tenant``'s interactive (or batch) lane not yet expired by Redis's clock (for
+        tests and metrics)."""
         now = float(self._clock()) if self._clock else await self._redis_time()
-        return int(await self._client.zcount(leases_key(tenant), f"({now!r}", "+inf"))
+        return int(await self._client.zcount(leases_key(tenant, batch), f"({now!r}", "+inf"))
 
     async def _redis_time(self) -> float:
         seconds, micros = await self._client.time()

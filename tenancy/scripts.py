@@ -66,7 +66,8 @@ end
     + WINDOW_LUA
 )
 
-# KEYS: tokens, requests, leases, held, budget_1 .. budget_n
+# KEYS: tokens, requests, leases (of the request's lane: interactive or batch), held, the other
+#       lane's leases, budget_1 .. budget_n
 # ARGV: tokens, tokens_per_minute, requests_per_minute, max_concurrent, lease_id, ttl_s, now_override,
 #       concurrency_retry_s, n, then per budget: limit, window code, worst-case amount
 # -> {admitted '0'|'1', reason, retry_after_s, token_level, request_level, now
@@ -80,12 +81,14 @@ local max_leases, lease_id, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local now = clock(ARGV[7])
 local tok_rate, req_rate = tok_cap / 60, req_cap / 60
 
--- Expired leases go, and their budget holds with them.
-local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', fmt(now))
-for i = 1, #gone, 1000 do
-  redis.call('HDEL', KEYS[4], unpack(gone, i, math.min(i + 999, #gone)))
+-- Expired leases of both lanes go, and their budget holds with them.
+for _, leases in ipairs({KEYS[3], KEYS[5]}) do
+  local gone = redis.call('ZRANGEBYSCORE', leases, '-inf', fmt(now))
+  for i = 1, #gone, 1000 do
+    redis.call('HDEL', KEYS[4], unpack(gone, i, math.min(i + 999, #gone)))
+  end
+  redis.call('ZREMRANGEBYSCORE', leases, '-inf', fmt(now))
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', fmt(now))
 local num_leases = redis.call('ZCARD', KEYS[3])
 local tok = refilled(KEYS[1], now, tok_cap, tok_rate)
 local req = refilled(KEYS[2], now, req_cap, req_rate)
@@ -102,7 +105,7 @@ if n > 0 then
     end
   end
   for i = 1, n do
-    local key = KEYS[4 + i]
+    local key = KEYS[5 + i]
     local limit, kind, amount = tonumber(ARGV[7 + 3 * i]), ARGV[8 + 3 * i], tonumber(ARGV[9 + 3 * i])
     local w = window_index(kind, now)
     local used = budget_used(key, w)
@@ -238,17 +241,17 @@ return 1
 """
 )
 
-# KEYS: budget_1 .. budget_n, held, leases. ARGV: now_override, then per budget its window code
-# -> {now, then per budget: used, reserved (by live leases only), window}
+# KEYS: budget_1 .. budget_n, held, leases, batch leases. ARGV: now_override, then per budget its
+# window code -> {now, then per budget: used, reserved (by live leases only), window}
 BUDGETS_SCRIPT = (
     PRELUDE
     + """
 local now = clock(ARGV[1])
-local n = #KEYS - 2
+local n = #KEYS - 3
 local reserved_by = {}
 local held = redis.call('HGETALL', KEYS[n + 1])
 for j = 1, #held, 2 do
-  local expiry = redis.call('ZSCORE', KEYS[n + 2], held[j])
+  local expiry = redis.call('ZSCORE', KEYS[n + 2], held[j]) or redis.call('ZSCORE', KEYS[n + 3], held[j])
   if expiry and tonumber(expiry) > now then
     for k, w, a in string.gmatch(held[j + 1], '(%S+) (%S+) (%S+)') do
       local id = k .. ' ' .. w

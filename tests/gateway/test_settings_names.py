@@ -45,6 +45,8 @@ NAMES = [
     ("max_file_bytes", "--max-file-bytes", "BATCHGATE_MAX_FILE_BYTES"),
     ("batch_max_lines", "--batch-max-lines", "BATCHGATE_BATCH_MAX_LINES"),
     ("batch_max_concurrent_lines", "--batch-max-concurrent-lines", "BATCHGATE_BATCH_MAX_CONCURRENT_LINES"),
+    ("batch_max_in_flight", "--batch-max-in-flight", "BATCHGATE_BATCH_MAX_IN_FLIGHT"),  # issue 25's
+    ("batch_max_running", "--batch-max-running", "BATCHGATE_BATCH_MAX_RUNNING"),  # gateway caps, beside
     ("batch_lease_s", "--batch-lease", "BATCHGATE_BATCH_LEASE"),  # issue 25's runner lease, added beside
     ("ledger_retention_days", "--ledger-retention-days", "BATCHGATE_LEDGER_RETENTION_DAYS"),
     ("usage_events_file", "--usage-events-file", "BATCHGATE_USAGE_EVENTS_FILE"),
