@@ -113,7 +113,7 @@ class ScriptBatcher:
     async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         conn = self._conn
         if not conn.is_connected:
-            await conn.connect()
+            await conn.connect()  # type: ignore[no-untyped-call]
         await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
         out: list[Any] = []
         for _ in commands:
