@@ -107,16 +107,25 @@ class AdminRoutes:
         config = await store.config()
         return JSONResponse({"object": "list", "data": [_plan_body(n, config) for n in sorted(config.plans)]})
 
-    async def plan(self, request: Request, store: AdminStore) -> Response:
+    async def _change(self, request: Request, store: AdminStore, noun: str) -> Any:
+        """GET, PUT or DELETE one plan, tenant or price (``noun``), served here at once: the
+        configuration after it (a Response for a DELETE)."""
         name = request.path_params["name"]
         if request.method == "PUT":
-            config = await store.put_plan(name, await _json(request), self._actor(request))
-            self._apply(config)
+            config = await getattr(store, f"put_{noun}")(name, await _json(request), self._actor(request))
         elif request.method == "DELETE":
-            self._apply(await store.delete_plan(name, self._actor(request)))
-            return JSONResponse({"object": "plan.deleted", "id": name, "deleted": True})
+            self._apply(await getattr(store, f"delete_{noun}")(name, self._actor(request)))
+            return JSONResponse({"object": f"{noun}.deleted", "id": name, "deleted": True})
         else:
-            config = await store.config()
+            return await store.config()
+        self._apply(config)
+        return config
+
+    async def plan(self, request: Request, store: AdminStore) -> Response:
+        name = request.path_params["name"]
+        config = await self._change(request, store, "plan")
+        if isinstance(config, Response):
+            return config
         if name not in config.plans:
             raise APIError(ErrorKind.NOT_FOUND, f"no plan named {name!r}")
         return JSONResponse(_plan_body(name, config))
@@ -128,14 +137,9 @@ class AdminRoutes:
 
     async def tenant(self, request: Request, store: AdminStore) -> Response:
         name = request.path_params["name"]
-        if request.method == "PUT":
-            config = await store.put_tenant(name, await _json(request), self._actor(request))
-            self._apply(config)
-        elif request.method == "DELETE":
-            self._apply(await store.delete_tenant(name, self._actor(request)))
-            return JSONResponse({"object": "tenant.deleted", "id": name, "deleted": True})
-        else:
-            config = await store.config()
+        config = await self._change(request, store, "tenant")
+        if isinstance(config, Response):
+            return config
         tenant = config.tenant(name)
         if tenant is None:
             raise APIError(ErrorKind.NOT_FOUND, f"no tenant named {name!r}")
@@ -150,14 +154,9 @@ class AdminRoutes:
 
     async def price(self, request: Request, store: AdminStore) -> Response:
         name = request.path_params["name"]
-        if request.method == "PUT":
-            config = await store.put_price(name, await _json(request), self._actor(request))
-            self._apply(config)
-        elif request.method == "DELETE":
-            self._apply(await store.delete_price(name, self._actor(request)))
-            return JSONResponse({"object": "price.deleted", "id": name, "deleted": True})
-        else:
-            config = await store.config()
+        config = await self._change(request, store, "price")
+        if isinstance(config, Response):
+            return config
         if name not in config.source["prices"]:
             raise APIError(ErrorKind.NOT_FOUND, f"no price for model {name!r}")
         return JSONResponse(_price_body(name, config.source["prices"][name]))

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from tenancy.batcher import ScriptBatcher
 from tenancy.bucket import Reason
 from tenancy.keyspace import leases_key, open_async, requests_key, tokens_key, usage_key
-from tenancy.limiter import FailurePolicy
+from tenancy.limiter import FailurePolicy, Lease
 from tenancy.redis_limiter import RedisLimiter
 from tests.conftest_redis import RedisProcess
 from tests.tenancy.conftest import make_plan
@@ -261,6 +261,16 @@ async def test_a_retried_settlement_that_already_ran_counts_usage_once(redis_url
         await limiter.aclose()
 
 
+async def admitted(limiter: RedisLimiter, n: int) -> list[Lease]:
+    """The leases of `n` requests of tenant acme, admitted one by one."""
+    leases = []
+    for i in range(n):
+        decision = await limiter.admit("acme", make_plan(), 10, f"r{i}")
+        assert decision.lease is not None
+        leases.append(decision.lease)
+    return leases
+
+
 async def test_concurrent_settlements_share_round_trips_and_each_gets_its_own_answer(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,11 +284,7 @@ async def test_concurrent_settlements_share_round_trips_and_each_gets_its_own_an
     monkeypatch.setattr(ScriptBatcher, "_exchange", counted)
     limiter = RedisLimiter(open_async(redis_url))
     try:
-        leases = []
-        for i in range(40):
-            decision = await limiter.admit("acme", make_plan(), 10, f"r{i}")
-            assert decision.lease is not None
-            leases.append(decision.lease)
+        leases = await admitted(limiter, 40)
         assert await limiter.settle(leases[0], 2, 3)  # alone: so that Redis knows the script
         sizes.clear()
         firsts = [limiter.settle(lease, 2, 3) for lease in leases[1:]]
@@ -297,11 +303,7 @@ async def test_settlements_survive_a_script_flush_and_a_restarted_redis(
 ) -> None:
     limiter = RedisLimiter(open_async(persistent_redis_process.url), lease_ttl_s=600.0)
     try:
-        leases = []
-        for i in range(2):
-            decision = await limiter.admit("acme", make_plan(), 10, f"r{i}")
-            assert decision.lease is not None
-            leases.append(decision.lease)
+        leases = await admitted(limiter, 2)
         await limiter.client.script_flush()
         assert await limiter.settle(leases[0], 1, 2)  # NOSCRIPT: sent again as EVAL
         persistent_redis_process.restart()  # its lease kept (persistence), the connection dead
