@@ -14,6 +14,9 @@ adds to a request.
    off"; the lease is then dropped untimed, so holds do not pile up) against admit then settle
    with a money budget and the ledger (what every request pays when it ends), against a real
    redis-server and the SQLite store. The difference of the medians is settlement's added cost.
+   Then settlement alone at each `--settle-concurrency` (requests in flight at once): a round's
+   admissions first, untimed, then its settlements, timed together; their wall time per request
+   is what settling costs the gateway and Redis per request at that load.
 
 Prints a JSON summary (`--out` writes it too).
 """
@@ -210,26 +213,30 @@ def query_bench(backend: str, work: Path, redis_url: str | None, args: argparse.
     }
 
 
+SETTLE_PLAN = Plan(
+    name="paid",
+    priority="paid",
+    tokens_per_minute=10**12,
+    requests_per_minute=10**12,
+    max_concurrent_requests=10**9,
+    queue_deadline_seconds=30,
+)
+SETTLE_BUDGET = Budget("usd", 10**15, "monthly", source="bench")
+
+
+def charge() -> Charge:
+    """A request's worst case against a money budget (what a budgeted request holds)."""
+    return Charge.worst_case(
+        (SETTLE_BUDGET,), num_prompt_tokens=100, max_tokens=50, model="m", key_id="key_bench", price=PRICE
+    )
+
+
 async def settle_bench(
     limiter: Any, rounds: int, requests: int, release: Callable[[Any], Awaitable[Any]]
 ) -> dict[str, Any]:
     """Per request, the median of admit alone against admit + settle; `release` drops an
     unsettled lease and its hold, untimed."""
-    plan = Plan(
-        name="paid",
-        priority="paid",
-        tokens_per_minute=10**12,
-        requests_per_minute=10**12,
-        max_concurrent_requests=10**9,
-        queue_deadline_seconds=30,
-    )
-    budget = Budget("usd", 10**15, "monthly", source="bench")
-
-    def charge() -> Charge:
-        return Charge.worst_case(
-            (budget,), num_prompt_tokens=100, max_tokens=50, model="m", key_id="key_bench", price=PRICE
-        )
-
+    plan = SETTLE_PLAN
     off: list[float] = []
     on: list[float] = []
     n = 0
@@ -258,6 +265,34 @@ async def settle_bench(
     }
 
 
+async def settle_at(limiter: Any, rounds: int, requests: int, concurrency: int) -> dict[str, Any]:
+    """Settlement alone with `concurrency` in flight: each round's admissions (untimed), then its
+    settlements timed together; the median of their wall time per request."""
+    slots = asyncio.Semaphore(concurrency)
+    per_request: list[float] = []
+    async def admit(request_id: str) -> Any:
+        async with slots:
+            decision = await limiter.admit("bench", SETTLE_PLAN, 150, request_id, charge())
+        assert decision.admitted
+        return decision.lease
+
+    async def settle(lease: Any) -> None:
+        async with slots:
+            assert await limiter.settle(lease, 100, 20, cached_tokens=25)
+
+    for r in range(rounds):
+        leases = await asyncio.gather(*(admit(f"c{concurrency}-{r}-{i}") for i in range(requests)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(settle(lease) for lease in leases))
+        per_request.append((time.perf_counter() - t0) / requests)
+    return {
+        "concurrency": concurrency,
+        "requests_per_round": requests,
+        "rounds": rounds,
+        "settle_ms_per_request": round(statistics.median(per_request) * 1000, 4),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -268,6 +303,9 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=30)
     parser.add_argument("--settle-rounds", type=int, default=6)
     parser.add_argument("--settle-requests", type=int, default=300)
+    parser.add_argument(
+        "--settle-concurrency", default="1,32", help="settlements in flight at once, comma-separated"
+    )
     parser.add_argument("--skip", choices=("query", "settle"), action="append", default=[])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -290,10 +328,15 @@ def main() -> int:
                     async def drop(lease: Any) -> None:
                         await limiter.client.delete(held_key("bench"), leases_key("bench"))
 
+                    levels = [int(c) for c in args.settle_concurrency.split(",")]
                     try:
                         out["settle"]["redis"] = await settle_bench(
                             limiter, args.settle_rounds, args.settle_requests, drop
                         )
+                        out["settle"]["redis"]["alone"] = [
+                            await settle_at(limiter, args.settle_rounds, args.settle_requests, c)
+                            for c in levels
+                        ]
                     finally:
                         await limiter.aclose()
                     memory = MemoryLimiter(store=MemoryStore(work / "settle" / LEDGER_FILE))
@@ -305,6 +348,10 @@ def main() -> int:
                         out["settle"]["sqlite"] = await settle_bench(
                             memory, args.settle_rounds, args.settle_requests, settle_untimed
                         )
+                        out["settle"]["sqlite"]["alone"] = [
+                            await settle_at(memory, args.settle_rounds, args.settle_requests, c)
+                            for c in levels
+                        ]
                     finally:
                         await memory.aclose()
 

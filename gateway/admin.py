@@ -1,4 +1,4 @@
-"""The admin API: plans, tenants, keys and budgets at run time, over `tenancy.admin.AdminStore`.
+"""The admin API: plans, tenants, prices, keys and budgets at run time, over `tenancy.admin.AdminStore`.
 
     GET    /admin/plans                      every plan (the file's, with run-time changes)
     GET    /admin/plans/{name}
@@ -8,6 +8,10 @@
     GET    /admin/tenants/{name}              budget_* fields, and a tenant's budgets' state
     PUT    /admin/tenants/{name}              comes with GET)
     DELETE /admin/tenants/{name}
+    GET    /admin/prices                     every model's price (USD per 1M tokens, as in the file)
+    GET    /admin/prices/{model}             (a model's name may hold "/")
+    PUT    /admin/prices/{model}             body: the [prices."model"] table as JSON; the next request
+    DELETE /admin/prices/{model}             of that model reserves and pays the new price
     GET    /admin/tenants/{name}/keys        hashes and metadata only
     POST   /admin/tenants/{name}/keys        body: {"name", "expires_at": unix s, "budgets"}; 201 with the
                                              raw key, shown this once
@@ -52,6 +56,8 @@ class AdminRoutes:
             Route("/admin/tenants", self._wrap(self.list_tenants), methods=["GET"]),
             Route("/admin/tenants/{name}", self._wrap(self.tenant), methods=["GET", "PUT", "DELETE"]),
             Route("/admin/tenants/{name}/keys", self._wrap(self.tenant_keys), methods=["GET", "POST"]),
+            Route("/admin/prices", self._wrap(self.list_prices), methods=["GET"]),
+            Route("/admin/prices/{name:path}", self._wrap(self.price), methods=["GET", "PUT", "DELETE"]),
             Route("/admin/keys/{key_hash}/rotate", self._wrap(self.rotate_key), methods=["POST"]),
             Route("/admin/keys/{key_hash}/budgets", self._wrap(self.key_budgets), methods=["PUT"]),
             Route("/admin/keys/{key_hash}", self._wrap(self.revoke_key), methods=["DELETE"]),
@@ -101,16 +107,25 @@ class AdminRoutes:
         config = await store.config()
         return JSONResponse({"object": "list", "data": [_plan_body(n, config) for n in sorted(config.plans)]})
 
-    async def plan(self, request: Request, store: AdminStore) -> Response:
+    async def _change(self, request: Request, store: AdminStore, noun: str) -> Any:
+        """GET, PUT or DELETE one plan, tenant or price (``noun``), served here at once: the
+        configuration after it (a Response for a DELETE)."""
         name = request.path_params["name"]
         if request.method == "PUT":
-            config = await store.put_plan(name, await _json(request), self._actor(request))
-            self._apply(config)
+            config = await getattr(store, f"put_{noun}")(name, await _json(request), self._actor(request))
         elif request.method == "DELETE":
-            self._apply(await store.delete_plan(name, self._actor(request)))
-            return JSONResponse({"object": "plan.deleted", "id": name, "deleted": True})
+            self._apply(await getattr(store, f"delete_{noun}")(name, self._actor(request)))
+            return JSONResponse({"object": f"{noun}.deleted", "id": name, "deleted": True})
         else:
-            config = await store.config()
+            return await store.config()
+        self._apply(config)
+        return config
+
+    async def plan(self, request: Request, store: AdminStore) -> Response:
+        name = request.path_params["name"]
+        config = await self._change(request, store, "plan")
+        if isinstance(config, Response):
+            return config
         if name not in config.plans:
             raise APIError(ErrorKind.NOT_FOUND, f"no plan named {name!r}")
         return JSONResponse(_plan_body(name, config))
@@ -122,14 +137,9 @@ class AdminRoutes:
 
     async def tenant(self, request: Request, store: AdminStore) -> Response:
         name = request.path_params["name"]
-        if request.method == "PUT":
-            config = await store.put_tenant(name, await _json(request), self._actor(request))
-            self._apply(config)
-        elif request.method == "DELETE":
-            self._apply(await store.delete_tenant(name, self._actor(request)))
-            return JSONResponse({"object": "tenant.deleted", "id": name, "deleted": True})
-        else:
-            config = await store.config()
+        config = await self._change(request, store, "tenant")
+        if isinstance(config, Response):
+            return config
         tenant = config.tenant(name)
         if tenant is None:
             raise APIError(ErrorKind.NOT_FOUND, f"no tenant named {name!r}")
@@ -137,6 +147,19 @@ class AdminRoutes:
         assert self.tenancy is not None
         body["budgets"] = [s.body() for s in await self.tenancy.limiter.budgets(name, tenant.budgets)]
         return JSONResponse(body)
+
+    async def list_prices(self, request: Request, store: AdminStore) -> Response:
+        prices = (await store.config()).source["prices"]
+        return JSONResponse({"object": "list", "data": [_price_body(n, prices[n]) for n in sorted(prices)]})
+
+    async def price(self, request: Request, store: AdminStore) -> Response:
+        name = request.path_params["name"]
+        config = await self._change(request, store, "price")
+        if isinstance(config, Response):
+            return config
+        if name not in config.source["prices"]:
+            raise APIError(ErrorKind.NOT_FOUND, f"no price for model {name!r}")
+        return JSONResponse(_price_body(name, config.source["prices"][name]))
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -221,6 +244,10 @@ def _issued(issued: Any, name: str, expires_at: Any) -> Response:
 
 def _plan_body(name: str, config: Any) -> dict[str, Any]:
     return {"object": "plan", "id": name, **config.source["plans"][name]}
+
+
+def _price_body(model: str, table: dict[str, Any]) -> dict[str, Any]:
+    return {"object": "price", "id": model, **table}
 
 
 def _tenant_body(name: str, config: Any) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class Gateway:
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         records = loras.AdapterRecords.in_storage(settings.storage_dir)
-        self.loras = loras.LoraRoutes(self.engines, settings.admin_key_hash, records)
+        audit = None if tenancy is None or tenancy.admin is None else tenancy.admin.record
+        self.loras = loras.LoraRoutes(self.engines, settings.admin_key_hash, records, audit)
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None

@@ -14,9 +14,11 @@ any other caller gets the same 404 as for a name nobody serves.
                                          the answer waits (up to ?timeout_s=, default 30) for the last
                                          running one, saying whether its memory was released
 
-A replace is a new version: requests that started keep the version they pinned. What the admin
-API loads is recorded (`AdapterRecords`: loras.sqlite3 in `--storage-dir`), so a restarted gateway
-loads it again; the models file's and `--lora` adapters load from their declarations as before.
+A replace is a new version: requests that started keep the version they pinned. Each load, replace
+and unload is an entry of the admin audit log (`GET /admin/audit`, with tenancy over Redis; else
+only logged). What the admin API loads is recorded (`AdapterRecords`: loras.sqlite3 in
+`--storage-dir`), so a restarted gateway loads it again; the models file's and `--lora` adapters
+load from their declarations as before.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,15 +140,24 @@ def adapter_body(adapter: LoraAdapter, owner: str | None, model: str | None) -> 
     }
 
 
+# Appends one audit entry (actor, action, target, detail): `tenancy.admin.AdminStore.record`.
+Audit = Callable[[str, str, str, Any], Awaitable[None]]
+
+
 class LoraRoutes:
     """The admin routes over the in-process chat models (the first is the main one)."""
 
     def __init__(
-        self, engines: Sequence[AdapterHost], admin_key_hash: str | None, records: AdapterRecords
+        self,
+        engines: Sequence[AdapterHost],
+        admin_key_hash: str | None,
+        records: AdapterRecords,
+        audit: Audit | None = None,
     ) -> None:
         self.engines = engines
         self.admin_key_hash = admin_key_hash
         self.records = records
+        self.audit = audit
         # /ready waits for the restore, so a restarted server serves what it had (nothing to wait
         # for when nothing was recorded)
         self.restored = not records.all()
@@ -204,9 +215,12 @@ class LoraRoutes:
         if not isinstance(tenant, str | None) or not isinstance(model, str | None):
             raise invalid_request("`tenant` and `model` must be strings.")
         backend = self._backend(model)
+        replaced = name in backend.lora_owners
         adapter = await backend.load_lora(name, body["path"], tenant)
         self.records.put(AdapterRecord(name, body["path"], tenant, model))
         logger.info("admin@%s loaded LoRA %s for %s", _client(request), adapter.id, tenant or "everyone")
+        detail = {k: v for k, v in adapter_body(adapter, tenant, backend.name).items() if k != "object"}
+        await self._audit(request, "lora.replace" if replaced else "lora.load", name, detail)
         return JSONResponse(adapter_body(adapter, tenant, backend.name))
 
     async def unload(self, request: Request) -> Response:
@@ -219,10 +233,24 @@ class LoraRoutes:
         backend = next((b for b in self.engines if name in b.lora_owners), None)
         if backend is None:
             raise APIError(ErrorKind.NOT_FOUND, f"No LoRA adapter named {name!r} is loaded.")
+        owner = backend.lora_owners.get(name)
         released = await backend.unload_lora(name, wait, timeout_s)
         self.records.delete(name)
         logger.info("admin@%s unloaded LoRA %s (released: %s)", _client(request), name, released)
+        detail = {"model": backend.name, "owner": owner, "released": released}
+        await self._audit(request, "lora.unload", name, detail)
         return JSONResponse({"object": "lora.deleted", "id": name, "deleted": True, "released": released})
+
+    async def _audit(self, request: Request, action: str, name: str, detail: dict[str, Any]) -> None:
+        """The change is made: an audit log that cannot be written now is logged, not an error."""
+        if self.audit is None:
+            return
+        from tenancy.errors import LimiterUnavailableError
+
+        try:
+            await self.audit(f"admin@{_client(request)}", action, f"lora:{name}", detail)
+        except LimiterUnavailableError as exc:
+            logger.error("%s of LoRA %s not in the audit log (%s): %s", action, name, exc, detail)
 
     def _backend(self, model: str | None) -> AdapterHost:
         if not self.engines:

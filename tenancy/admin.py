@@ -1,9 +1,10 @@
-"""Plans, tenants and keys changed at run time, in Redis, with an audit log (the admin API's and
+"""Plans, tenants, prices and keys changed at run time, in Redis, with an audit log (the admin API's and
 the CLI's one implementation).
 
 The tenants file stays the way to bootstrap: the configuration every gateway serves is the
-file's tables with the ones stored here merged over them, table by table (a plan or tenant
-set here replaces the file's of that name; one deleted here is gone even if the file has it),
+file's tables with the ones stored here merged over them, table by table (a plan, tenant or
+model's price set here replaces the file's of that name; one deleted here is gone even if the
+file has it),
 validated by the same rules as the file (``tenancy.config``). So a change made here wins over
 the file, also after a restart. Every change bumps ``batchgate:admin:version``; each gateway
 polls it (:class:`ConfigWatcher`, every ``POLL_S``) and reloads, so a change applies to the
@@ -32,6 +33,7 @@ from tenancy.keys import IssuedKey, hash_key, key_hash_of, key_id_of, new_key
 from tenancy.keyspace import (
     ADMIN_AUDIT,
     ADMIN_PLANS,
+    ADMIN_PRICES,
     ADMIN_TENANTS,
     ADMIN_VERSION,
     ISSUED_KEYS,
@@ -45,6 +47,12 @@ logger = logging.getLogger("batchgate.tenancy")
 POLL_S = 0.5
 MAX_AUDIT_ENTRIES = 100_000
 _DELETED = "null"
+# Each section of the tenants file that the API changes: its Redis hash and its audit noun.
+_SECTIONS = {
+    "plans": (ADMIN_PLANS, "plan"),
+    "tenants": (ADMIN_TENANTS, "tenant"),
+    "prices": (ADMIN_PRICES, "price"),
+}
 
 
 class NotFoundError(LookupError):
@@ -104,29 +112,27 @@ class AdminStore:
     async def version(self) -> int:
         return int(await self._run("a config poll", lambda: self.client.get(ADMIN_VERSION)) or 0)
 
-    async def _overrides(self) -> tuple[dict[str, str], dict[str, str]]:
+    async def _overrides(self) -> dict[str, dict[str, str]]:
+        """Each section's stored tables (name -> JSON, or "null" for deleted)."""
+
         async def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(ADMIN_PLANS)
-            pipe.hgetall(ADMIN_TENANTS)
+            for key, _ in _SECTIONS.values():
+                pipe.hgetall(key)
             return list(await pipe.execute())
 
-        plans, tenants = await self._run("a config read", read)
-        return dict(plans), dict(tenants)
+        stored = await self._run("a config read", read)
+        return {section: dict(tables) for section, tables in zip(_SECTIONS, stored, strict=True)}
 
     def merged(
-        self, plans: Mapping[str, str], tenants: Mapping[str, str], *, extra: dict[str, Any] | None = None
+        self, stored: Mapping[str, Mapping[str, str]], *, extra: dict[str, Any] | None = None
     ) -> TenancyConfig:
-        """The file's tables with ``plans`` and ``tenants`` (JSON, or "null" for deleted) over them,
-        validated; ``extra``: one more change, as ``{"plans"|"tenants": {name: table | None}}``."""
+        """The file's tables with ``stored``'s (per section, name -> JSON or "null" for deleted)
+        over them, validated; ``extra``: one more change, as ``{section: {name: table | None}}``."""
         source = self.base.source
-        raw: dict[str, dict[str, Any]] = {
-            "plans": dict(source.get("plans", {})),
-            "tenants": dict(source.get("tenants", {})),
-            "prices": dict(source.get("prices", {})),
-        }
-        for section, stored in (("plans", plans), ("tenants", tenants)):
-            for name, text in stored.items():
+        raw: dict[str, dict[str, Any]] = {section: dict(source.get(section, {})) for section in _SECTIONS}
+        for section, tables in stored.items():
+            for name, text in tables.items():
                 _apply(raw[section], name, json.loads(text))
         for section, changes in (extra or {}).items():
             for name, table in changes.items():
@@ -135,24 +141,21 @@ class AdminStore:
 
     async def config(self) -> TenancyConfig:
         """The configuration to serve now."""
-        plans, tenants = await self._overrides()
-        return self.merged(plans, tenants)
+        return self.merged(await self._overrides())
 
     async def _change(
         self, section: str, name: str, table: dict[str, Any] | None, actor: str, action: str
     ) -> TenancyConfig:
-        plans, tenants = await self._overrides()
-        existing = self.merged(plans, tenants)
-        names = existing.plans if section == "plans" else existing.tenants
-        if table is None and name not in names:
-            raise NotFoundError(f"no {section[:-1]} named {name!r}")
-        config = self.merged(plans, tenants, extra={section: {name: table}})  # refuses what the file would
-        key = ADMIN_PLANS if section == "plans" else ADMIN_TENANTS
+        stored = await self._overrides()
+        key, noun = _SECTIONS[section]
+        if table is None and name not in self.merged(stored).source[section]:
+            raise NotFoundError(f"no {noun} named {name!r}")
+        config = self.merged(stored, extra={section: {name: table}})  # refuses what the file would
 
         async def write() -> None:
             pipe = self.client.pipeline(transaction=True)
             pipe.hset(key, name, _DELETED if table is None else json.dumps(table, sort_keys=True))
-            _audit(pipe, self._wall(), actor, action, f"{section[:-1]}:{name}", table)
+            _audit(pipe, self._wall(), actor, action, f"{noun}:{name}", table)
             pipe.incr(ADMIN_VERSION)
             await pipe.execute()
 
@@ -174,6 +177,15 @@ class AdminStore:
 
     async def delete_tenant(self, name: str, actor: str) -> TenancyConfig:
         return await self._change("tenants", name, None, actor, "tenant.delete")
+
+    async def put_price(self, model: str, table: dict[str, Any], actor: str) -> TenancyConfig:
+        """Set ``model``'s price (the file's ``[prices."model"]`` fields, USD per 1M tokens): the
+        next request of that model, on every gateway after its poll, reserves and pays it."""
+        return await self._change("prices", model, _table(table), actor, "price.put")
+
+    async def delete_price(self, model: str, actor: str) -> TenancyConfig:
+        """Remove ``model``'s price (it then costs nothing; token budgets still count)."""
+        return await self._change("prices", model, None, actor, "price.delete")
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -329,6 +341,17 @@ class AdminStore:
         return await self._find_key(key_hash)
 
     # -- the audit log -----------------------------------------------------------------------
+
+    async def record(self, actor: str, action: str, target: str, detail: Any) -> None:
+        """Append a change made elsewhere (a LoRA adapter loaded through the admin API) to the
+        audit log; ``detail`` must hold no secret."""
+
+        async def write() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            _audit(pipe, self._wall(), actor, action, target, detail)
+            await pipe.execute()
+
+        await self._run(action, write)
 
     async def audit(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest ``limit`` changes, newest first."""

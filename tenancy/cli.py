@@ -255,13 +255,15 @@ def _add_admin(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser], redis_default: str | None
 ) -> None:
     """``batchgate admin ...``: the admin API's verbs over the same code (tenancy.admin)."""
-    admin = subparsers.add_parser("admin", help="plans, tenants, keys and the audit log at run time (Redis)")
+    admin = subparsers.add_parser(
+        "admin", help="plans, tenants, prices, keys and the audit log at run time (Redis)"
+    )
     admin.add_argument("--redis-url", default=redis_default, help=f"Redis URL (default: ${REDIS_URL_ENV})")
     admin.add_argument(
         "--tenants", default=os.environ.get(TENANTS_ENV), help=f"the tenants file (default: ${TENANTS_ENV})"
     )
     what = admin.add_subparsers(dest="admin_what", required=True)
-    for noun in ("plans", "tenants"):
+    for noun in ("plans", "tenants", "prices"):
         sub = what.add_parser(noun, help=f"list, get, put or delete {noun}").add_subparsers(
             dest="admin_verb", required=True
         )
@@ -319,16 +321,16 @@ def admin(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | 
 async def _admin_verb(store: Any, args: argparse.Namespace, actor: str) -> Any:
     what, verb = args.admin_what, getattr(args, "admin_verb", None)
     now = time.time()
-    if what in ("plans", "tenants"):
+    if what in ("plans", "tenants", "prices"):
+        noun = what[:-1]
         if verb == "put":
             try:
                 table = json.loads(args.table)
             except ValueError as exc:
                 raise TenancyError(f"--json: not JSON: {exc}") from None
-            put = store.put_plan if what == "plans" else store.put_tenant
-            await put(args.name, table, actor)
+            await getattr(store, f"put_{noun}")(args.name, table, actor)
         elif verb == "delete":
-            await (store.delete_plan if what == "plans" else store.delete_tenant)(args.name, actor)
+            await getattr(store, f"delete_{noun}")(args.name, actor)
             return {"deleted": args.name}
         source = (await store.config()).source[what]
         if verb == "list":

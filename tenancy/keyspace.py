@@ -24,10 +24,11 @@ Run-time API keys are global (not per tenant) because a lookup starts from the k
     batchgate:keys:revoked  set   "sha256:<hex>"                   (revoked, static ones too)
     batchgate:keys:meta     hash  "sha256:<hex>" -> JSON {tenant, name, created_at, expires_at}
 
-Plans and tenants changed at run time (``tenancy.admin``), merged over the tenants file::
+Plans, tenants and prices changed at run time (``tenancy.admin``), merged over the tenants file::
 
     batchgate:admin:plans    hash    name -> JSON table (as in the file), or "null" (deleted)
     batchgate:admin:tenants  hash    name -> JSON table, or "null"
+    batchgate:admin:prices   hash    model -> JSON table (as in the file's [prices."model"]), or "null"
     batchgate:admin:version  string  bumped by every change; gateways poll it and reload
     batchgate:admin:audit    stream  who, what, when (bounded)
 """
@@ -50,6 +51,7 @@ REVOKED_KEYS = "batchgate:keys:revoked"
 KEY_META = "batchgate:keys:meta"
 ADMIN_PLANS = "batchgate:admin:plans"
 ADMIN_TENANTS = "batchgate:admin:tenants"
+ADMIN_PRICES = "batchgate:admin:prices"
 ADMIN_VERSION = "batchgate:admin:version"
 ADMIN_AUDIT = "batchgate:admin:audit"
 USAGE_PATTERN = "{tenant:*}:usage"

@@ -10,7 +10,9 @@ Redis unreachable (refused, timed out): ``admit`` answers by the configured
 reconnects on the next call, and ``EVALSHA`` reloads a script a restarted Redis has forgotten,
 so service resumes by itself when Redis returns.
 
-A settlement (lease release, token refund, budget charge, ledger) that fails while Redis is
+A settlement (lease release, token refund, budget charge, ledger: one script) is awaited by its
+request, so the ledger is up to date when the response ends; settlements made at the same time
+share round trips on a connection of their own (``tenancy.batcher``). One that fails while Redis is
 away is not lost: it waits in a bounded in-process queue and is retried with backoff by a
 background task, and at once after the next call that reaches Redis. A persistent Redis keeps
 the leases across its restart, so without the retry a tenant would stay locked out until the
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
+from tenancy.batcher import ScriptBatcher
 from tenancy.billing import NO_CHARGE, Budget, BudgetRefusal, BudgetState, Charge, window_code
 from tenancy.bucket import CONCURRENCY_RETRY_S, Limits, Reason, Step
 from tenancy.config import Plan
@@ -131,6 +134,7 @@ class RedisLimiter:
         self._settle = client.register_script(SETTLE_SCRIPT)
         self._renew = client.register_script(RENEW_SCRIPT)
         self._budgets = client.register_script(BUDGETS_SCRIPT)
+        self._batcher = ScriptBatcher(client, call_deadline_s)  # settlements' shared round trips
         self.settle_keep_s = settle_keep_s
         self.retention_s = retention_s
         self.on_soft_limit: Callable[[str, Budget], None] = lambda tenant, budget: None
@@ -195,11 +199,17 @@ class RedisLimiter:
         if self._pending:
             self._start_retrier()
 
-    async def _call(self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run a script within the call deadline; LimiterUnavailableError if Redis is away."""
+    async def _call(
+        self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any], *, batched: bool = False
+    ) -> Any:
+        """Run a script within the call deadline; LimiterUnavailableError if Redis is away.
+        ``batched``: in a round trip shared with the calls made meanwhile (idempotent ones only)."""
         try:
             async with asyncio.timeout(self._deadline_s):
-                result = await script(keys=list(keys), args=list(args))
+                if batched:
+                    result = await self._batcher.call(script, keys, args)
+                else:
+                    result = await script(keys=list(keys), args=list(args))
         except UNAVAILABLE_ERRORS as exc:
             self._went_down(what, exc)
             raise LimiterUnavailableError(f"Redis unavailable during {what}: {exc!r}") from exc
@@ -324,7 +334,7 @@ class RedisLimiter:
         hour = int(now // 3600)
         for _ in range(3):  # the script names the hour when ours is not Redis's (see tenancy.scripts)
             keys[6] = ledger_prefix(tenant) + str(hour)
-            raw = await self._call("settle", self._settle, keys, args)
+            raw = await self._call("settle", self._settle, keys, args, batched=True)
             if _text(raw[0]) != "hour":
                 break
             hour = int(float(_text(raw[1])))
@@ -440,6 +450,7 @@ class RedisLimiter:
                 len(self._pending),
             )
             self._pending.clear()
+        await self._batcher.aclose()
         await self._client.aclose()
 
 

@@ -253,3 +253,54 @@ def test_a_key_has_its_own_budget_beside_its_tenants(gateways: list[Any]) -> Non
     )
     assert admin(a, "PUT", f"/admin/keys/{key_hash}/budgets", {}).status_code == 200
     assert chat(b, key).status_code == 200  # no budget of its own any more: the next request runs
+
+
+def test_a_price_changed_on_one_gateway_applies_to_the_next_request_on_the_other(gateways: list[Any]) -> None:
+    a, b = gateways
+    table = {"plan": "paid", "budget_usd": 100.0, "budget_window": "monthly"}
+    assert admin(a, "PUT", "/admin/tenants/metered", table).status_code == 200
+    raw = admin(a, "POST", "/admin/tenants/metered/keys").json()["key"]
+    until(lambda: chat(b, raw).status_code == 200, within_s=1.0)
+
+    def spent() -> int:
+        return int(admin(b, "GET", "/admin/tenants/metered").json()["budgets"][0]["used"])
+
+    def charged(server: Any) -> tuple[dict[str, int], int]:
+        before = spent()
+        usage = chat(server, raw).json()["usage"]
+        return usage, spent() - before
+
+    usage, cost = charged(b)
+    file_price = Price(input=1_000_000, cached_input=1_000_000, output=4_000_000)
+    assert cost == file_price.cost(usage["prompt_tokens"], 0, usage["completion_tokens"]) > 0
+
+    dearer = {"input": 3.0, "cached_input": 1.5, "output": 12.0}
+    put = admin(a, "PUT", "/admin/prices/fake-model", dearer)
+    assert put.status_code == 200 and put.json() == {"object": "price", "id": "fake-model", **dearer}
+    new_price = Price(input=3_000_000, cached_input=1_500_000, output=12_000_000)
+    tenancy_b = b.app.state.gateway.tenancy
+    until(lambda: tenancy_b.config.price("fake-model") == new_price, within_s=1.0)  # b's poll
+    for server in (b, a):  # the next request on either gateway reserves and pays the new price
+        usage, cost = charged(server)
+        assert cost == new_price.cost(usage["prompt_tokens"], 0, usage["completion_tokens"]) > 0
+
+    # A name with a slash, a bad table (400 naming the field), a delete: the model is then free.
+    assert admin(a, "PUT", "/admin/prices/org/other-model", {"input": 1, "output": 1}).status_code == 200
+    assert admin(b, "GET", "/admin/prices/org/other-model").json()["id"] == "org/other-model"
+    bad = admin(a, "PUT", "/admin/prices/fake-model", {"input": 1.0})
+    assert bad.status_code == 400 and 'prices."fake-model".output' in bad.json()["error"]["message"]
+    listed = admin(b, "GET", "/admin/prices").json()["data"]
+    assert [p["id"] for p in listed] == ["fake-model", "org/other-model"]
+    assert admin(a, "DELETE", "/admin/prices/fake-model").status_code == 200
+    assert admin(a, "DELETE", "/admin/prices/fake-model").status_code == 404
+    until(lambda: tenancy_b.config.price("fake-model").output == 0, within_s=1.0)
+    assert charged(b)[1] == 0
+
+    audit = admin(b, "GET", "/admin/audit").json()["data"]
+    prices = [(e["action"], e["target"]) for e in reversed(audit) if e["action"].startswith("price.")]
+    assert prices == [
+        ("price.put", "price:fake-model"),
+        ("price.put", "price:org/other-model"),
+        ("price.delete", "price:fake-model"),
+    ]
+    assert next(e for e in audit if e["action"] == "price.put")["detail"] == {"input": 1, "output": 1}

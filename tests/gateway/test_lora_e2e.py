@@ -5,6 +5,7 @@ version it started with; an unload gives the memory back."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -207,6 +208,19 @@ def test_admin_loads_replaces_and_unloads_and_requests_keep_their_version(
         completion(server, "sk-beta", "beta-tuned", prompt, 2)
     assert admin(server, "GET", "/admin/loras").json()["bytes_held"][BASE] == held
     assert admin(server, "DELETE", "/admin/loras/beta-tuned").status_code == 404
+
+    # Each change is in the admin audit log, beside the tenant and key changes (the 409 and the
+    # 404 changed nothing, so they are not).
+    audit = admin(server, "GET", "/admin/audit?limit=1000").json()["data"]
+    mine = [e for e in audit if e["target"] == "lora:beta-tuned"][:3]
+    assert [e["action"] for e in reversed(mine)] == ["lora.load", "lora.replace", "lora.unload"]
+    load, replace, unload = reversed(mine)
+    assert all(e["actor"].startswith("admin@") for e in mine)
+    assert (load["detail"]["owner"], load["detail"]["version"]) == ("beta", 1)
+    assert replace["detail"]["version"] == 2
+    assert replace["detail"]["content_hash"] == replaced.json()["content_hash"]
+    assert unload["detail"] == {"model": BASE, "owner": "beta", "released": True}
+    assert ADMIN_KEY not in json.dumps(audit) and "sk-beta" not in json.dumps(audit)
 
 
 def test_bad_admin_calls_are_clear_errors(server: Any, tmp_path: Path) -> None:

@@ -166,8 +166,18 @@ def test_admin_verbs_change_what_the_gateway_serves(
     assert asyncio.run(resolve(raw)) == "newco:2500000"
     run("keys", "revoke", hash_key(raw))
     assert asyncio.run(resolve(raw)) is None
+    run("prices", "put", "org/m1", "--json", '{"input": 0.1, "output": 0.4}')
+    assert json.loads(run("prices", "list")) == {"org/m1": {"input": 0.1, "output": 0.4}}
+    run("prices", "delete", "org/m1")
+    assert json.loads(run("prices", "list")) == {}
     audit = json.loads(run("audit"))
-    assert [e["action"] for e in reversed(audit)] == ["tenant.put", "key.issue", "key.revoke"]
+    assert [e["action"] for e in reversed(audit)] == [
+        "tenant.put",
+        "key.issue",
+        "key.revoke",
+        "price.put",
+        "price.delete",
+    ]
     assert all(e["actor"].startswith("cli:") for e in audit) and raw not in json.dumps(audit)
     assert cli.run(parser().parse_args([*base, "plans", "delete", "paid"])) == 1  # the only plan: refused
     assert "plans: at least one plan is required" in capsys.readouterr().err

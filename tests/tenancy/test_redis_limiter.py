@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
+from tenancy.batcher import ScriptBatcher
 from tenancy.bucket import Reason
 from tenancy.keyspace import leases_key, open_async, requests_key, tokens_key, usage_key
-from tenancy.limiter import FailurePolicy
+from tenancy.limiter import FailurePolicy, Lease
 from tenancy.redis_limiter import RedisLimiter
 from tests.conftest_redis import RedisProcess
 from tests.tenancy.conftest import make_plan
@@ -159,8 +161,21 @@ async def test_frozen_redis_answers_within_the_deadline(redis_process: RedisProc
         refused = await limiter.admit("acme", plan, 10, "r2")
         elapsed = time.monotonic() - start
         assert refused.reason is Reason.UNAVAILABLE and elapsed < 2.0, elapsed
+        # A settlement meets the same deadline: kept for the retry, which lands it once Redis thaws.
         redis_process.resume()
-        assert (await limiter.admit("acme", plan, 10, "r3")).admitted
+        third = await limiter.admit("acme", plan, 10, "r3")
+        assert third.admitted and third.lease is not None
+        redis_process.pause()
+        start = time.monotonic()
+        assert not await limiter.settle(third.lease, 4, 5)
+        assert time.monotonic() - start < 2.0 and limiter.num_pending_settles == 1
+        redis_process.resume()
+        deadline = time.monotonic() + 5.0
+        while limiter.num_pending_settles:
+            assert time.monotonic() < deadline, "the settlement was not retried within 5 s"
+            await asyncio.sleep(0.05)
+        usage = (await limiter.usage())["acme"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (4, 5, 1)
     finally:
         redis_process.resume()
         await limiter.aclose()
@@ -182,7 +197,9 @@ async def test_a_settle_failed_in_an_outage_is_retried_when_redis_returns(
         redis_process.stop()  # the request runs on and ends while Redis is down
         assert not await limiter.settle(decision.lease, 10, 5)
         redis_process.start()
-        assert await observer.zcard(leases_key("acme")) == 1  # the lease survived the restart
+        # Read at once, synchronously: the limiter's retry (on this loop) cannot run before it.
+        with redis.Redis.from_url(redis_process.url) as sync_observer:
+            assert sync_observer.zcard(leases_key("acme")) == 1  # the lease survived the restart
 
         # No further call from this test: the limiter's own retry must settle it.
         deadline = time.monotonic() + 5.0
@@ -240,5 +257,59 @@ async def test_a_retried_settlement_that_already_ran_counts_usage_once(redis_url
         hour = int(time.time() // 3600)
         (row,) = await limiter.ledger(["acme"], hour - 1, hour + 2)
         assert (row.requests, row.input, row.output) == (1, 10, 5)
+    finally:
+        await limiter.aclose()
+
+
+async def admitted(limiter: RedisLimiter, n: int) -> list[Lease]:
+    """The leases of `n` requests of tenant acme, admitted one by one."""
+    leases = []
+    for i in range(n):
+        decision = await limiter.admit("acme", make_plan(), 10, f"r{i}")
+        assert decision.lease is not None
+        leases.append(decision.lease)
+    return leases
+
+
+async def test_concurrent_settlements_share_round_trips_and_each_gets_its_own_answer(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[int] = []  # commands per round trip, counted around the real exchange
+    exchange = ScriptBatcher._exchange
+
+    async def counted(self: ScriptBatcher, commands: list[tuple[object, ...]]) -> list[object]:
+        sizes.append(len(commands))
+        return await exchange(self, commands)
+
+    monkeypatch.setattr(ScriptBatcher, "_exchange", counted)
+    limiter = RedisLimiter(open_async(redis_url))
+    try:
+        leases = await admitted(limiter, 40)
+        assert await limiter.settle(leases[0], 2, 3)  # alone: so that Redis knows the script
+        sizes.clear()
+        firsts = [limiter.settle(lease, 2, 3) for lease in leases[1:]]
+        repeated = [limiter.settle(lease, 2, 3) for lease in leases[:10]]  # already settled by then
+        assert await asyncio.gather(*firsts, *repeated) == [True] * 39 + [False] * 10
+        assert sum(sizes) == 49 and len(sizes) <= 3, sizes
+        usage = (await limiter.usage())["acme"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (80, 120, 40)
+        assert await limiter.num_leases("acme") == 0
+    finally:
+        await limiter.aclose()
+
+
+async def test_settlements_survive_a_script_flush_and_a_restarted_redis(
+    persistent_redis_process: RedisProcess,
+) -> None:
+    limiter = RedisLimiter(open_async(persistent_redis_process.url), lease_ttl_s=600.0)
+    try:
+        leases = await admitted(limiter, 2)
+        await limiter.client.script_flush()
+        assert await limiter.settle(leases[0], 1, 2)  # NOSCRIPT: sent again as EVAL
+        persistent_redis_process.restart()  # its lease kept (persistence), the connection dead
+        assert await limiter.settle(leases[1], 1, 2)  # reconnected and sent again at once
+        assert limiter.num_pending_settles == 0
+        usage = (await limiter.usage())["acme"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (2, 4, 2)
     finally:
         await limiter.aclose()
