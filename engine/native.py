@@ -49,7 +49,7 @@ def sources() -> list[str]:
 def build_name() -> str:
     """The cache entry of this build: the CPU level's key and the sources' digest."""
     digest = hashlib.sha256()
-    for path in sources():
+    for path in [*sources(), *sorted(CSRC.glob("*.h"))]:  # the headers the sources include, too
         digest.update(Path(path).read_bytes())
     return f"batchgate_kernels_{isa_build_key()}_{digest.hexdigest()[:10]}"
 

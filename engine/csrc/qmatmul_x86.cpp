@@ -33,6 +33,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+
+#include "simd_avx2.h"
 #define BATCHGATE_QMATMUL_AVX2 1
 #endif
 
@@ -42,6 +44,9 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 8;
 constexpr int64_t kQ4GroupBytes = 160;
 constexpr int64_t kQ8GroupBytes = 272;
+// Activation rows per work item of a batched step, a multiple of the tiles' 3 rows: their bytes
+// stay in L2 while the weight blocks pass (all of a long prefill's rows did not).
+constexpr int64_t kChunkRows = 48;
 
 bool has_qmatmul() {
 #ifdef BATCHGATE_QMATMUL_AVX2
@@ -53,19 +58,8 @@ bool has_qmatmul() {
 
 #ifdef BATCHGATE_QMATMUL_AVX2
 
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using batchgate_simd::hmax8;
+using batchgate_simd::hsum8;
 
 inline __m256i pack_bytes(const __m256i v[4]) {
   // int32 -> int8 with packs (which interleave 128-bit lanes), then the lanes back in order.
@@ -85,8 +79,8 @@ inline void quantize_group(const float* x, int8_t* hi, int8_t* lo, float* d, flo
     amax = _mm256_max_ps(amax, a);
     asum = _mm256_add_ps(asum, a);
   }
-  const float maxabs = hmax(amax);
-  const bool outlier = maxabs > ratio * (hsum(asum) / kGroup);
+  const float maxabs = hmax8(amax);
+  const bool outlier = maxabs > ratio * (hsum8(asum) / kGroup);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256 base = _mm256_set1_ps(255.0f);
   __m256i h[4], l[4];
@@ -113,8 +107,18 @@ inline void quantize_group(const float* x, int8_t* hi, int8_t* lo, float* d, flo
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), pack_bytes(h));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), pack_bytes(l));
   *d = maxabs / 32512.0f;
-  *s = *d * hsum(total);  // the sum of at most 32 integers below 2^15: exact in float
+  *s = *d * hsum8(total);  // the sum of at most 32 integers below 2^15: exact in float
   *wide = outlier;
+}
+
+// A decode step reads each weight once: ask for a group's cache lines kPrefetch bytes ahead of
+// the group being computed (the hardware prefetcher alone keeps the single-row GEMV slower).
+constexpr int64_t kPrefetch = 2048;
+
+template <int64_t kBytes>
+inline void prefetch_ahead(const uint8_t* group) {
+  for (int64_t line = 0; line < kBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetch + line), _MM_HINT_T0);
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -135,46 +139,67 @@ struct Activations {
   int64_t groups;
 };
 
-// 255 * hi + lo, from the two 32-bit sums.
-inline __m256i combine(__m256i hi, __m256i lo) {
-  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
+// 255 * hi + lo, from the two 32-bit sums, as floats. Without lo (no row of the tile keeps 15
+// bits: lo is 0) 255 * hi is multiplied in float: hi converts exactly and the product rounds once,
+// to the same float as the integer product converted.
+inline __m256 to_sum(__m256i hi, __m256i lo, bool wide) {
+  if (!wide) return _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(255.0f));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo));
+}
+
+// Whether any of the tile's MR rows keeps 15 bits in group g.
+template <int MR>
+inline bool tile_is_wide(const Activations& a, int64_t r0, int64_t g) {
+  bool wide = false;
+  for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
+  return wide;
+}
+
+// One group's sums of MR activation rows (from row r0) times a block of 8 q4 rows, as floats:
+// 255 * hi + lo per row, the lo part only where some row of the tile keeps 15 bits (WIDE).
+template <int MR, bool WIDE>
+inline void q4_group(const uint8_t* wg, const Activations& a, int64_t r0, int64_t g, __m256 sums[MR]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Up to 8 products of 15 * 127 per 16-bit lane pair: at most 30,480, no saturation.
+  __m256i dh[MR], dl[MR];
+  for (int r = 0; r < MR; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+    const __m256i lo = _mm256_and_si256(packed, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup;
+      dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(lo, broadcast4(xh + 4 * p)));
+      dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(hi, broadcast4(xh + 16 + 4 * p)));
+      if (WIDE) {
+        const int8_t* xl = xh + a.lo_offset;
+        dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(lo, broadcast4(xl + 4 * p)));
+        dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(hi, broadcast4(xl + 16 + 4 * p)));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) sums[r] = to_sum(_mm256_madd_epi16(dh[r], ones), _mm256_madd_epi16(dl[r], ones), WIDE);
 }
 
 // MR activation rows (from row r0) times one block of 8 q4 rows: out[r * ldo + j] for j < 8.
 template <int MR>
 inline void q4_tile(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t ldo) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * kQ4GroupBytes;
-    bool wide = false;
-    for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
-    // Up to 8 products of 15 * 127 per 16-bit lane pair: at most 30,480, no saturation.
-    __m256i dh[MR], dl[MR];
-    for (int r = 0; r < MR; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
-      const __m256i lo = _mm256_and_si256(packed, nibble);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup;
-        dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(lo, broadcast4(xh + 4 * p)));
-        dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(hi, broadcast4(xh + 16 + 4 * p)));
-        if (wide) {
-          const int8_t* xl = xh + a.lo_offset;
-          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(lo, broadcast4(xl + 4 * p)));
-          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(hi, broadcast4(xl + 16 + 4 * p)));
-        }
-      }
-    }
+    prefetch_ahead<kQ4GroupBytes>(wg);
+    __m256 sums[MR];
+    if (tile_is_wide<MR>(a, r0, g))
+      q4_group<MR, true>(wg, a, r0, g, sums);
+    else
+      q4_group<MR, false>(wg, a, r0, g, sums);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 128)));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 144)));
     for (int r = 0; r < MR; ++r) {
-      const __m256i sum = combine(_mm256_madd_epi16(dh[r], ones), _mm256_madd_epi16(dl[r], ones));
       const int64_t gi = (r0 + r) * a.groups + g;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[gi])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(sums[r], _mm256_mul_ps(dw, _mm256_set1_ps(a.d[gi])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[gi]), acc[r]);
     }
   }
@@ -183,34 +208,43 @@ inline void q4_tile(const uint8_t* w, const Activations& a, int64_t r0, float* o
 
 // The same for q8 (signed) weights: |w| times x with w's sign, as vpmaddubsw takes one unsigned
 // side; each 16-bit pair (at most 2 * 127 * 127) is widened to 32 bits at once.
+template <int MR, bool WIDE>
+inline void q8_group(const uint8_t* wg, const Activations& a, int64_t r0, int64_t g, __m256 sums[MR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dh[MR], dl[MR];
+  for (int r = 0; r < MR; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i wc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
+    const __m256i magnitude = _mm256_sign_epi8(wc, wc);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup + 4 * c;
+      const __m256i h = _mm256_sign_epi8(broadcast4(xh), wc);
+      dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, h), ones));
+      if (WIDE) {
+        const __m256i l = _mm256_sign_epi8(broadcast4(xh + a.lo_offset), wc);
+        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, l), ones));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) sums[r] = to_sum(dh[r], dl[r], WIDE);
+}
+
 template <int MR>
 inline void q8_tile(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t ldo) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * kQ8GroupBytes;
-    bool wide = false;
-    for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
-    __m256i dh[MR], dl[MR];
-    for (int r = 0; r < MR; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i wc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
-      const __m256i magnitude = _mm256_sign_epi8(wc, wc);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup + 4 * c;
-        const __m256i h = _mm256_sign_epi8(broadcast4(xh), wc);
-        dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, h), ones));
-        if (wide) {
-          const __m256i l = _mm256_sign_epi8(broadcast4(xh + a.lo_offset), wc);
-          dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, l), ones));
-        }
-      }
-    }
+    prefetch_ahead<kQ8GroupBytes>(wg);
+    __m256 sums[MR];
+    if (tile_is_wide<MR>(a, r0, g))
+      q8_group<MR, true>(wg, a, r0, g, sums);
+    else
+      q8_group<MR, false>(wg, a, r0, g, sums);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 256)));
     for (int r = 0; r < MR; ++r) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(r0 + r) * a.groups + g]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(combine(dh[r], dl[r])), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(sums[r], scale, acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
@@ -253,12 +287,17 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   float* op = out.data_ptr<float>();
   const at::Tensor wc = w.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  // Work items: (chunk of kChunkRows activation rows, block of 8 output rows), chunk-major, so
+  // a thread's range runs each chunk's rows (kept in L2) against one weight block after another.
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i % blocks, first = (i / blocks) * kChunkRows;
+      const int64_t last = std::min(m, first + kChunkRows);
       const uint8_t* wb = wp + b * groups * kernel.group_bytes;
       // Three rows a tile: four spill the tile's registers (1.1-1.4x slower from 64 rows up).
-      for (int64_t r = 0; r < m; r += 3) {
-        const int64_t rows = std::min<int64_t>(3, m - r);
+      for (int64_t r = first; r < last; r += 3) {
+        const int64_t rows = std::min<int64_t>(3, last - r);
         kernel.tiles[rows - 1](wb, acts, r, op + r * padded + b * kBlockRows, padded);
       }
     }
