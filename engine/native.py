@@ -49,8 +49,8 @@ def sources() -> list[str]:
 def build_name() -> str:
     """The cache entry of this build: the CPU level's key and the sources' digest."""
     digest = hashlib.sha256()
-    for path in sources():
-        digest.update(Path(path).read_bytes())
+    for path in [*map(Path, sources()), *sorted(CSRC.glob("*.h"))]:  # and the headers they include
+        digest.update(path.read_bytes())
     return f"batchgate_kernels_{isa_build_key()}_{digest.hexdigest()[:10]}"
 
 

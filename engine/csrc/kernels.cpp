@@ -33,6 +33,8 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "simd_avx2.h"
 #define BATCHGATE_AVX2_FMA 1
 #endif
 #include <cstdint>
@@ -121,6 +123,20 @@ struct PagedBatch {
   const T* query(int64_t s, int64_t head) const { return q + (s * num_heads + head) * head_dim; }
   T* output(int64_t s, int64_t head) const { return out + (s * num_heads + head) * head_dim; }
 
+  // f(s, h, ctx, scores) for each (sequence, KV head) pair, the pairs split over the threads;
+  // `scores` is the pair's scratch of rows x ctx floats (ctx: sequence s's context length).
+  template <typename F>
+  void for_each_pair(int64_t rows, F&& f) const {
+    at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t work = begin; work < end; ++work) {
+        const int64_t s = work / num_kv;
+        scores.resize(rows * lens[s]);
+        f(s, work % num_kv, lens[s], scores.data());
+      }
+    });
+  }
+
   // f(t0, rows, n) for each block of sequence s's context in KV head h of `cache` (k or v): the
   // block's first context position, its rows [n, head_dim], and how many of them are context.
   template <typename F>
@@ -171,46 +187,39 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
   constexpr int VR = HD / 16;  // zmm registers of fp32 per row
   using T = c10::BFloat16;
   const PagedBatch<T> b(q, k_cache, v_cache, block_tables, context_lens, out);
-  at::parallel_for(0, b.num_seqs * b.num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / b.num_kv, h = work % b.num_kv;
-      const int64_t ctx = b.lens[s];
-      scores.resize(G * ctx);
-      float* sc = scores.data();
-      __m512bh qv[G][KR];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < KR; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(b.query(s, h * G + g) + j * 32);
-      b.for_each_block(b.k, s, h, [&](int64_t t0, const T* rows, int64_t n) {
-        for (int64_t i = 0; i < n; ++i) {
-          __m512bh kv[KR];
-          for (int j = 0; j < KR; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(rows + i * HD + j * 32);
-          for (int g = 0; g < G; ++g) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int j = 0; j < KR; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
-            sc[g * ctx + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
-          }
+  b.for_each_pair(G, [&](int64_t s, int64_t h, int64_t ctx, float* sc) {
+    __m512bh qv[G][KR];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < KR; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(b.query(s, h * G + g) + j * 32);
+    b.for_each_block(b.k, s, h, [&](int64_t t0, const T* rows, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        __m512bh kv[KR];
+        for (int j = 0; j < KR; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(rows + i * HD + j * 32);
+        for (int g = 0; g < G; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int j = 0; j < KR; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
+          sc[g * ctx + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
         }
-      });
-      softmax_rows(sc, G, ctx);
-      __m512 acc[G][VR];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_setzero_ps();
-      b.for_each_block(b.v, s, h, [&](int64_t t0, const T* rows, int64_t n) {
-        for (int64_t i = 0; i < n; ++i) {
-          __m512 v[VR];
-          for (int j = 0; j < VR; ++j) v[j] = load_bf16x16(rows + i * HD + j * 16);
-          for (int g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(sc[g * ctx + t0 + i]);
-            for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
-          }
-        }
-      });
-      for (int g = 0; g < G; ++g) {
-        T* o = b.output(s, h * G + g);
-        for (int j = 0; j < VR; ++j)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
       }
+    });
+    softmax_rows(sc, G, ctx);
+    __m512 acc[G][VR];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_setzero_ps();
+    b.for_each_block(b.v, s, h, [&](int64_t t0, const T* rows, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        __m512 v[VR];
+        for (int j = 0; j < VR; ++j) v[j] = load_bf16x16(rows + i * HD + j * 16);
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(sc[g * ctx + t0 + i]);
+          for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+        }
+      }
+    });
+    for (int g = 0; g < G; ++g) {
+      T* o = b.output(s, h * G + g);
+      for (int j = 0; j < VR; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][j]));
     }
   });
 }
@@ -230,12 +239,7 @@ bool decode_attention_bf16_group(int64_t group, const at::Tensor& q, const at::T
 #endif
 
 #ifdef BATCHGATE_AVX2_FMA
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+using batchgate_simd::hsum8;
 
 // fast_exp on 8 lanes, the same steps (without FMA contractions), so a lane rounds as fast_exp.
 inline __m256 fast_exp8(__m256 x) {
@@ -291,52 +295,45 @@ void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const 
   constexpr int VW = G <= 3 ? 4 : 2;  // registers (of 8 floats) per query head for the values
   const PagedBatch<float> b(q, k_cache, v_cache, block_tables, context_lens, out);
   const int64_t hd = b.head_dim;
-  at::parallel_for(0, b.num_seqs * b.num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t s = work / b.num_kv, h = work % b.num_kv;
-      const int64_t ctx = b.lens[s];
-      scores.resize(G * ctx);
-      float* sc = scores.data();
-      const float* qg[G];
-      for (int g = 0; g < G; ++g) qg[g] = b.query(s, h * G + g);
-      b.for_each_block(b.k, s, h, [&](int64_t t0, const float* rows, int64_t n) {
+  b.for_each_pair(G, [&](int64_t s, int64_t h, int64_t ctx, float* sc) {
+    const float* qg[G];
+    for (int g = 0; g < G; ++g) qg[g] = b.query(s, h * G + g);
+    b.for_each_block(b.k, s, h, [&](int64_t t0, const float* rows, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float* kr = rows + i * hd;
+        __m256 acc[G][KA];
+        for (int g = 0; g < G; ++g)
+          for (int a = 0; a < KA; ++a) acc[g][a] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 8 * KA)
+          for (int a = 0; a < KA; ++a) {
+            const __m256 kv = _mm256_loadu_ps(kr + d + 8 * a);
+            for (int g = 0; g < G; ++g)
+              acc[g][a] = _mm256_fmadd_ps(_mm256_loadu_ps(qg[g] + d + 8 * a), kv, acc[g][a]);
+          }
+        for (int g = 0; g < G; ++g) {
+          __m256 sum = acc[g][0];
+          for (int a = 1; a < KA; ++a) sum = _mm256_add_ps(sum, acc[g][a]);
+          sc[g * ctx + t0 + i] = hsum8(sum) * scale;
+        }
+      }
+    });
+    softmax_rows8(sc, G, ctx);
+    for (int64_t d0 = 0; d0 < hd; d0 += 8 * VW) {
+      __m256 acc[G][VW];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_setzero_ps();
+      b.for_each_block(b.v, s, h, [&](int64_t t0, const float* rows, int64_t n) {
         for (int64_t i = 0; i < n; ++i) {
-          const float* kr = rows + i * hd;
-          __m256 acc[G][KA];
-          for (int g = 0; g < G; ++g)
-            for (int a = 0; a < KA; ++a) acc[g][a] = _mm256_setzero_ps();
-          for (int64_t d = 0; d < hd; d += 8 * KA)
-            for (int a = 0; a < KA; ++a) {
-              const __m256 kv = _mm256_loadu_ps(kr + d + 8 * a);
-              for (int g = 0; g < G; ++g)
-                acc[g][a] = _mm256_fmadd_ps(_mm256_loadu_ps(qg[g] + d + 8 * a), kv, acc[g][a]);
-            }
+          __m256 v[VW];
+          for (int j = 0; j < VW; ++j) v[j] = _mm256_loadu_ps(rows + i * hd + d0 + 8 * j);
           for (int g = 0; g < G; ++g) {
-            __m256 sum = acc[g][0];
-            for (int a = 1; a < KA; ++a) sum = _mm256_add_ps(sum, acc[g][a]);
-            sc[g * ctx + t0 + i] = hsum8(sum) * scale;
+            const __m256 p = _mm256_set1_ps(sc[g * ctx + t0 + i]);
+            for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_fmadd_ps(p, v[j], acc[g][j]);
           }
         }
       });
-      softmax_rows8(sc, G, ctx);
-      for (int64_t d0 = 0; d0 < hd; d0 += 8 * VW) {
-        __m256 acc[G][VW];
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_setzero_ps();
-        b.for_each_block(b.v, s, h, [&](int64_t t0, const float* rows, int64_t n) {
-          for (int64_t i = 0; i < n; ++i) {
-            __m256 v[VW];
-            for (int j = 0; j < VW; ++j) v[j] = _mm256_loadu_ps(rows + i * hd + d0 + 8 * j);
-            for (int g = 0; g < G; ++g) {
-              const __m256 p = _mm256_set1_ps(sc[g * ctx + t0 + i]);
-              for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_fmadd_ps(p, v[j], acc[g][j]);
-            }
-          }
-        });
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < VW; ++j) _mm256_storeu_ps(b.output(s, h * G + g) + d0 + 8 * j, acc[g][j]);
-      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < VW; ++j) _mm256_storeu_ps(b.output(s, h * G + g) + d0 + 8 * j, acc[g][j]);
     }
   });
 }

@@ -33,6 +33,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+
+#include "simd_avx2.h"
 #define BATCHGATE_QMATMUL_AVX2 1
 #endif
 
@@ -42,6 +44,9 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 8;
 constexpr int64_t kQ4GroupBytes = 160;
 constexpr int64_t kQ8GroupBytes = 272;
+// Activation rows per work item of a batched step, a multiple of the tiles' 3 rows: their bytes
+// stay in L2 while the weight blocks pass (all of a long prefill's rows did not).
+constexpr int64_t kChunkRows = 48;
 
 bool has_qmatmul() {
 #ifdef BATCHGATE_QMATMUL_AVX2
@@ -53,19 +58,8 @@ bool has_qmatmul() {
 
 #ifdef BATCHGATE_QMATMUL_AVX2
 
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using batchgate_simd::hmax8;
+using batchgate_simd::hsum8;
 
 inline __m256i pack_bytes(const __m256i v[4]) {
   // int32 -> int8 with packs (which interleave 128-bit lanes), then the lanes back in order.
@@ -85,8 +79,8 @@ inline void quantize_group(const float* x, int8_t* hi, int8_t* lo, float* d, flo
     amax = _mm256_max_ps(amax, a);
     asum = _mm256_add_ps(asum, a);
   }
-  const float maxabs = hmax(amax);
-  const bool outlier = maxabs > ratio * (hsum(asum) / kGroup);
+  const float maxabs = hmax8(amax);
+  const bool outlier = maxabs > ratio * (hsum8(asum) / kGroup);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256 base = _mm256_set1_ps(255.0f);
   __m256i h[4], l[4];
@@ -113,8 +107,19 @@ inline void quantize_group(const float* x, int8_t* hi, int8_t* lo, float* d, flo
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), pack_bytes(h));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), pack_bytes(l));
   *d = maxabs / 32512.0f;
-  *s = *d * hsum(total);  // the sum of at most 32 integers below 2^15: exact in float
+  *s = *d * hsum8(total);  // the sum of at most 32 integers below 2^15: exact in float
   *wide = outlier;
+}
+
+// A decode step of one row reads each weight once: its tiles ask for a group's cache lines
+// kPrefetch bytes ahead (1.2-1.3x faster than the hardware prefetcher alone, at one thread). Tiles
+// of more rows reuse each block from L1, and the prefetches only took load slots there.
+constexpr int64_t kPrefetch = 2048;
+
+template <int64_t kBytes>
+inline void prefetch_ahead(const uint8_t* group) {
+  for (int64_t line = 0; line < kBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetch + line), _MM_HINT_T0);
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -149,6 +154,7 @@ inline void q4_tile(const uint8_t* w, const Activations& a, int64_t r0, float* o
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * kQ4GroupBytes;
+    if (MR == 1) prefetch_ahead<kQ4GroupBytes>(wg);
     bool wide = false;
     for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
     // Up to 8 products of 15 * 127 per 16-bit lane pair: at most 30,480, no saturation.
@@ -190,6 +196,7 @@ inline void q8_tile(const uint8_t* w, const Activations& a, int64_t r0, float* o
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * kQ8GroupBytes;
+    if (MR == 1) prefetch_ahead<kQ8GroupBytes>(wg);
     bool wide = false;
     for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
     __m256i dh[MR], dl[MR];
@@ -253,12 +260,17 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   float* op = out.data_ptr<float>();
   const at::Tensor wc = w.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  // Work items: (chunk of kChunkRows activation rows, block of 8 output rows), chunk-major, so
+  // a thread's range runs each chunk's rows (kept in L2) against one weight block after another.
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i % blocks, first = (i / blocks) * kChunkRows;
+      const int64_t last = std::min(m, first + kChunkRows);
       const uint8_t* wb = wp + b * groups * kernel.group_bytes;
       // Three rows a tile: four spill the tile's registers (1.1-1.4x slower from 64 rows up).
-      for (int64_t r = 0; r < m; r += 3) {
-        const int64_t rows = std::min<int64_t>(3, m - r);
+      for (int64_t r = first; r < last; r += 3) {
+        const int64_t rows = std::min<int64_t>(3, last - r);
         kernel.tiles[rows - 1](wb, acts, r, op + r * padded + b * kBlockRows, padded);
       }
     }

@@ -219,3 +219,17 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_start(tmp_path) -> None: 
     )
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
     assert not (copy / "lock").exists()
+
+
+def test_the_cache_entry_changes_with_a_header_the_sources_include(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A kernel's shared header (engine/csrc/simd_avx2.h) is part of what names the build, so an
+    edited header is rebuilt rather than an old build loaded."""
+    from engine import native
+
+    header = tmp_path / "shared.h"
+    header.write_text("inline int one() { return 1; }\n")
+    monkeypatch.setattr(native, "CSRC", tmp_path)
+    monkeypatch.setattr(native, "sources", lambda: [])
+    before = native.build_name()
+    header.write_text("inline int one() { return 2; }\n")
+    assert native.build_name() != before
