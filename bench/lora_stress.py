@@ -127,6 +127,7 @@ class Stress:
         self.tally = Tally()
         self.current: dict[str, str | None] = {}  # adapter name -> folder of its current version
         self.refs: dict[tuple[str, int], str] = {}  # (folder or BASE, prompt) -> reference text
+        self.indistinct = 0  # references equal to another's for the same prompt
 
     def admin(self, method: str, path: str, body: Any = None) -> httpx.Response:
         headers = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -166,11 +167,9 @@ class Stress:
                 self.refs[(folder, p)] = self.complete("sk-t0", "ref", p)
         assert self.admin("DELETE", "/admin/loras/ref").status_code == 200
         del self.current["ref"]
-        for p in range(len(self.prompts)):
+        for p in range(len(self.prompts)):  # a swap between two of these would go unseen: say so
             texts = [text for (_, q), text in self.refs.items() if q == p]
-            assert len(set(texts)) == len(texts), (
-                f"two adapters give the same text for prompt {p}: pick others"
-            )
+            self.indistinct += len(texts) - len(set(texts))
 
     def stream(self, worker: int, deadline: float) -> None:
         rng = random.Random(worker)
@@ -330,6 +329,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "seconds": round(elapsed, 1),
         "streams": args.streams,
         "tenants": args.tenants,
+        "indistinct_references": stress.indistinct,
         "responses": t.ok + len(t.mixups) + len(t.divergences),
         "ok": t.ok,
         "mixups": t.mixups,
