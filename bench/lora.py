@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.cpu import CpuMeter
 from bench.model import chat_token_ids, hf_folder
 from bench.offline import add_workload_args, set_threads, workload
 
@@ -91,9 +92,12 @@ def main() -> None:
         timed(engine, prompts[:4], [None], 4)  # warm-up
         timed(engine, prompts[:8], adapters, 4)
         runs: dict[str, list[float]] = {"base": [], "lora": []}
+        meter = CpuMeter()
+        meter.start()
         for _ in range(args.repeat):
             runs["base"].append(timed(engine, prompts, [None], args.max_tokens))
             runs["lora"].append(timed(engine, prompts, adapters, args.max_tokens))
+        others = meter.stop().others_busy
         loads = []
         for i in range(args.loads):
             start = time.perf_counter()
@@ -114,7 +118,7 @@ def main() -> None:
         f"{threads} threads, {args.adapters} adapters of rank {args.rank}\n"
         f"  base: {', '.join(f'{r:.1f}' for r in runs['base'])} tokens/s (mean {base:.1f})\n"
         f"  lora: {', '.join(f'{r:.1f}' for r in runs['lora'])} tokens/s (mean {lora:.1f})"
-        f" -> {lora / base:.2f}x base\n"
+        f" -> {lora / base:.2f}x base (others' CPU share {others:.0%})\n"
         f"  cold load: p50 {statistics.median(loads) * 1e3:.1f} ms,"
         f" p95 {loads[int(0.95 * (len(loads) - 1))] * 1e3:.1f} ms\n"
         f"  adapter bytes held {held / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB after unload; "

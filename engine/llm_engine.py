@@ -154,8 +154,6 @@ class LLMEngine:
         Running requests keep the version they pinned; new ones get this one."""
         if self.config.max_loras == 0:
             raise LoraError("this engine serves no LoRA adapters (max_loras is 0)")
-        if self.config.tensor_parallel_size > 1:
-            raise LoraError("LoRA adapters need tensor_parallel_size 1 (sharded adapters are not built yet)")
         return self.loras.load(name, path)
 
     def grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:

@@ -395,8 +395,9 @@ class LoraStack:
         device: torch.device,
         kernel: Any = None,
     ) -> None:
-        """`kernel`: engine/csrc/lora.cpp's lora_decode_ for the decode rows (float32 on the CPU),
-        or None for the torch ops."""
+        """`dtype`: of A and B as held (the rows' own, or bfloat16 under `kernel`). `kernel`:
+        engine/csrc/lora.cpp's lora_decode_ for the decode rows (float32 rows on the CPU), or None
+        for the torch ops."""
         self.modules = [name for name, _ in modules]
         widths = [width for _, width in modules]
         self.chunk = math.gcd(*widths)
@@ -454,9 +455,10 @@ class LoraStack:
             return
         s, w, r, c, n = plan.num_slots, plan.width, self.rank, self.num_chunks, plan.hi - plan.lo
         rows = x[plan.lo : plan.hi] if plan.dense else x.index_select(0, plan.gather)
-        shrunk = torch.bmm(rows.view(s, w, -1), self.a[:s])
+        a, b = self.a[:s].to(x.dtype), self.b[:s].to(x.dtype)  # no copy unless held narrower
+        shrunk = torch.bmm(rows.view(s, w, -1), a)
         lhs = self._per_chunk(shrunk.view(s, w, -1, r), 2).transpose(1, 2).reshape(s * c, w, r)
-        out = torch.bmm(lhs, self.b[:s].view(s * c, r, self.chunk))  # [slots * chunks, width, chunk]
+        out = torch.bmm(lhs, b.view(s * c, r, self.chunk))  # [slots * chunks, width, chunk]
         target = y[plan.lo : plan.hi]
         if plan.dense:
             target.view(s, w, c, self.chunk).add_(out.view(s, c, w, self.chunk).transpose(1, 2))
@@ -467,17 +469,26 @@ class LoraStack:
     def add_rows(self, y: torch.Tensor, x: torch.Tensor, slot: int, rows: slice) -> None:
         """y[rows] += slot `slot`'s delta of x[rows] (a run of prefill rows)."""
         n, r = rows.stop - rows.start, self.rank
-        lhs = self._per_chunk((x[rows] @ self.a[slot]).view(n, -1, r), 1)  # [n, chunks, R]
-        out = torch.bmm(lhs.transpose(0, 1), self.b[slot])  # [chunks, n, chunk]
+        a, b = self.a[slot].to(x.dtype), self.b[slot].to(x.dtype)  # no copy unless held narrower
+        lhs = self._per_chunk((x[rows] @ a).view(n, -1, r), 1)  # [n, chunks, R]
+        out = torch.bmm(lhs.transpose(0, 1), b)  # [chunks, n, chunk]
         y[rows].view(n, self.num_chunks, self.chunk).add_(out.transpose(0, 1))
 
 
 class LoraWeights:
     """The model's LoRA slots: a LoraStack per layer and fused linear, for `spec`'s shapes.
-    `kernels`: engine/native.py's, whose lora_decode_ serves float32 decode rows on the CPU."""
+    `kernels`: engine/native.py's, whose lora_decode_ serves float32 decode rows on the CPU.
+    `compact`: hold A and B in bfloat16 where that kernel serves (half the bytes a decode step
+    reads; engine/model.py asks for it over quantized base weights, never in the exact mode)."""
 
     def __init__(
-        self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device, kernels: Any = None
+        self,
+        spec: ModelSpec,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Any = None,
+        compact: bool = False,
     ) -> None:
         shapes = module_shapes(spec)
         fused: dict[str, list[tuple[str, int]]] = {}
@@ -485,11 +496,15 @@ class LoraWeights:
             fused.setdefault(linear, []).append((module, shapes[module][1]))
         fan_in = {linear: shapes[modules[0][0]][0] for linear, modules in fused.items()}
         kernel = kernels.lora_decode_ if kernels is not None and dtype == torch.float32 else None
+        held = torch.bfloat16 if compact and kernel is not None else dtype
         self.num_slots = num_slots
+        # the decode rows' deltas run natively (and inside the one-call decode, engine/model.py)
+        self.native = kernel is not None
         self.installed: list[str | None] = [None] * num_slots  # each slot's adapter id
+        self._decode_args: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.layers = [
             {
-                linear: LoraStack(modules, fan_in[linear], num_slots, dtype, device, kernel)
+                linear: LoraStack(modules, fan_in[linear], num_slots, held, device, kernel)
                 for linear, modules in fused.items()
             }
             for _ in range(spec.num_layers)
@@ -498,7 +513,20 @@ class LoraWeights:
     def install(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Put `adapter`'s weights into `slot` (None empties it); between steps only."""
         self.installed[slot] = adapter.id if adapter is not None else None
+        self._decode_args = None  # an install may grow a stack: new tensors
         for i, stacks in enumerate(self.layers):
             layer = adapter.layers[i] if adapter is not None else None
             for stack in stacks.values():
                 stack.install(slot, layer)  # the copy into the stack casts and moves
+
+    def decode_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Every stack's A, B and chunk owners, layer by layer in the order qkv, o, gate_up, down:
+        the one-call decode's LoRA inputs (engine/csrc/decode_layers.cpp; an empty A: no delta)."""
+        if self._decode_args is None:
+            stacks = [layer[linear] for layer in self.layers for linear in ("qkv", "o", "gate_up", "down")]
+            self._decode_args = (
+                [s.a for s in stacks],
+                [s.b for s in stacks],
+                [s.kernel_owner for s in stacks],
+            )
+        return self._decode_args

@@ -93,7 +93,8 @@ class LlamaModel:
         recovery of a GGUF's groups).
         `kernels`: the native CPU kernels (engine/native.py), or None for plain torch ops. `tp`: this
         rank's share of a tensor-parallel replica, with `spec` and `weights` already this rank's shard
-        (engine/parallel.py); o_proj and down_proj then all-reduce their partial sums. `paged_decode`:
+        (engine/parallel.py); o_proj and down_proj then all-reduce their partial sums (with the
+        LoRA deltas: an adapter is sharded like the layers, `TensorParallel.shard_lora`). `paged_decode`:
         a decode-attention kernel that reads the paged cache through the block table (the Triton one
         on CUDA, engine/triton_attention.py), where `kernels` does not bring one. `max_loras`: the
         LoRA slots a batch may mix (engine/lora.py), filled by `set_lora_slot`."""
@@ -141,9 +142,6 @@ class LlamaModel:
                     down=linear([p + "mlp.down_proj"]),
                 )
             )
-            if tp is not None:
-                layer = self.layers[-1]
-                layer.o, layer.down = tp.row_parallel(layer.o), tp.row_parallel(layer.down)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         inv_freq = rope_inv_freq(spec).to(self.device)
@@ -154,7 +152,12 @@ class LlamaModel:
         self.sin = emb.sin().to(self.dtype)
         self.scale = spec.head_dim**-0.5
         # The LoRA slots' weights, stacked per layer and linear (engine/lora.py); None: no slots.
-        self.lora = LoraWeights(spec, max_loras, self.dtype, self.device, kernels) if max_loras else None
+        # Over quantized layers (lossy already) they are held in bfloat16: half the bytes a step
+        # reads; float weights (the exact mode PEFT parity is tested in) keep the model's dtype.
+        compact = fmt.layers is not None
+        self.lora = (
+            LoraWeights(spec, max_loras, self.dtype, self.device, kernels, compact) if max_loras else None
+        )
         self.decode_weights = self._native_decode_weights()
 
     def _native_decode_weights(self) -> tuple[list[torch.Tensor], list[int], list[int], float] | None:
@@ -179,9 +182,17 @@ class LlamaModel:
         return (weights, kinds, sizes, ratios.pop()) if len(ratios) == 1 else None
 
     def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Put `adapter`'s weights into `slot` (None empties it); between steps only."""
+        """Put `adapter`'s weights into `slot` (None empties it; on a tensor-parallel rank, its
+        shard of them); between steps only."""
         assert self.lora is not None
-        self.lora.install(slot, adapter)
+        self.lora.install(
+            slot, adapter if adapter is None or self.tp is None else self.tp.shard_lora(adapter)
+        )
+
+    def _row_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output (o_proj, down_proj): on a tensor-parallel rank its
+        partial sum, LoRA deltas included, all-reduced over the ranks."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _add_lora(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch
@@ -256,7 +267,8 @@ class LlamaModel:
             else self.tp.embed(batch.input_ids, self.embed)
         )
         lora = self._add_lora if batch.lora_groups or batch.lora_decode is not None else _no_lora
-        if self.decode_weights is not None and not batch.prefills and lora is _no_lora:
+        one_call = lora is _no_lora or self.lora is not None and self.lora.native
+        if self.decode_weights is not None and not batch.prefills and one_call:
             hidden, residual = self._decode_layers(hidden, batch, kv_caches, self.decode_weights)
         else:
             hidden, residual = self._layers(hidden, batch, kv_caches, lora)
@@ -294,11 +306,11 @@ class LlamaModel:
             q, k, v = self._rope_qkv(qkv, batch.positions)
             self._write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
-            o = lora(layer.o(attn, int4_ok), attn, i, "o", batch)
+            o = self._row_sum(lora(layer.o(attn, int4_ok), attn, i, "o", batch))
             x, residual = self._add_rms_norm(o, residual, layer.post_norm)
             gate_up = lora(layer.gate_up(x, int4_ok), x, i, "gate_up", batch)
             act = self._silu_mul(gate_up)
-            hidden = lora(layer.down(act, int4_ok), act, i, "down", batch)
+            hidden = self._row_sum(lora(layer.down(act, int4_ok), act, i, "down", batch))
         assert residual is not None
         return hidden, residual
 
@@ -309,10 +321,16 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         weights: tuple[list[torch.Tensor], list[int], list[int], float],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_layers` for a step that only decodes, in one native call: the same ops, bit for bit."""
+        """`_layers` for a step that only decodes, in one native call: the same ops, bit for bit,
+        the decode rows' LoRA deltas (`_add_lora` on the native op) included."""
         assert batch.decode_tables is not None and batch.decode_lens is not None
         spec = self.spec
         tensors, kinds, sizes, outlier_ratio = weights
+        plan = batch.lora_decode
+        lora: list[Any] = [[], [], [], None, 0]  # no adapter rows
+        if plan is not None:
+            assert self.lora is not None
+            lora = [*self.lora.decode_args(), plan.slot, plan.lo]
         return tensor_pair_op(
             self.kernels.decode_layers,
             hidden,
@@ -333,6 +351,7 @@ class LlamaModel:
             self.scale,
             spec.rms_norm_eps,
             outlier_ratio,
+            *lora,
         )
 
     def _write_kv(

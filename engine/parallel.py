@@ -14,6 +14,9 @@ and all ranks run the same forward pass on their shards:
     lm_head      vocabulary-parallel: each rank's logits slice, all-gathered (rank 0 samples)
 
 so a step costs 2 all-reduces per layer, one for the embedding and one all-gather of the logits.
+A LoRA adapter is cut like the layer it attaches to (`shard_lora`): B's output rows of a column-
+parallel projection, A's input columns of a row-parallel one, whose delta joins the partial sum
+before the all-reduce. Rank 0 sends each LoRA slot change to the others between steps.
 The KV cache is sharded with the KV heads; where a model has fewer KV heads than ranks, each KV
 head is replicated on N / kv_heads ranks (as vLLM does). Norms, RoPE and sampling are replicated.
 
@@ -41,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.loader import ModelSpec
-from engine.quant import Linear
+from engine.lora import LoraAdapter, LoraModule
 from engine.step import StepInputs
 from engine.types import EngineDeadError
 
@@ -61,6 +64,9 @@ HEARTBEAT_S = 60.0  # ... and rank 0 broadcasts a heartbeat after this long with
 WATCH_INTERVAL_S = 0.2  # how often rank 0 checks the other processes, and they check rank 0
 
 _HEARTBEAT = "heartbeat"
+
+Message = TypeVar("Message")
+Result = TypeVar("Result")
 
 
 def kv_head_layout(num_kv_heads: int, world_size: int) -> tuple[int, int]:
@@ -94,6 +100,29 @@ def vocab_shard_size(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size)
 
 
+@dataclass(frozen=True)
+class ShardRows:
+    """Which output rows of the column-parallel projections a rank holds (the row-parallel o_proj
+    and down_proj take the same ranges as their input columns)."""
+
+    q: slice  # of q_proj (and o_proj's input)
+    kv: slice  # of k_proj and v_proj
+    mlp: slice  # of gate_proj and up_proj (and down_proj's input)
+
+    @classmethod
+    def of(cls, spec: ModelSpec, rank: int, world_size: int) -> ShardRows:
+        d = spec.head_dim
+        heads = spec.num_heads // world_size
+        kv_heads, kv_replicas = kv_head_layout(spec.num_kv_heads, world_size)
+        kv_first = (rank // kv_replicas) * kv_heads
+        inter = spec.intermediate_size // world_size
+        return cls(
+            q=slice(rank * heads * d, (rank + 1) * heads * d),
+            kv=slice(kv_first * d, (kv_first + kv_heads) * d),
+            mlp=slice(rank * inter, (rank + 1) * inter),
+        )
+
+
 def shard_weights(
     spec: ModelSpec, weights: dict[str, torch.Tensor], rank: int, world_size: int
 ) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
@@ -101,14 +130,8 @@ def shard_weights(
     it reads a whole model). The embedding and LM head are padded with zero rows to equal shards,
     so the all-gathered logits are [S, world_size * shard], of which the first vocab_size count."""
     check_divisible(spec, world_size)
-    d = spec.head_dim
-    heads = spec.num_heads // world_size
-    kv_heads, kv_replicas = kv_head_layout(spec.num_kv_heads, world_size)
-    kv_first = (rank // kv_replicas) * kv_heads
-    inter = spec.intermediate_size // world_size
-    q_rows = slice(rank * heads * d, (rank + 1) * heads * d)
-    kv_rows = slice(kv_first * d, (kv_first + kv_heads) * d)
-    mlp_rows = slice(rank * inter, (rank + 1) * inter)
+    shard = ShardRows.of(spec, rank, world_size)
+    q_rows, kv_rows, mlp_rows = shard.q, shard.kv, shard.mlp
     vocab = vocab_shard_size(spec.vocab_size, world_size)
 
     def vocab_rows(w: torch.Tensor) -> torch.Tensor:
@@ -137,12 +160,45 @@ def shard_weights(
     out["lm_head.weight"] = vocab_rows(head)
     local = dataclasses.replace(
         spec,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        intermediate_size=inter,
+        num_heads=spec.num_heads // world_size,
+        num_kv_heads=kv_head_layout(spec.num_kv_heads, world_size)[0],
+        intermediate_size=spec.intermediate_size // world_size,
         tie_word_embeddings=False,
     )
     return local, out
+
+
+def shard_lora(adapter: LoraAdapter, shard: ShardRows) -> LoraAdapter:
+    """A rank's part of `adapter`, cut like the layers it attaches to: B's output rows of the
+    column-parallel q/k/v and gate/up (A whole), A's input columns of the row-parallel o and down
+    (B whole), whose deltas then join the partial sums that the layer's all-reduce adds up."""
+    cuts = {  # module -> (A's columns, B's rows); None: whole
+        "q_proj": (None, shard.q),
+        "k_proj": (None, shard.kv),
+        "v_proj": (None, shard.kv),
+        "o_proj": (shard.q, None),
+        "gate_proj": (None, shard.mlp),
+        "up_proj": (None, shard.mlp),
+        "down_proj": (shard.mlp, None),
+    }
+
+    def cut(module: str, part: LoraModule) -> LoraModule:
+        cols, rows = cuts[module]
+        a = part.a if cols is None else part.a[:, cols].contiguous()
+        return LoraModule(a, part.b if rows is None else part.b[rows].contiguous())
+
+    layers = [{module: cut(module, part) for module, part in layer.items()} for layer in adapter.layers]
+    nbytes = sum(m.nbytes for layer in layers for m in layer.values())
+    return dataclasses.replace(adapter, layers=layers, nbytes=nbytes)
+
+
+@dataclass(frozen=True)
+class LoraSlotChange:
+    """Rank 0's message to the other ranks, between steps: LoRA slot `slot` now holds `adapter`
+    (the whole adapter; each rank keeps its shard), or nothing."""
+
+    slot: int
+    adapter: LoraAdapter | None
 
 
 def _row_parallel_weight(name: str, w: torch.Tensor) -> torch.Tensor:
@@ -152,24 +208,19 @@ def _row_parallel_weight(name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RowParallelLinear(Linear):
-    """A row-parallel projection: this rank's partial product, summed over the ranks."""
-
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def __call__(self, x: torch.Tensor, int4_ok: bool = True) -> torch.Tensor:
-        assert self.all_reduce is not None
-        return self.all_reduce(super().__call__(x, int4_ok))
-
-
-@dataclass
 class TensorParallel:
     """One rank's view of the replica: its rank, and the collectives the forward pass uses."""
 
     rank: int
     world_size: int
     vocab_size: int  # the whole vocabulary; this rank holds rows [rank * shard, (rank + 1) * shard)
+    rows: ShardRows  # this rank's rows of the projections (and of a LoRA adapter's A and B)
     group: Any = None  # the process group of the step's collectives (None: the default group)
+
+    @classmethod
+    def of(cls, spec: ModelSpec, rank: int, world_size: int, group: Any = None) -> TensorParallel:
+        """Rank `rank`'s share of a replica of the model `spec` (the whole model's)."""
+        return cls(rank, world_size, spec.vocab_size, ShardRows.of(spec, rank, world_size), group)
 
     @property
     def vocab_shard(self) -> int:
@@ -179,9 +230,8 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def row_parallel(self, linear: Linear) -> RowParallelLinear:
-        fields = {f.name: getattr(linear, f.name) for f in dataclasses.fields(Linear)}
-        return RowParallelLinear(**fields, all_reduce=self.all_reduce)
+    def shard_lora(self, adapter: LoraAdapter) -> LoraAdapter:
+        return shard_lora(adapter, self.rows)
 
     def embed(self, input_ids: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """Hidden states of `input_ids` from a vocabulary-parallel embedding `shard` [vocab_shard, H]."""
@@ -261,7 +311,7 @@ class ParallelExecutor:
     def start(
         cls,
         config: EngineConfig,
-        vocab_size: int,
+        spec: ModelSpec,
         num_blocks: int,
         max_model_len: int,
         dtype: torch.dtype,
@@ -306,15 +356,17 @@ class ParallelExecutor:
                 dist.destroy_process_group()
             raise
         logger.info("tensor parallel: %d ranks (%s)", world, _backend(device))
-        return cls(procs, TensorParallel(0, world, vocab_size, compute), control, config.collective_timeout_s)
+        tp = TensorParallel.of(spec, 0, world, compute)
+        return cls(procs, tp, control, config.collective_timeout_s)
 
-    def run(self, forward: Callable[[StepInputs], torch.Tensor], inputs: StepInputs) -> torch.Tensor:
-        """Send `inputs` to every rank and run rank 0's part of the step: the full logits."""
+    def run(self, forward: Callable[[Message], Result], message: Message) -> Result:
+        """Send `message` (a step's `StepInputs`, or a `LoraSlotChange`) to every rank and run
+        rank 0's part of it: a step's full logits."""
         if self.failure is not None:
             raise EngineDeadError(f"a tensor-parallel rank failed: {self.failure}")
         try:
-            self._send(inputs)
-            return forward(inputs)
+            self._send(message)
+            return forward(message)
         except Exception as exc:
             self._fail(f"{type(exc).__name__}: {exc}")
             raise EngineDeadError(f"a tensor-parallel step failed: {self.failure}") from exc
@@ -405,9 +457,11 @@ def _exit_with_parent(parent: int) -> None:
 
 
 class RankForward(Protocol):
-    """What a rank > 0 runs for each step rank 0 broadcasts (engine/runner.py's ModelRunner)."""
+    """What a rank > 0 runs for each message rank 0 broadcasts (engine/runner.py's ModelRunner)."""
 
     def forward_inputs(self, inputs: StepInputs) -> torch.Tensor: ...
+
+    def install_lora(self, change: LoraSlotChange) -> None: ...
 
 
 def serve_rank(
@@ -434,6 +488,9 @@ def serve_rank(
         if message is None:
             break
         if isinstance(message, str):  # the heartbeat
+            continue
+        if isinstance(message, LoraSlotChange):
+            runner.install_lora(message)
             continue
         runner.forward_inputs(message)
     dist.destroy_process_group()

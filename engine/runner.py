@@ -8,7 +8,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.lora import LoraAdapter
 from engine.model import LlamaModel
-from engine.parallel import ParallelExecutor
+from engine.parallel import LoraSlotChange, ParallelExecutor
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.step import ForwardBatch, SchedulerOutput, StepInputs, StepResult, forward_batch, pack
@@ -52,8 +52,17 @@ class ModelRunner:
             self.executor.shutdown()
 
     def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Install `adapter`'s weights in LoRA slot `slot` (None: empty it); between steps."""
-        self.model.set_lora_slot(slot, adapter)
+        """Install `adapter`'s weights in LoRA slot `slot` (None: empty it); between steps. On a
+        tensor-parallel replica every rank installs its shard (a failure is fatal, as a step's)."""
+        change = LoraSlotChange(slot, adapter)
+        if self.executor is not None:
+            self.executor.run(self.install_lora, change)
+        else:
+            self.install_lora(change)
+
+    def install_lora(self, change: LoraSlotChange) -> None:
+        """This rank's part of `set_lora_slot`."""
+        self.model.set_lora_slot(change.slot, change.adapter)
 
     def forward_batch(self, inputs: StepInputs) -> ForwardBatch:
         """The step's tensors on this rank's device."""

@@ -62,15 +62,11 @@ def load_engine_model(
     """`model` (or `config.model` loaded), with the engine's device, dtype and weight format."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    weight_format = resolve_weight_format(
-        config, device, dtype, qmatmul_available(config.kernels, device)
-    )
+    weight_format = resolve_weight_format(config, device, dtype, qmatmul_available(config.kernels, device))
     # Quantized weights are recovered from float32 ones (exact for a GGUF's groups); the model
     # casts the rest to `dtype`.
     load_dtype = torch.float32 if weight_format.layers or weight_format.int4_max_rows else dtype
-    loaded = (
-        model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
-    )
+    loaded = model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
     return loaded, device, dtype, weight_format
 
 
@@ -88,9 +84,7 @@ def build_engine_runner(
     executor = None
     if config.tensor_parallel_size > 1:
         _check_parallel(config, model.spec)
-        executor = ParallelExecutor.start(
-            config, model.spec.vocab_size, num_blocks, max_len, dtype, device, _rank_main
-        )
+        executor = ParallelExecutor.start(config, model.spec, num_blocks, max_len, dtype, device, _rank_main)
     try:
         return build_runner(
             config, model, num_blocks, device, dtype, max_len, weight_format, executor=executor
@@ -177,5 +171,5 @@ def _rank_main(args: RankArgs, ready: Connection) -> None:
 def _build_rank_runner(args: RankArgs, device: torch.device, group: Any) -> ModelRunner:
     config = args.config
     loaded = load_model(config.model, config.cache_dir, args.dtype, device)
-    tp = TensorParallel(args.rank, config.tensor_parallel_size, loaded.spec.vocab_size, group)
+    tp = TensorParallel.of(loaded.spec, args.rank, config.tensor_parallel_size, group)
     return build_runner(config, loaded, args.num_blocks, device, args.dtype, args.max_model_len, tp=tp)

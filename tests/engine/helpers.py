@@ -68,3 +68,27 @@ def text_of(outs: list[RequestOutput]) -> str:
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def compare_one_call_decode(engine: LLMEngine, monkeypatch: Any) -> list[bool]:
+    """From now on each decode-only step of `engine` also runs through the Python layer loop (the
+    one-call decode turned off, engine/model.py) on the same inputs; returns a list that gets, per
+    such step, whether the two gave the same logits bit for bit (K/V are rewritten alike)."""
+    llama = engine.runner.model
+    assert llama.decode_weights is not None
+    forward = type(llama).forward
+    compared: list[bool] = []
+
+    def both(self: Any, batch: Any, kv_caches: Any) -> torch.Tensor:
+        fused = forward(self, batch, kv_caches)
+        if batch.prefills:
+            return fused
+        weights, self.decode_weights = self.decode_weights, None
+        try:
+            compared.append(torch.equal(fused, forward(self, batch, kv_caches)))
+        finally:
+            self.decode_weights = weights
+        return fused
+
+    monkeypatch.setattr(type(llama), "forward", both)
+    return compared

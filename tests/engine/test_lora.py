@@ -28,7 +28,15 @@ from engine.lora import (
 from engine.native import native_kernels, qmatmul_available
 from engine.step import StepInputs, lora_decode_plan
 from engine.types import GenerationRequest, GrammarSpec
-from tests.engine.helpers import chat_ids, greedy, hf_greedy, run_all, tiny_engine, tokens_of
+from tests.engine.helpers import (
+    chat_ids,
+    compare_one_call_decode,
+    greedy,
+    hf_greedy,
+    run_all,
+    tiny_engine,
+    tokens_of,
+)
 from tests.lora_adapters import ALL_TARGETS, make_adapter, peft_reference
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primes.", "Hi"]
@@ -175,11 +183,13 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
 ) -> None:
     """Decode rows of mixed slots (the grid as it lies, and gathered around base rows) and a run
     of prefill rows: the native op and the torch ops each equal x @ A.T @ B.T per module, also
-    after a higher-rank adapter grew the stacks (ranks 4, 8, 16, 64: the kernel's 8-wide tails)."""
+    after a higher-rank adapter grew the stacks (ranks 4, 8, 16, 64: the kernel's 8-wide tails);
+    with A and B held in bfloat16 (`compact`), x @ A.T @ B.T of the bfloat16-rounded A and B."""
     loaded = [load_adapter(adapters[n], spec, n) for n in ("attn", "r8", "mlp", "r64")]
     weights = {
         "torch": LoraWeights(spec, 4, torch.float32, torch.device("cpu")),
         "native": LoraWeights(spec, 4, torch.float32, torch.device("cpu"), native_kernels()),
+        "bf16": LoraWeights(spec, 4, torch.float32, torch.device("cpu"), native_kernels(), compact=True),
     }
     for w in weights.values():
         for slot, adapter in enumerate(loaded[:3]):
@@ -188,13 +198,14 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
     widths = {"qkv": 128, "o": 64, "gate_up": 256, "down": 64}
     gen = torch.Generator().manual_seed(0)
 
-    def expected(layer: int, linear: str, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def expected(layer: int, linear: str, x: torch.Tensor, slots: list[int], held: str) -> torch.Tensor:
         y = torch.zeros(len(slots), widths[linear])
         for row, slot in enumerate(slots):
             for module, part in (loaded[slot].layers[layer] if slot >= 0 else {}).items():
                 if TARGETS[module] == linear:
+                    a, b = (part.a, part.b) if held != "bf16" else (part.a.bfloat16(), part.b.bfloat16())
                     cols = slice(offsets[module], offsets[module] + part.b.shape[0])
-                    y[row, cols] += x[row] @ part.a.T @ part.b.T
+                    y[row, cols] += x[row] @ a.float().T @ b.float().T
         return y
 
     for grow in (False, True):
@@ -209,14 +220,14 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
             assert plan is not None and plan.dense == (slots[0] == 0)
             for linear, width in widths.items():
                 x = torch.randn(len(slots), 128 if linear == "down" else 64, generator=gen)
-                want = expected(1, linear, x, slots)
                 for name, w in weights.items():
+                    want = expected(1, linear, x, slots, name)
                     y = torch.zeros(len(slots), width)
                     w.layers[1][linear].add_decode(y, x, plan)
                     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5, msg=f"{name} {linear} {slots}")
                     y.zero_()
                     w.layers[1][linear].add_rows(y, x, 2, slice(1, len(slots)))
-                    ref = expected(1, linear, x, [-1] + [2] * (len(slots) - 1))
+                    ref = expected(1, linear, x, [-1] + [2] * (len(slots) - 1), name)
                     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5, msg=f"{name} rows {linear}")
 
 
@@ -237,6 +248,26 @@ def test_a_batch_mixing_base_and_adapters_gives_each_row_its_own_tokens(engine: 
     outs = run_all(engine, [request(engine, f"m{i}", t, lora) for i, (t, lora) in enumerate(cases)])
     assert [tokens_of(outs[(f"m{i}", 0)]) for i in range(len(cases))] == expected
     assert engine.scheduler.parked == [] and all(a.users == 0 for a in engine.loras.names().values())
+
+
+def test_two_ranks_with_adapters_answer_as_one_rank(
+    engine: LLMEngine, tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """2-rank tensor parallelism (gloo): each rank holds its shard of every adapter (B's rows of
+    q/k/v and gate/up, A's columns of o and down, summed by the layer's all-reduce), and the
+    mixed batch gives one rank's tokens. 2 slots for 3 adapters: slots are refilled between
+    steps, and every refill reaches the other rank."""
+    cases = [(t, lora) for t in PROMPTS[:2] for lora in (None, "r8", "attn", "mlp")]
+    expected = [alone(engine, t, lora) for t, lora in cases]
+    two = tiny_engine(tiny_model_dir, tensor_parallel_size=2, max_loras=2)
+    try:
+        for name in ("r8", "attn", "mlp"):
+            two.load_lora(name, str(adapters[name]))
+        outs = run_all(two, [request(two, f"t{i}", t, lora) for i, (t, lora) in enumerate(cases)])
+        assert [tokens_of(outs[(f"t{i}", 0)]) for i in range(len(cases))] == expected
+        assert two.lora_slots.num_loads >= 3 and two.runner.failure is None
+    finally:
+        two.close()
 
 
 def test_more_adapters_than_slots_wait_outside_the_batch(
@@ -334,15 +365,24 @@ def test_unloading_returns_the_bytes_held_after_the_last_user(
 @pytest.mark.skipif(
     not qmatmul_available("auto", torch.device("cpu")), reason="our int8 kernels need AVX2 or newer"
 )
-def test_adapters_over_our_int8_kernels(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+def test_adapters_over_our_int8_kernels_in_the_one_call_decode(
+    tiny_model_dir: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On our int8 kernels a decode step with adapters runs every layer in one native call
+    (engine/csrc/decode_layers.cpp): the same logits bit for bit as the Python layer loop, first
+    with only q/v targeted (the other linears' stacks empty), then with ranks 8 and 64 mixed."""
     engine = tiny_engine(tiny_model_dir, quantization="int8")
     assert engine.runner.model.layers[0].qkv.quant is not None
-    engine.load_lora("r8", str(adapters["r8"]))
-    cases = [(t, lora) for t in PROMPTS[:2] for lora in (None, "r8")]
-    expected = [alone(engine, t, lora) for t, lora in cases]
-    assert expected[0] != expected[1]
-    outs = run_all(engine, [request(engine, f"q{i}", t, lora) for i, (t, lora) in enumerate(cases)])
-    assert [tokens_of(outs[(f"q{i}", 0)]) for i in range(len(cases))] == expected
+    compared = compare_one_call_decode(engine, monkeypatch)
+    for names in (["attn"], ["attn", "r8", "r64"]):
+        for name in names:
+            engine.load_lora(name, str(adapters[name]))
+        cases = [(t, lora) for t in PROMPTS[:2] for lora in (None, *names)]
+        expected = [alone(engine, t, lora) for t, lora in cases]
+        assert len({tuple(e) for e in expected}) == len(cases)
+        outs = run_all(engine, [request(engine, f"q{i}", t, lora) for i, (t, lora) in enumerate(cases)])
+        assert [tokens_of(outs[(f"q{i}", 0)]) for i in range(len(cases))] == expected
+    assert len(compared) >= 50 and all(compared)
 
 
 def test_an_engine_without_adapter_slots_refuses_to_load_one(

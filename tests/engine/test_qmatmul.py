@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from engine.native import native_kernels, qmatmul_available
 from engine.platform import CpuIsa, cpu_isa
 from engine.quant import Linear, WeightFormat, dequantize, pack_q4, pack_q8, resolve_weight_format
 from engine.types import GenerationRequest
-from tests.engine.helpers import greedy, run_all, tiny_engine, tokens_of
+from tests.engine.helpers import compare_one_call_decode, greedy, run_all, tiny_engine, tokens_of
 from tests.tiny_model import make_tiny_model, snap_to_q4_1
 
 CPU = torch.device("cpu")
@@ -172,24 +171,8 @@ def test_a_decode_step_in_one_native_call_gives_the_same_logits_bit_for_bit(
         tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
     )
     engine = tiny_engine(model, quantization="int4")
-    llama = engine.runner.model
-    assert llama.decode_weights is not None
     assert tiny_engine(model, quantization="none").runner.model.decode_weights is None  # float weights
-    forward = type(llama).forward
-    compared: list[bool] = []
-
-    def both(self: Any, batch: Any, kv_caches: Any) -> torch.Tensor:
-        fused = forward(self, batch, kv_caches)
-        if batch.prefills:
-            return fused
-        weights, self.decode_weights = self.decode_weights, None
-        try:
-            compared.append(torch.equal(fused, forward(self, batch, kv_caches)))  # K/V rewritten alike
-        finally:
-            self.decode_weights = weights
-        return fused
-
-    monkeypatch.setattr(type(llama), "forward", both)
+    compared = compare_one_call_decode(engine, monkeypatch)
     # Sequences of different lengths, joining at different steps: decode rows over varied contexts.
     requests = [
         GenerationRequest(f"r{i}", list(range(100 + i, 120 + 7 * i)), greedy(10 + i)) for i in range(4)

@@ -1,0 +1,9 @@
+import runpy, sys
+import engine.lora as lora
+init = lora.LoraWeights.__init__
+def fp32(self, *a, **k):
+    k.pop("compact", None)
+    init(self, *a[:5], compact=False, **k)
+lora.LoraWeights.__init__ = fp32
+sys.argv = ["ab", *sys.argv[1:]]
+runpy.run_path("bench/results/issue26/lora_cpu_ab.py", run_name="__main__")
