@@ -31,6 +31,7 @@ Plans and tenants changed at run time (``tenancy.admin``), merged over the tenan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -65,38 +66,27 @@ def tenant_tag(tenant: str) -> str:
     return "{tenant:" + tenant + "}"
 
 
-def tokens_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":tokens"
+def _tenant_key(suffix: str) -> Callable[[str], str]:
+    """The function that names a tenant's key of one kind: its hash tag, then ``suffix``."""
+
+    def key(tenant: str) -> str:
+        return tenant_tag(tenant) + suffix
+
+    return key
 
 
-def requests_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":requests"
-
-
-def leases_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":leases"
-
-
-def usage_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":usage"
-
-
-def held_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":held"
+tokens_key = _tenant_key(":tokens")
+requests_key = _tenant_key(":requests")
+leases_key = _tenant_key(":leases")
+usage_key = _tenant_key(":usage")
+held_key = _tenant_key(":held")
+ledger_prefix = _tenant_key(":ledger:")  # the ledger's hourly hashes are this plus the hour index
+ledger_hours_key = _tenant_key(":ledger:hours")
 
 
 def budget_key(tenant: str, budget_name: str) -> str:
     """``budget_name``: ``tenancy.billing.Budget.name`` (``tenant.usd``, ``key:ab12.tokens``)."""
     return tenant_tag(tenant) + ":budget:" + budget_name
-
-
-def ledger_prefix(tenant: str) -> str:
-    """The ledger's hourly hashes are this plus the hour index."""
-    return tenant_tag(tenant) + ":ledger:"
-
-
-def ledger_hours_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":ledger:hours"
 
 
 def settled_key(tenant: str, request_id: str) -> str:
