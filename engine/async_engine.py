@@ -31,6 +31,7 @@ from engine.admission import PendingWork
 from engine.config import EngineConfig
 from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
+from engine.loop_thread import LoopThread
 from engine.lora import LoraAdapter
 from engine.types import (
     DuplicateRequestError,
@@ -91,20 +92,17 @@ class RequestStream(AsyncIterator[RequestOutput]):
             self._engine._forget(self.request_id)
 
 
-class AsyncEngine:
+class AsyncEngine(LoopThread):
     def __init__(self, engine: LLMEngine, clock: Callable[[], float] | None = None) -> None:
         """`clock`: for the heartbeat (tests move it by hand); the engine's own by default."""
+        super().__init__("batchgate-engine")
         self.engine = engine
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
         self._incoming: list[GenerationRequest] = []
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
-        self._stopping = False
-        self._dead: BaseException | None = None
         self._stats = engine.stats()
         self._load = engine.load_snapshot()
         self._pending = PendingWork()  # accepted, not yet in the published `_load`
@@ -114,7 +112,6 @@ class AsyncEngine:
         self._beat = self._clock()
         self._idle = True
         self._incoming_since: float | None = None
-        self._thread = threading.Thread(target=self._run, name="batchgate-engine", daemon=True)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -260,11 +257,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
+        self._stop_loop()
         self.engine.close()
 
     # ---- engine thread ------------------------------------------------------------------------

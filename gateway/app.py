@@ -318,20 +318,35 @@ class Gateway:
         return JSONResponse(self.replicas.replicas.snapshot())
 
 
-def batch_routes(gateway: Gateway) -> list[Route]:
-    """The Files and Batches APIs (gateway/files.py, gateway/batches.py)."""
-    files, batches, stored = gateway.files, gateway.batches, gateway.stored
-    return [
-        Route("/v1/files", stored(files.create), methods=["POST"]),
-        Route("/v1/files", stored(files.list_all), methods=["GET"]),
-        Route("/v1/files/{file_id}", stored(files.retrieve), methods=["GET"]),
-        Route("/v1/files/{file_id}", stored(files.delete), methods=["DELETE"]),
-        Route("/v1/files/{file_id}/content", stored(files.content), methods=["GET"]),
-        Route("/v1/batches", stored(batches.create), methods=["POST"]),
-        Route("/v1/batches", stored(batches.list_all), methods=["GET"]),
-        Route("/v1/batches/{batch_id}", stored(batches.retrieve), methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", stored(batches.cancel), methods=["POST"]),
+def stored_routes(gateway: Gateway) -> list[Route]:
+    """The routes over a tenant's stored state: responses, conversations (gateway/responses.py,
+    gateway/conversations.py), files and batches (gateway/files.py, gateway/batches.py); each is
+    authenticated like the model endpoints (`Gateway.stored`)."""
+    r, c, files, batches = gateway.responses, gateway.conversations, gateway.files, gateway.batches
+    table: list[tuple[str, str, Callable[[admission.Caller, Request], Awaitable[Response]]]] = [
+        ("GET", "/v1/responses/{response_id}", r.retrieve),
+        ("DELETE", "/v1/responses/{response_id}", r.delete),
+        ("POST", "/v1/responses/{response_id}/cancel", r.cancel),
+        ("GET", "/v1/responses/{response_id}/input_items", r.input_items),
+        ("POST", "/v1/conversations", c.create),
+        ("GET", "/v1/conversations/{conversation_id}", c.retrieve),
+        ("POST", "/v1/conversations/{conversation_id}", c.update),
+        ("DELETE", "/v1/conversations/{conversation_id}", c.delete),
+        ("GET", "/v1/conversations/{conversation_id}/items", c.list_items),
+        ("POST", "/v1/conversations/{conversation_id}/items", c.add_items),
+        ("GET", "/v1/conversations/{conversation_id}/items/{item_id}", c.get_item),
+        ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}", c.delete_item),
+        ("POST", "/v1/files", files.create),
+        ("GET", "/v1/files", files.list_all),
+        ("GET", "/v1/files/{file_id}", files.retrieve),
+        ("DELETE", "/v1/files/{file_id}", files.delete),
+        ("GET", "/v1/files/{file_id}/content", files.content),
+        ("POST", "/v1/batches", batches.create),
+        ("GET", "/v1/batches", batches.list_all),
+        ("GET", "/v1/batches/{batch_id}", batches.retrieve),
+        ("POST", "/v1/batches/{batch_id}/cancel", batches.cancel),
     ]
+    return [Route(path, gateway.stored(handle), methods=[method]) for method, path, handle in table]
 
 
 def usage_routes(gateway: Gateway) -> list[Route]:
@@ -373,52 +388,7 @@ def create_app(
     )
     routes = [
         *(Route(e.path, gateway.route(e), methods=["POST"]) for e in endpoints.ENDPOINTS),
-        Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.retrieve), methods=["GET"]),
-        Route("/v1/responses/{response_id}", gateway.stored(gateway.responses.delete), methods=["DELETE"]),
-        Route(
-            "/v1/responses/{response_id}/cancel", gateway.stored(gateway.responses.cancel), methods=["POST"]
-        ),
-        Route(
-            "/v1/responses/{response_id}/input_items",
-            gateway.stored(gateway.responses.input_items),
-            methods=["GET"],
-        ),
-        Route("/v1/conversations", gateway.stored(gateway.conversations.create), methods=["POST"]),
-        Route(
-            "/v1/conversations/{conversation_id}",
-            gateway.stored(gateway.conversations.retrieve),
-            methods=["GET"],
-        ),
-        Route(
-            "/v1/conversations/{conversation_id}",
-            gateway.stored(gateway.conversations.update),
-            methods=["POST"],
-        ),
-        Route(
-            "/v1/conversations/{conversation_id}",
-            gateway.stored(gateway.conversations.delete),
-            methods=["DELETE"],
-        ),
-        Route(
-            "/v1/conversations/{conversation_id}/items",
-            gateway.stored(gateway.conversations.list_items),
-            methods=["GET"],
-        ),
-        Route(
-            "/v1/conversations/{conversation_id}/items",
-            gateway.stored(gateway.conversations.add_items),
-            methods=["POST"],
-        ),
-        Route(
-            "/v1/conversations/{conversation_id}/items/{item_id}",
-            gateway.stored(gateway.conversations.get_item),
-            methods=["GET"],
-        ),
-        Route(
-            "/v1/conversations/{conversation_id}/items/{item_id}",
-            gateway.stored(gateway.conversations.delete_item),
-            methods=["DELETE"],
-        ),
+        *stored_routes(gateway),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
@@ -430,7 +400,6 @@ def create_app(
         Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
         Route("/v1/internal/count", gateway.internal_count, methods=["POST"]),
         *usage_routes(gateway),
-        *batch_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
         *gateway.loras.routes(),
     ]

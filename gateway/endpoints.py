@@ -8,7 +8,8 @@ temperature, stream}` and nothing else, answered exactly as a completion (a repl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
@@ -28,16 +29,43 @@ from gateway.responses_request import (
 from gateway.telemetry import ChatSpan
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping
+    from collections.abc import AsyncIterator, Callable, Mapping
 
     from tenancy.tokens import TokenCounter
+
+_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, ResponsesRequest)
 
 # Reserved against the tenant when a relayed chat request names no max_tokens (no model here to
 # say how much context is left); settlement refunds what was not used.
 DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
+# Each endpoint's parser returns its own request model; this narrows the union to it.
+def _as(kind: type[_Request], req: APIRequest) -> _Request:
+    assert isinstance(req, kind)
+    return req
+
+
 # -- spans -------------------------------------------------------------------------------------
+
+
+def _chat_span(
+    work: Work,
+    req: ChatCompletionRequest | CompletionRequest | ResponsesRequest,
+    max_tokens: int | None,
+    messages: list[object],
+) -> ChatSpan:
+    """The GenAI span of a generation: the request's sampling parameters and its messages."""
+    return ChatSpan(
+        work.endpoint.operation,
+        work.model,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tenant=work.caller.name,
+        priority=work.caller.priority.name.lower(),
+        messages=messages,
+    )
 
 
 def _generation_span(work: Work) -> ChatSpan:
@@ -48,70 +76,35 @@ def _generation_span(work: Work) -> ChatSpan:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
     else:
         messages = list(req.prompt)
-    return ChatSpan(
-        work.endpoint.operation,
-        work.model,
-        max_tokens=req.requested_max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        tenant=work.caller.name,
-        priority=work.caller.priority.name.lower(),
-        messages=messages,
-    )
+    return _chat_span(work, req, req.requested_max_tokens, messages)
 
 
 def _responses_span(work: Work) -> ChatSpan:
-    req = _responses(work.request)
+    req = _as(ResponsesRequest, work.request)
     messages: list[object] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += [item.model_dump(exclude_none=True) for item in req.input]
-    return ChatSpan(
-        work.endpoint.operation,
-        work.model,
-        max_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        tenant=work.caller.name,
-        priority=work.caller.priority.name.lower(),
-        messages=messages,
-    )
+    return _chat_span(work, req, req.max_output_tokens, messages)
 
 
 def _embeddings_span(work: Work) -> ChatSpan:
-    assert isinstance(work.request, EmbeddingsRequest)
-    return embeddings.span(work.model, work.caller, work.request)
-
-
-# Each endpoint's parser returns its own request model; these narrow the union to it.
-def _chat(req: APIRequest) -> ChatCompletionRequest:
-    assert isinstance(req, ChatCompletionRequest)
-    return req
-
-
-def _completion(req: APIRequest) -> CompletionRequest:
-    assert isinstance(req, CompletionRequest)
-    return req
-
-
-def _responses(req: APIRequest) -> ResponsesRequest:
-    assert isinstance(req, ResponsesRequest)
-    return req
+    return embeddings.span(work.model, work.caller, _as(EmbeddingsRequest, work.request))
 
 
 # -- plans on the in-process engine (gateway/local.py) ------------------------------------------
 
 
 async def _plan_chat(backend: LocalPlanner, work: Work) -> Plan:
-    return await backend.plan_chat(work, _chat(work.request), param="messages")
+    return await backend.plan_chat(work, _as(ChatCompletionRequest, work.request), param="messages")
 
 
 async def _plan_completion(backend: LocalPlanner, work: Work) -> Plan:
-    return await backend.plan_completion(work, _completion(work.request))
+    return await backend.plan_completion(work, _as(CompletionRequest, work.request))
 
 
 async def _plan_response(backend: LocalPlanner, work: Work) -> Plan:
     """A Responses request is planned as the chat request it renders, with its own output plan
     (custom tools, its field names); truncation "auto" drops the oldest items until it fits."""
-    req = _responses(work.request)
+    req = _as(ResponsesRequest, work.request)
     while True:
         try:
             chat = to_chat(req)
@@ -126,38 +119,32 @@ async def _plan_response(backend: LocalPlanner, work: Work) -> Plan:
 
 
 async def _plan_input_tokens(backend: LocalPlanner, work: Work) -> Plan:
-    return await backend.plan_count(to_chat(_responses(work.request)))
+    return await backend.plan_count(to_chat(_as(ResponsesRequest, work.request)))
 
 
 # -- answers from the in-process engine's outputs -----------------------------------------------
 
 
-def _chat_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
-    return generation.chat_events(outputs, job)
-
-
-def _chat_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
-    return generation.chat_body(job, choices)
-
-
-def _completion_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
-    return generation.completion_events(outputs, job)
-
-
-def _completion_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
-    return generation.completion_body(job, choices)
-
-
 def _response_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
-    return responses_output.response_events(_responses(req), outputs, job)
+    return responses_output.response_events(_as(ResponsesRequest, req), outputs, job)
 
 
 def _response_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
-    return responses_output.response_body(_responses(req), job, choices[0])
+    return responses_output.response_body(_as(ResponsesRequest, req), job, choices[0])
 
 
-CHAT_ANSWER = Answer(_chat_events, _chat_body)
-COMPLETION_ANSWER = Answer(_completion_events, _completion_body)
+def _answer_of_job(
+    events: Callable[[Outputs, Job], AsyncIterator[bytes]],
+    body: Callable[[Job, list[responses.Choice]], Mapping[str, object]],
+) -> Answer:
+    """The answer of an endpoint whose reply depends on the job only, not on the request model."""
+    return Answer(
+        lambda req, outputs, job: events(outputs, job), lambda req, job, choices: body(job, choices)
+    )
+
+
+CHAT_ANSWER = _answer_of_job(generation.chat_events, generation.chat_body)
+COMPLETION_ANSWER = _answer_of_job(generation.completion_events, generation.completion_body)
 RESPONSE_ANSWER = Answer(_response_events, _response_body)
 
 
@@ -165,14 +152,14 @@ RESPONSE_ANSWER = Answer(_response_events, _response_body)
 
 
 async def _hold_chat(work: Work, counter: TokenCounter) -> RelayHold:
-    req = _chat(work.request)
+    req = _as(ChatCompletionRequest, work.request)
     num_prompt = await anyio.to_thread.run_sync(counter.count_messages, work.body["messages"])
     per_choice = req.requested_max_tokens or DEFAULT_CHAT_MAX_TOKENS
     return RelayHold(num_prompt, per_choice * req.num_choices, per_choice)
 
 
 async def _hold_completion(work: Work, counter: TokenCounter) -> RelayHold:
-    req = _completion(work.request)
+    req = _as(CompletionRequest, work.request)
     prompts = req.prompt
 
     def count() -> int:
@@ -184,7 +171,7 @@ async def _hold_completion(work: Work, counter: TokenCounter) -> RelayHold:
 
 
 async def _hold_response(work: Work, counter: TokenCounter) -> RelayHold:
-    req = _responses(work.request)
+    req = _as(ResponsesRequest, work.request)
     chat = to_chat(req)  # what the replica renders; a 400 here, before admission, as there
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]
     num_prompt = await anyio.to_thread.run_sync(counter.count_messages, messages)
@@ -193,8 +180,7 @@ async def _hold_response(work: Work, counter: TokenCounter) -> RelayHold:
 
 
 async def _hold_embeddings(work: Work, counter: TokenCounter) -> RelayHold:
-    req = work.request
-    assert isinstance(req, EmbeddingsRequest)
+    req = _as(EmbeddingsRequest, work.request)
     num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, counter)
     return RelayHold(num_prompt, 0)
 
@@ -223,18 +209,8 @@ COMPLETIONS = Endpoint(
     answer=COMPLETION_ANSWER,
     relay_hold=_hold_completion,
 )
-GENERATE = Endpoint(
-    path="/v1/generate",
-    upstream_path="/v1/completions",
-    task=Task.GENERATE,
-    operation="text_completion",
-    id_prefix="cmpl",
-    parse=protocol.parse_generate_request,
-    span=_generation_span,
-    plan_local=_plan_completion,
-    answer=COMPLETION_ANSWER,
-    relay_hold=_hold_completion,
-)
+# The seed-style alias (see the module docstring): a completion in all but its path and parser.
+GENERATE = dataclasses.replace(COMPLETIONS, path="/v1/generate", parse=protocol.parse_generate_request)
 EMBEDDINGS = Endpoint(
     path="/v1/embeddings",
     upstream_path="/v1/embeddings",

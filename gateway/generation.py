@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -250,62 +250,67 @@ def _chunk_encoder(job: Job, build: Callable[..., Mapping[str, object]]) -> Call
     return chunk
 
 
-async def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
     then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
     started = [False] * job.num_choices
-    num_output_tokens = [0] * job.num_choices
     parsers = [tools.ToolCallParser() for _ in range(job.num_choices)] if job.parse_tool_calls else None
 
-    chunk = _chunk_encoder(job, responses.chat_chunk)
+    def chunks(index: int, out: RequestOutput) -> Iterator[Sequence[schemas.ChatCompletionChunkChoice]]:
+        if not started[index]:
+            started[index] = True
+            yield [responses.chat_delta(index, {"role": "assistant", "content": "", "refusal": None})]
+        logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
+        deltas: list[schemas.ChatCompletionDelta]
+        if parsers is None:
+            deltas = [{"content": out.new_text}] if out.new_text else []
+        else:  # text and tool-call deltas, as OpenAI streams them
+            deltas = parsers[index].feed(out.new_text, final=out.finished)
+        if not deltas and job.logprobs and out.logprobs:
+            deltas = [{"content": ""}]
+        for k, delta in enumerate(deltas):
+            yield [responses.chat_delta(index, delta, logprobs=logprobs if k == 0 else None)]
+        if out.finished:
+            reason: schemas.ChatFinishReason | None = responses.finish_reason_of(out)
+            if parsers is not None:
+                reason = _with_calls(reason, parsers[index].num_calls)
+            yield [responses.chat_delta(index, {}, finish_reason=reason)]
 
-    try:
-        async for index, out in outputs:
-            error = item_error((index, out))
-            if error is not None:
-                yield sse_error_event(error)
-                break
-            if not started[index]:
-                started[index] = True
-                yield chunk(
-                    [responses.chat_delta(index, {"role": "assistant", "content": "", "refusal": None})]
-                )
-            num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
-            job.observe(out)
-            job.on_usage(sum(num_output_tokens))
-            logprobs = responses.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
-            deltas: list[schemas.ChatCompletionDelta]
-            if parsers is None:
-                deltas = [{"content": out.new_text}] if out.new_text else []
-            else:  # text and tool-call deltas, as OpenAI streams them
-                deltas = parsers[index].feed(out.new_text, final=out.finished)
-            if not deltas and job.logprobs and out.logprobs:
-                deltas = [{"content": ""}]
-            for k, delta in enumerate(deltas):
-                yield chunk([responses.chat_delta(index, delta, logprobs=logprobs if k == 0 else None)])
-            if out.finished:
-                reason: schemas.ChatFinishReason | None = responses.finish_reason_of(out)
-                if parsers is not None:
-                    reason = _with_calls(reason, parsers[index].num_calls)
-                yield chunk([responses.chat_delta(index, {}, finish_reason=reason)])
-        else:
-            if job.include_usage or job.report_usage:
-                yield chunk(
-                    [], responses.usage(job.num_prompt_tokens, sum(num_output_tokens), job.num_cached_tokens)
-                )
-    except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
-        yield sse_error_event(error_of(exc))
-    yield DONE
+    return _events(outputs, job, responses.chat_chunk, chunks)
 
 
-async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     """`text_completion` chunks (one choice each), the usage chunk (include_usage), `[DONE]`."""
     echoed = [not job.echo_prefixes] * job.num_choices
     text_offsets = [len(p) for p in job.echo_prefixes] if job.echo_prefixes else [0] * job.num_choices
+
+    def chunks(index: int, out: RequestOutput) -> Iterator[Sequence[schemas.CompletionChoice]]:
+        text = out.new_text
+        if not echoed[index]:
+            echoed[index] = True
+            text = job.echo_prefixes[index] + text
+        logprobs = None
+        if job.logprobs:
+            logprobs = responses.completion_logprobs(job.tokenizer, out.logprobs, text_offsets[index])
+        text_offsets[index] += len(out.new_text)
+        if text or out.finished or logprobs:
+            finish_reason = responses.finish_reason_of(out)
+            yield [responses.completion_choice(index, text, finish_reason=finish_reason, logprobs=logprobs)]
+
+    return _events(outputs, job, responses.text_completion, chunks)
+
+
+async def _events(
+    outputs: Outputs,
+    job: Job,
+    build: Callable[..., Mapping[str, object]],
+    chunks: Callable[[int, RequestOutput], Iterable[Sequence[Mapping[str, object]]]],
+) -> AsyncIterator[bytes]:
+    """One stream's SSE events: per output, a chunk `build` makes of each choice list `chunks`
+    gives; then the usage chunk (include_usage, or a gateway in front asked) and `[DONE]`. An error
+    output or exception ends it with an error event."""
     num_output_tokens = [0] * job.num_choices
-
-    chunk = _chunk_encoder(job, responses.text_completion)
-
+    chunk = _chunk_encoder(job, build)
     try:
         async for index, out in outputs:
             error = item_error((index, out))
@@ -315,22 +320,8 @@ async def completion_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
             num_output_tokens[index] = max(num_output_tokens[index], out.num_output_tokens)
             job.observe(out)
             job.on_usage(sum(num_output_tokens))
-            text = out.new_text
-            if not echoed[index]:
-                echoed[index] = True
-                text = job.echo_prefixes[index] + text
-            logprobs = None
-            if job.logprobs:
-                logprobs = responses.completion_logprobs(job.tokenizer, out.logprobs, text_offsets[index])
-            text_offsets[index] += len(out.new_text)
-            if text or out.finished or logprobs:
-                yield chunk(
-                    [
-                        responses.completion_choice(
-                            index, text, finish_reason=responses.finish_reason_of(out), logprobs=logprobs
-                        )
-                    ]
-                )
+            for choices in chunks(index, out):
+                yield chunk(choices)
         else:
             if job.include_usage or job.report_usage:
                 yield chunk(

@@ -51,9 +51,10 @@ any other client-controlled string.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,8 @@ BATCH_LINE_STATUSES = ("completed", "failed", "expired", "cancelled", "insuffici
 # The endpoints that run a model: counted by status, waited for and refused by a drain.
 MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/generate", "/v1/embeddings")
 STEP_STAGES = tuple(stage.value for stage in StepStage)
+# What a scrape reads for the engine when there is none (gateway-only mode, or while it loads).
+_NO_ENGINE = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0)  # every count 0
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _BATCH_INPUT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 100, 128, 256, 512)
@@ -111,58 +114,79 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         engine = self._engine_of() if self._engine_of is not None else None
         stats = engine.stats() if engine is not None else None
-        running = GaugeMetricFamily(
-            "batchgate_requests_running", "Requests running in the engine", labels=["priority"]
-        )
-        waiting = GaugeMetricFamily(
-            "batchgate_requests_waiting", "Requests waiting to start in the engine", labels=["priority"]
-        )
-        for priority in PRIORITIES:
-            running.add_metric([priority], _by_priority(stats.running_by_priority, priority) if stats else 0)
-            waiting.add_metric([priority], _by_priority(stats.waiting_by_priority, priority) if stats else 0)
-        kv = GaugeMetricFamily("batchgate_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use")
-        batch = GaugeMetricFamily("batchgate_batch_size", "Sequences in the last engine step")
-        preemptions = CounterMetricFamily("batchgate_preemptions", "Sequences preempted by the engine")
-        queries = CounterMetricFamily(
-            "batchgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission"
-        )
-        hits = CounterMetricFamily("batchgate_prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        if stats is not None:
-            total = stats.num_total_blocks or 1
-            kv.add_metric([], (stats.num_total_blocks - stats.num_free_blocks) / total)
-            batch.add_metric([], stats.last_batch_size)
-            preemptions.add_metric([], stats.num_preemptions)
-            queries.add_metric([], stats.prefix_cache_queried_tokens)
-            hits.add_metric([], stats.prefix_cache_hit_tokens)
-        else:
-            kv.add_metric([], 0.0)
-            batch.add_metric([], 0)
-            preemptions.add_metric([], 0)
-            queries.add_metric([], 0)
-            hits.add_metric([], 0)
+        shown = stats or _NO_ENGINE
+        families: list[Metric] = []
+        for name, doc, by_priority in (
+            ("batchgate_requests_running", "Requests running in the engine", shown.running_by_priority),
+            (
+                "batchgate_requests_waiting",
+                "Requests waiting to start in the engine",
+                shown.waiting_by_priority,
+            ),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["priority"])
+            for priority in PRIORITIES:
+                family.add_metric([priority], by_priority.get(priority, 0))
+            families.append(family)
+        num_used_blocks = shown.num_total_blocks - shown.num_free_blocks
+        families += [
+            _gauge(
+                "batchgate_kv_cache_usage_ratio",
+                "Fraction of KV-cache blocks in use",
+                num_used_blocks / (shown.num_total_blocks or 1),
+            ),
+            _gauge("batchgate_batch_size", "Sequences in the last engine step", shown.last_batch_size),
+            _count("batchgate_preemptions", "Sequences preempted by the engine", shown.num_preemptions),
+            _count(
+                "batchgate_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache at admission",
+                shown.prefix_cache_queried_tokens,
+            ),
+            _count(
+                "batchgate_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                shown.prefix_cache_hit_tokens,
+            ),
+        ]
         refusals = CounterMetricFamily("batchgate_refusals", "Requests refused, by reason", labels=["reason"])
         counts = dict(self._metrics.refusals)
-        if stats is not None:
-            # The engine's own deadline refusals (at arrival and in the queue) are "deadline".
-            counts["deadline"] += sum(stats.refusals_by_reason.values())
+        # The engine's own deadline refusals (at arrival and in the queue) are "deadline".
+        counts["deadline"] += sum(shown.refusals_by_reason.values())
         for reason in REFUSAL_REASONS:
             refusals.add_metric([reason], counts[reason])
-        families = [running, waiting, kv, batch, preemptions, queries, hits, refusals]
+        families.append(refusals)
         if self._engine_of is not None:
             families += _liveness(engine, stats)
         return families
 
 
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    """A gauge family of one unlabelled value, read at scrape time."""
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _count(name: str, doc: str, value: float) -> CounterMetricFamily:
+    """A counter family of one unlabelled value, read at scrape time."""
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
 def _liveness(engine: EngineClient | None, stats: EngineStats | None) -> list[Metric]:
     """Whether the engine loop runs, how long it has been stuck, and its contained step failures."""
     health = engine.health() if engine is not None else None
-    up = GaugeMetricFamily("batchgate_engine_up", "1 while the engine loop runs; 0 dead, stopped or loading")
-    up.add_metric([], 1 if health is not None and health.alive else 0)
-    stalled = GaugeMetricFamily(
+    up = _gauge(
+        "batchgate_engine_up",
+        "1 while the engine loop runs; 0 dead, stopped or loading",
+        1 if health is not None and health.alive else 0,
+    )
+    stalled = _gauge(
         "batchgate_engine_stalled_seconds",
         "Seconds since the engine's last step while work waits (0 when idle)",
+        health.stalled_s if health is not None else 0.0,
     )
-    stalled.add_metric([], health.stalled_s if health is not None else 0.0)
     failures = CounterMetricFamily(
         "batchgate_engine_step_failures",
         "Engine step failures contained (the sequences concerned ended with an error), by stage",
@@ -182,24 +206,21 @@ class _GatewayCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         state = self._metrics.state
-        draining = GaugeMetricFamily("batchgate_draining", "1 while the server drains before exiting")
-        draining.add_metric([], 1 if state.draining() else 0)
-        out: list[Metric] = [draining]
+        draining = 1 if state.draining() else 0
+        out: list[Metric] = [
+            _gauge("batchgate_draining", "1 while the server drains before exiting", draining)
+        ]
         redis_up = state.redis_up()
         if redis_up is not None:
-            gauge = GaugeMetricFamily("batchgate_redis_up", "1 if the last call reached Redis, else 0")
-            gauge.add_metric([], 1 if redis_up else 0)
-            out.append(gauge)
+            up = 1 if redis_up else 0
+            out.append(_gauge("batchgate_redis_up", "1 if the last call reached Redis, else 0", up))
         upstreams = state.upstreams()
         if upstreams is not None:
             healthy, total = upstreams
-            total_gauge = GaugeMetricFamily("batchgate_upstreams", "Engine replicas configured")
-            total_gauge.add_metric([], total)
-            healthy_gauge = GaugeMetricFamily(
-                "batchgate_upstreams_healthy", "Engine replicas healthy (routed to)"
-            )
-            healthy_gauge.add_metric([], healthy)
-            out += [total_gauge, healthy_gauge]
+            out += [
+                _gauge("batchgate_upstreams", "Engine replicas configured", total),
+                _gauge("batchgate_upstreams_healthy", "Engine replicas healthy (routed to)", healthy),
+            ]
         use = state.budget_use
         if use is not None:
             families = [
@@ -241,8 +262,24 @@ class GatewayState:
     budget_use_read_at: float = float("-inf")
 
 
-def _by_priority(counts: dict[str, int], priority: str) -> int:
-    return counts.get(priority, 0)
+def _plan(plan: str) -> str:
+    """A plan's label: its name when it is one of PLANS, else "open" (labels come from bounded sets)."""
+    return plan if plan in PLANS else "open"
+
+
+def _histogram(
+    registry: CollectorRegistry, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
+) -> Histogram:
+    return Histogram(name, doc, buckets=buckets, registry=registry)
+
+
+def _counter(registry: CollectorRegistry, name: str, doc: str, **labels: Sequence[str]) -> Counter:
+    """A counter whose every series (each combination of the labels' values) exists at 0 from the start."""
+    counter = Counter(name, doc, list(labels), registry=registry)
+    if labels:
+        for values in itertools.product(*labels.values()):
+            counter.labels(*values)
+    return counter
 
 
 class Metrics:
@@ -252,64 +289,60 @@ class Metrics:
     def __init__(self, engine_of: Callable[[], EngineClient | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram(
-            "batchgate_time_to_first_token_seconds",
-            "Seconds from submit to the first output token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = _histogram(
+            r, "batchgate_time_to_first_token_seconds", "Seconds from submit to the first output token"
         )
-        self.itl = Histogram(
+        self.itl = _histogram(
+            r,
             "batchgate_inter_token_latency_seconds",
             "Seconds between consecutive outputs of one choice",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+            _TOKEN_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = _histogram(
+            r,
             "batchgate_e2e_request_latency_seconds",
             "Seconds from request arrival to the end of the response (model endpoints)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.queue_time = Histogram(
+        self.queue_time = _histogram(
+            r,
             "batchgate_queue_time_seconds",
             "Seconds a request waited before it started (approximated by submit -> first output)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.tokens = Counter(
+        self.tokens = _counter(
+            r,
             "batchgate_tokens",
             "Tokens in (prompt) and out (completion), by plan",
-            ["direction", "plan"],
-            registry=r,
+            direction=("in", "out"),
+            plan=PLANS,
         )
-        self.requests = Counter(
-            "batchgate_requests", "Generation requests answered, by status class", ["code"], registry=r
+        self.requests = _counter(
+            r, "batchgate_requests", "Generation requests answered, by status class", code=CODE_CLASSES
         )
-        self.spend = Counter(
-            "batchgate_spend_micros",
-            "Micro-dollars settled at the configured prices, by plan",
-            ["plan"],
-            registry=r,
+        self.spend = _counter(
+            r, "batchgate_spend_micros", "Micro-dollars settled at the configured prices, by plan", plan=PLANS
         )
-        self.soft_crossings = Counter(
+        self.soft_crossings = _counter(
+            r,
             "batchgate_budget_soft_crossings",
             "Budgets whose soft threshold a settlement crossed (once per window), by plan and metric",
-            ["plan", "metric"],
-            registry=r,
+            plan=PLANS,
+            metric=BUDGET_METRICS,
         )
-        self.budget_refusals = Counter(
+        self.budget_refusals = _counter(
+            r,
             "batchgate_budget_refusals",
             "Requests a hard budget refused (429 insufficient_quota), by plan, metric and scope",
-            ["plan", "metric", "scope"],
-            registry=r,
+            plan=PLANS,
+            metric=BUDGET_METRICS,
+            scope=BUDGET_SCOPES,
         )
-        self.response_evictions = Counter(
+        self.response_evictions = _counter(
+            r,
             "batchgate_response_store_evictions",
             "Stored responses evicted (least recently used first) to keep the store within its bound",
-            registry=r,
         )
-        self.batch_lines = Counter(
-            "batchgate_batch_lines", "Batch API lines ended, by status", ["status"], registry=r
+        self.batch_lines = _counter(
+            r, "batchgate_batch_lines", "Batch API lines ended, by status", status=BATCH_LINE_STATUSES
         )
         self.batch_in_flight = Gauge(
             "batchgate_batch_lines_in_flight", "Batch API lines running now", registry=r
@@ -317,42 +350,23 @@ class Metrics:
         self.batch_queued = Gauge(
             "batchgate_batch_lines_queued", "Lines of running batches not yet started", registry=r
         )
-        self.embedding_batch_inputs = Histogram(
-            "batchgate_embedding_batch_inputs",
-            "Inputs per embedding model call",
-            buckets=_BATCH_INPUT_BUCKETS,
-            registry=r,
+        self.embedding_batch_inputs = _histogram(
+            r, "batchgate_embedding_batch_inputs", "Inputs per embedding model call", _BATCH_INPUT_BUCKETS
         )
-        self.embedding_batch_tokens = Histogram(
+        self.embedding_batch_tokens = _histogram(
+            r,
             "batchgate_embedding_batch_tokens",
             "Padded tokens (inputs x the longest) per embedding model call",
-            buckets=_BATCH_TOKEN_BUCKETS,
-            registry=r,
+            _BATCH_TOKEN_BUCKETS,
         )
-        self.embedding_queue_wait = Histogram(
+        self.embedding_queue_wait = _histogram(
+            r,
             "batchgate_embedding_queue_wait_seconds",
             "Seconds each embedding input waited from arrival to its model call",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.embedding_model_time = Histogram(
-            "batchgate_embedding_model_seconds",
-            "Seconds per embedding model call",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.embedding_model_time = _histogram(
+            r, "batchgate_embedding_model_seconds", "Seconds per embedding model call"
         )
-        for plan in PLANS:
-            self.spend.labels(plan)
-            for direction in ("in", "out"):
-                self.tokens.labels(direction, plan)
-            for metric in BUDGET_METRICS:
-                self.soft_crossings.labels(plan, metric)
-                for scope in BUDGET_SCOPES:
-                    self.budget_refusals.labels(plan, metric, scope)
-        for code in CODE_CLASSES:
-            self.requests.labels(code)
-        for status in BATCH_LINE_STATUSES:
-            self.batch_lines.labels(status)
         self.refusals: dict[str, int] = {reason: 0 for reason in REFUSAL_REASONS}
         r.register(_EngineCollector(self, engine_of))
         self.state = GatewayState()
@@ -365,7 +379,7 @@ class Metrics:
         self.response_evictions.inc(num_responses)
 
     def count_tokens(self, plan: str, num_in: int, num_out: int) -> None:
-        plan = plan if plan in PLANS else "open"
+        plan = _plan(plan)
         if num_in:
             self.tokens.labels("in", plan).inc(num_in)
         if num_out:
@@ -373,15 +387,15 @@ class Metrics:
 
     def count_spend(self, plan: str, micros: int) -> None:
         if micros:
-            self.spend.labels(plan if plan in PLANS else "open").inc(micros)
+            self.spend.labels(_plan(plan)).inc(micros)
 
     def soft_crossed(self, plan: str, metric: str) -> None:
         if metric in BUDGET_METRICS:
-            self.soft_crossings.labels(plan if plan in PLANS else "open", metric).inc()
+            self.soft_crossings.labels(_plan(plan), metric).inc()
 
     def budget_refused(self, plan: str, metric: str, scope: str) -> None:
         if metric in BUDGET_METRICS and scope in BUDGET_SCOPES:
-            self.budget_refusals.labels(plan if plan in PLANS else "open", metric, scope).inc()
+            self.budget_refusals.labels(_plan(plan), metric, scope).inc()
 
     def observe_embedding_batch(self, record: BatchRecord) -> None:
         """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""

@@ -90,14 +90,19 @@ def _opt(
     help: str,
     *,
     flag: str | None = None,
-    env: str | None = None,
     choices: tuple[str, ...] = (),
     multi: bool = False,
 ) -> Any:
     return field(
         default=default,
-        metadata={"parse": parse, "help": help, "flag": flag, "env": env, "choices": choices, "multi": multi},
+        metadata={"parse": parse, "help": help, "flag": flag, "choices": choices, "multi": multi},
     )
+
+
+def _repeatable(parse: Callable[[str], tuple[str, ...]], help: str) -> Any:
+    """A list setting (default empty): its flag, repeatable, names one value (the field's name in
+    the singular, `--upstream`); its variable takes a comma-separated list (`BATCHGATE_UPSTREAMS`)."""
+    return _opt((), parse, help, multi=True)
 
 
 # An engine setting's parser, by its field's type (engine/config.py declares a `unit` where the type
@@ -129,7 +134,6 @@ def _engine(name: str) -> Any:
             "parse": parse,
             "help": meta["help"],
             "flag": meta["flag"],
-            "env": None,
             "choices": meta["choices"],
             "multi": False,
             "engine_field": name,
@@ -259,34 +263,22 @@ class Settings:
         "(`batchgate keys hash`); without it those routes answer 401",
     )
     keep_alive_s: float = _opt(15.0, _float, "seconds between SSE keep-alive comments", flag="--keep-alive")
-    loras: tuple[str, ...] = _opt(
-        (),
+    loras: tuple[str, ...] = _repeatable(
         _loras,
         "a public LoRA adapter of the chat model, NAME=PATH of a PEFT folder (repeatable; the variable "
         "takes a comma-separated list), served as model NAME; tenant-owned ones: the models file's [[loras]]",
-        flag="--lora",
-        env="BATCHGATE_LORAS",
-        multi=True,
     )
     max_loras: int = _engine("max_loras")
-    upstreams: tuple[str, ...] = _opt(
-        (),
+    upstreams: tuple[str, ...] = _repeatable(
         _urls,
         "gateway-only mode: an engine replica's base URL (repeatable; the variable takes a comma-separated "
         "list); no local model is loaded",
-        flag="--upstream",
-        env="BATCHGATE_UPSTREAMS",
-        multi=True,
     )
-    long_prompt_upstreams: tuple[str, ...] = _opt(
-        (),
+    long_prompt_upstreams: tuple[str, ...] = _repeatable(
         _urls,
         "gateway-only mode: an engine replica reserved for prompts over --long-prompt-threshold "
         "(repeatable; the variable takes a comma-separated list); the --upstream replicas get the "
         "others; either set takes the other's prompts when none of its own replicas is healthy",
-        flag="--long-prompt-upstream",
-        env="BATCHGATE_LONG_PROMPT_UPSTREAMS",
-        multi=True,
     )
     long_prompt_threshold: int = _opt(
         1024,
@@ -621,8 +613,10 @@ def option_specs() -> list[OptionSpec]:
     """One row per setting: field name, flag, environment variable, parser, help, default."""
     specs = []
     for f in dataclasses.fields(Settings):
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        env = f.metadata.get("env") or ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        multi = f.metadata.get("multi", False)
+        # A repeatable flag names one value (`--lora`); its variable, the list (`BATCHGATE_LORAS`).
+        flag = f.metadata.get("flag") or "--" + f.name.removesuffix("s" if multi else "").replace("_", "-")
+        env = ENV_PREFIX + (f.name if multi else flag.removeprefix("--").replace("-", "_")).upper()
         specs.append(
             OptionSpec(
                 f.name,
@@ -632,7 +626,7 @@ def option_specs() -> list[OptionSpec]:
                 f.metadata["help"],
                 f.default,
                 f.metadata["choices"],
-                f.metadata.get("multi", False),
+                multi,
             )
         )
     return specs

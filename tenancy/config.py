@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -219,6 +219,25 @@ def _table(value: object, path: str) -> dict[str, Any]:
     return cast(dict[str, Any], value)
 
 
+def _check_fields(
+    table: Mapping[str, Any],
+    path: str,
+    allowed: set[str],
+    required: Iterable[str] = (),
+    *,
+    unknown_note: str = "",
+    missing_note: str = "",
+) -> None:
+    """That ``table`` has only ``allowed`` fields and each ``required`` one; else the error naming
+    the first field at fault (the notes end its message)."""
+    unknown = set(table) - allowed
+    if unknown:
+        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field{unknown_note}")
+    for key in required:
+        if key not in table:
+            raise TenancyConfigError(f"{path}.{key}: missing{missing_note}")
+
+
 def _check_name(name: str, path: str) -> None:
     if not NAME_PATTERN.match(name):
         raise TenancyConfigError(
@@ -230,12 +249,7 @@ def _parse_plan(name: str, body: object) -> Plan:
     path = f"plans.{name}"
     _check_name(name, path)
     table = _table(body, path)
-    unknown = set(table) - _PLAN_FIELDS
-    if unknown:
-        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field")
-    for key in sorted(_PLAN_REQUIRED):
-        if key not in table:
-            raise TenancyConfigError(f"{path}.{key}: missing")
+    _check_fields(table, path, _PLAN_FIELDS, sorted(_PLAN_REQUIRED))
 
     priority = table["priority"]
     if priority not in PRIORITIES:
@@ -272,11 +286,7 @@ def _parse_tenant(
     path = f"tenants.{name}"
     _check_name(name, path)
     table = _table(body, path)
-    unknown = set(table) - _TENANT_FIELDS
-    if unknown:
-        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field")
-    if "plan" not in table:
-        raise TenancyConfigError(f"{path}.plan: missing")
+    _check_fields(table, path, _TENANT_FIELDS, ("plan",))
     plan_name = table["plan"]
     if not isinstance(plan_name, str):
         raise TenancyConfigError(f"{path}.plan: must be a plan name (string), got {plan_name!r}")
@@ -390,9 +400,7 @@ def key_budgets(table: Mapping[str, Any], key_id: str) -> tuple[Budget, ...]:
     """The budgets of one API key, from its ``budget_*`` fields (as a tenant's); scope
     ``key:<key id>``. Raises TenancyConfigError naming the field."""
     path = f"keys.{key_id}"
-    unknown = set(table) - _BUDGET_FIELDS
-    if unknown:
-        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field (budget_* fields only)")
+    _check_fields(table, path, _BUDGET_FIELDS, unknown_note=" (budget_* fields only)")
     fields = _budget_fields(table, path, f"key {key_id}")
     budgets = _budgets(fields, path, _both(f"key {key_id}"))
     return tuple(
@@ -404,12 +412,7 @@ def key_budgets(table: Mapping[str, Any], key_id: str) -> tuple[Budget, ...]:
 def _parse_price(model: str, body: object) -> Price:
     path = f'prices."{model}"'
     table = _table(body, path)
-    unknown = set(table) - _PRICE_FIELDS
-    if unknown:
-        raise TenancyConfigError(f"{path}.{sorted(unknown)[0]}: unknown field")
-    for key in ("input", "output"):
-        if key not in table:
-            raise TenancyConfigError(f"{path}.{key}: missing (USD per 1M tokens)")
+    _check_fields(table, path, _PRICE_FIELDS, ("input", "output"), missing_note=" (USD per 1M tokens)")
     try:
         values = {
             key: micros_of(_number(table, key, path), f"{path}.{key}")

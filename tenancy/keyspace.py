@@ -35,6 +35,7 @@ Plans, tenants and prices changed at run time (``tenancy.admin``), merged over t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -87,26 +88,24 @@ def leases_key(tenant: str, batch: bool = False) -> str:
     return _lane(tenant, batch) + "leases"
 
 
-def usage_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":usage"
+def _tenant_key(suffix: str) -> Callable[[str], str]:
+    """The function that names a tenant's key of one kind: its hash tag, then ``suffix``."""
+
+    def key(tenant: str) -> str:
+        return tenant_tag(tenant) + suffix
+
+    return key
 
 
-def held_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":held"
+usage_key = _tenant_key(":usage")
+held_key = _tenant_key(":held")
+ledger_prefix = _tenant_key(":ledger:")  # the ledger's hourly hashes are this plus the hour index
+ledger_hours_key = _tenant_key(":ledger:hours")
 
 
 def budget_key(tenant: str, budget_name: str) -> str:
     """``budget_name``: ``tenancy.billing.Budget.name`` (``tenant.usd``, ``key:ab12.tokens``)."""
     return tenant_tag(tenant) + ":budget:" + budget_name
-
-
-def ledger_prefix(tenant: str) -> str:
-    """The ledger's hourly hashes are this plus the hour index."""
-    return tenant_tag(tenant) + ":ledger:"
-
-
-def ledger_hours_key(tenant: str) -> str:
-    return tenant_tag(tenant) + ":ledger:hours"
 
 
 def settled_key(tenant: str, request_id: str) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.admission import DEADLINE_MARGIN
+from engine.loop_thread import LoopThread
 from engine.types import (
     DuplicateRequestError,
     EngineDeadError,
@@ -403,7 +404,7 @@ class BatcherStats:
     refusals_by_reason: dict[str, int] = field(default_factory=dict)
 
 
-class EmbeddingBatcher:
+class EmbeddingBatcher(LoopThread):
     """Runs a `BatchPolicy` over a model on its own thread; asyncio callers `await embed(...)`.
 
     `on_batch(record)` is called on the batcher thread after every model call, before its
@@ -428,6 +429,7 @@ class EmbeddingBatcher:
     ) -> None:
         if (model is None) == (build is None):
             raise TypeError("EmbeddingBatcher needs a model or a build function, not both")
+        super().__init__("batchgate-embeddings")
         self._model = model
         self._build = build
         self._built = threading.Event()
@@ -435,13 +437,8 @@ class EmbeddingBatcher:
         self.policy = BatchPolicy(limits)
         self._on_batch = on_batch
         self._clock = clock
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Completion]]] = {}
-        self._stopping = False
-        self._dead: BaseException | None = None
         self._stats = BatcherStats()
-        self._thread = threading.Thread(target=self._run, name="batchgate-embeddings", daemon=True)
 
     def start(self) -> EmbeddingBatcher:
         """Start the batcher thread; with `build`, block until the model is built there."""
@@ -496,11 +493,7 @@ class EmbeddingBatcher:
         return completion.vectors
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
+        self._stop_loop()
 
     def _run(self) -> None:
         if self._build is not None:
