@@ -290,6 +290,7 @@ class FakeTenancy:
     """The `tenancy.Tenancy` facade's shape: key "sk-good" is tenant "acme"; `refuse` refuses admission."""
 
     redis_up: bool | None = None  # no Redis
+    admin: None = None  # no Redis: no run-time admin store (nor its audit log)
 
     def __init__(self) -> None:
         self.refuse: FakeDecision | None = None
