@@ -49,7 +49,10 @@ blocks) and joins first, regardless, once it has waited `max_yield_stall_steps` 
 has arrived in the last `RECENT_CLASS_S` seconds, a lower class's prefill chunks (short prompts
 too) are cut to what the target leaves beside the step's decodes, so the step a paid arrival waits
 for is short as well (a step's first such chunk gets `min_long_prefill_chunk` tokens even when
-nothing fits). With one class only, nothing yields.
+nothing fits). With one class only, nothing yields. The batch class has a tighter budget of its own while
+paid or free work is in the step: that work's predicted time plus `BATCH_SLACK` of it (at least one
+batch row decodes; its prefill chunks get no floor), and no stall-bound turns, so a batch cannot
+slow interactive streams to its pace.
 
 Static batching (the baseline): a batch of up to `max_num_seqs` forms from the waiting queue while
 nothing runs (over several steps if the budget is short), and nobody else is admitted until all of
@@ -148,6 +151,8 @@ class _Step:
     # the highest class with work now; prefill chunks below `recent`, the highest seen lately.
     lead: int = len(Priority)
     recent: int = len(Priority)
+    # The batch class's own step-time budget while interactive work is in the step (see BATCH_SLACK).
+    batch_budget_s: float | None = None
 
     def add(self, chunk: ScheduledChunk, decode: bool, shared: bool = False, long: bool = False) -> None:
         """`shared`: the chunk counts against `long_budget`; `long`: it is a long prompt's."""
@@ -189,6 +194,11 @@ class _Step:
 # How long an arrival of a class makes lower classes keep their prefill chunks within the step-time
 # budget: a paid request that comes back within this time finds short steps.
 RECENT_CLASS_S = 30.0
+
+# While paid or free work is in a step, Batch API rows may lengthen it by at most this fraction
+# (and at least one batch row decodes), so interactive streams keep ~1/(1 + BATCH_SLACK) of their
+# pace; batch rows do not take the stall bound's turns. Alone, the batch takes the whole budget.
+BATCH_SLACK = 0.15
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
@@ -346,7 +356,7 @@ class Scheduler:
         if self._time_budget_s is not None:
             step.lead, step.recent = self._lead_classes()
         # Stalled rows of yielding classes go first too, so the budget's other users see them.
-        first = [s for s in ranked if s.priority <= step.lead or self._decode_stalled(s)]
+        first = [s for s in ranked if s.priority <= step.lead or self._stalled_decode(s)]
         self._schedule_decodes(step, first)
         for priority in sorted(Priority):
             mine = [s for s in ranked if s.priority == priority]
@@ -354,6 +364,8 @@ class Scheduler:
                 self._schedule_prefills(step, mine)
                 self._admit(step, priority)
                 continue
+            if priority is Priority.BATCH and step.lead < priority:
+                step.batch_budget_s = self._batch_budget(step)
             if priority > step.lead:
                 self._schedule_decodes(step, mine, yielding=True)
             # Short prompts (and long ones stalled too long) first, then admissions, then the
@@ -549,11 +561,26 @@ class Scheduler:
         return lead, min(lead, recent)
 
     def _fits_decode(self, step: _Step) -> bool:
-        """Whether one more decode row keeps `step` within the time budget."""
-        budget_s, cost = self._time_budget_s, self.step_cost.cost
+        """Whether one more decode row keeps `step` within the time budget (the batch class's own
+        while it is set, with one batch row always let in)."""
+        budget_s, cost = step.batch_budget_s or self._time_budget_s, self.step_cost.cost
         if budget_s is None or cost is None:
             return True
+        batch_rows = (c for c in step.decodes if c.seq.priority is Priority.BATCH)
+        if step.batch_budget_s is not None and next(batch_rows, None) is None:
+            return True
         return cost.predict(step.num_prefill_tokens, len(step.decodes) + 1) <= budget_s
+
+    def _batch_budget(self, step: _Step) -> float | None:
+        """The step's predicted time with the interactive classes' work, plus BATCH_SLACK of it."""
+        budget_s, cost = self._time_budget_s, self.step_cost.cost
+        if budget_s is None or cost is None:
+            return None
+        return min(budget_s, cost.predict(step.num_prefill_tokens, len(step.decodes)) * (1 + BATCH_SLACK))
+
+    def _stalled_decode(self, seq: Sequence) -> bool:
+        """A yielding row that joins first (the stall bound); not for the batch class."""
+        return seq.priority is not Priority.BATCH and self._decode_stalled(seq)
 
     def _decode_stalled(self, seq: Sequence) -> bool:
         last = self._decode_progress.get(seq.seq_id)
@@ -562,13 +589,15 @@ class Scheduler:
     def _yield_limit(self, step: _Step, want: int) -> int:
         """A lower class's chunk: cut to what the time budget leaves beside `step`; the step's first
         prefill gets the floor (`min_long_prefill_chunk`) even when nothing fits."""
-        budget_s, cost = self._time_budget_s, self.step_cost.cost
+        budget_s, cost = step.batch_budget_s or self._time_budget_s, self.step_cost.cost
         if budget_s is None or cost is None:
             return want
         fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
         if fits is None:
             return want
         fits -= step.num_prefill_tokens
+        if step.batch_budget_s is not None:
+            return max(0, min(want, fits))  # the batch class gets no floor beside interactive work
         floor = self.config.min_long_prefill_chunk
         if fits >= floor:
             return min(want, fits)

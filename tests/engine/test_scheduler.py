@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.scheduler import RECENT_CLASS_S, Scheduler, SchedulerConfig
+from engine.scheduler import BATCH_SLACK, RECENT_CLASS_S, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import SchedulerOutput
 from engine.step_cost import StepCost
@@ -1301,6 +1301,31 @@ def test_free_decodes_yield_to_a_paid_prefill_and_join_within_the_stall_bound() 
         for c in out.decodes:
             last[c.seq.seq_id] = step
         assert all(step - at <= bound for at in last.values()), (step, last)
+    run_until_done(sched)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_batch_rows_lengthen_an_interactive_step_by_at_most_the_batch_slack() -> None:
+    """8 free streams decode in 36 ms; 12 batch rows beside them get the 15% slack (41.4 ms): the
+    2 oldest decode each step, the others wait (no stall-bound turns for the batch class). Once
+    the free streams finish, every running batch row decodes."""
+    sched = slo_scheduler()
+    frees = make_seqs(8, prompt_len=20, max_tokens=30, priority=FREE)
+    batch = make_seqs(12, prompt_len=20, max_tokens=200, priority=BATCH)
+    decoding(sched, batch)
+    decoding(sched, frees)
+    alone = TRUE_COST.predict(0, len(frees))
+    for _ in range(20):
+        out = timed_step(sched)
+        rows = [c.seq for c in out.decodes]
+        assert set(frees) <= set(rows)
+        assert [s for s in rows if s.priority is BATCH] == batch[:2]
+        assert step_seconds(out) <= alone * (1 + BATCH_SLACK)
+    while not all(s.finished for s in frees):
+        timed_step(sched)
+    decodable = [s for s in batch if s.status == SequenceStatus.RUNNING and not s.is_prefilling]
+    assert len(decodable) > 2
+    assert set(decodable) <= {c.seq for c in timed_step(sched).decodes}
     run_until_done(sched)
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
 
