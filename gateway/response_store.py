@@ -10,7 +10,9 @@ names the tenant: another tenant's id is simply not there (a 404, never a 403).
 
 - `SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one; at
   most `--responses-max-stored` responses, the least recently used evicted first, each eviction
-  counted (`batchgate_response_store_evictions_total`). Calls run in a worker thread.
+  counted (`batchgate_response_store_evictions_total`). Writes run in a worker thread; a read (one
+  row by its key) runs on the caller's thread, on a connection of its own that a writer never
+  blocks (WAL), and its use is written with the next write.
 - `RedisStore` (with `--redis-url`): `{tenant:<name>}:stored:<id>` strings with a TTL
   (`--responses-ttl`) and a per-tenant recency index `{tenant:<name>}:stored` (a sorted set)
   that bounds each tenant to `--responses-max-stored`; one Lua script writes and evicts, so any
@@ -126,9 +128,15 @@ class SQLiteStore:
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._db = connect(path)
-        # A read moves its response up the LRU order (a write): in WAL mode, synchronous NORMAL
-        # commits without an fsync each (the WAL is synced at checkpoints), so a lookup does not
-        # wait on the disk; a crash of the process still loses nothing.
+        # Reads: a point read takes less time than a hop to a worker thread and back. A file has
+        # a reader connection of its own (WAL: a writer never blocks it); in memory, the one db.
+        self._reader, self._read_lock = (connect(path), threading.Lock()) if path else (self._db, self._lock)
+        # Reads not yet written to `used`: the next write applies them first (so the LRU order is
+        # right when it evicts); a crash forgets only the recency of reads since the last write.
+        self._used: dict[tuple[str, str], float] = {}
+        self._used_lock = threading.Lock()
+        # In WAL mode, synchronous NORMAL commits without an fsync each (the WAL is synced at
+        # checkpoints), so a write does not wait on the disk; a crash of the process loses nothing.
         self._db.execute("PRAGMA synchronous=NORMAL")
         with self._lock, self._db:
             self._db.execute(
@@ -141,8 +149,19 @@ class SQLiteStore:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
+    def _write_used(self) -> None:
+        """Apply the pending reads' times (inside a write's lock and transaction)."""
+        with self._used_lock:
+            used, self._used = self._used, {}
+        if used:
+            self._db.executemany(
+                "UPDATE responses SET used = ? WHERE tenant = ? AND id = ?",
+                [(t, tenant, key) for (tenant, key), t in used.items()],
+            )
+
     def _put(self, tenant: str, key: str, record: bytes) -> None:
         with self._lock, self._db:
+            self._write_used()
             self._db.execute(
                 "INSERT OR REPLACE INTO responses (tenant, id, used, record) VALUES (?, ?, ?, ?)",
                 (tenant, key, time.time(), record),
@@ -158,18 +177,16 @@ class SQLiteStore:
         if excess > 0:
             self._on_evict(excess)
 
-    def _get(self, tenant: str, response_id: str) -> bytes | None:
-        with self._lock, self._db:
-            row = self._db.execute(
-                "SELECT record FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
-            ).fetchone()
-            if row is None:
-                return None
-            self._db.execute(
-                "UPDATE responses SET used = ? WHERE tenant = ? AND id = ?",
-                (time.time(), tenant, response_id),
-            )
-        return bytes(row[0])
+    def _get(self, tenant: str, key: str) -> bytes | None:
+        with self._read_lock:  # fetchall: the statement ends, so no read transaction stays open
+            rows = self._reader.execute(
+                "SELECT record FROM responses WHERE tenant = ? AND id = ?", (tenant, key)
+            ).fetchall()
+        if not rows:
+            return None
+        with self._used_lock:
+            self._used[(tenant, key)] = time.time()
+        return bytes(rows[0][0])
 
     def _delete(self, tenant: str, response_id: str) -> bool:
         with self._lock, self._db:
@@ -182,14 +199,19 @@ class SQLiteStore:
         await anyio.to_thread.run_sync(self._put, tenant, key, record)
 
     async def get(self, tenant: str, key: str) -> bytes | None:
-        return await anyio.to_thread.run_sync(self._get, tenant, key)
+        return self._get(tenant, key)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         return await anyio.to_thread.run_sync(self._delete, tenant, response_id)
 
     async def aclose(self) -> None:
         with self._lock:
+            with self._db:
+                self._write_used()
             self._db.close()
+        if self._reader is not self._db:
+            with self._read_lock:
+                self._reader.close()
 
 
 # KEYS: the response's key, the tenant's recency index. ARGV: id, record, ttl seconds, bound,

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, WithJsonSchema
+from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
 
 from gateway.errors import APIError, invalid_request
 from gateway.protocol import (
@@ -147,12 +147,6 @@ class MessageItem(StrictModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in self.content)
-
 
 class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
@@ -170,10 +164,6 @@ class FunctionCallOutputItem(StrictModel):
     output: str | list[InputText]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    @property
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class CustomToolCallItem(StrictModel):
@@ -193,10 +183,6 @@ class CustomToolCallOutputItem(StrictModel):
     output: str | list[InputText]
     id: str | None = None
     caller: Any = None
-
-    @property
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class ReasoningItem(StrictModel):
@@ -227,8 +213,6 @@ _ITEM_TYPES = (
     "custom_tool_call_output",
     "reasoning",
 )
-CALL_ITEMS = (FunctionCallItem, CustomToolCallItem)
-OUTPUT_ITEMS = (FunctionCallOutputItem, CustomToolCallOutputItem)
 
 
 class FunctionTool(StrictModel):
@@ -363,8 +347,9 @@ class ResponsesRequest(StrictModel):
     customs: Annotated[tuple[CustomTool, ...], Field(exclude=True)] = ()
     namespaces: Annotated[dict[str, str], Field(exclude=True)] = {}  # function name -> its namespace
     ignored: Annotated[tuple[str, ...], Field(exclude=True)] = ()
-    # The conversation before this turn (from previous_response_id), as items.
-    history: Annotated[tuple[Item, ...], Field(exclude=True)] = ()
+    # The conversation before this turn (from previous_response_id or conversation), as stored:
+    # items in OpenAI's shape, validated and normalized when they came in, so read as they are.
+    history: Annotated[tuple[dict[str, Any], ...], Field(exclude=True)] = ()
 
     @property
     def conversation_id(self) -> str | None:
@@ -625,9 +610,9 @@ def drop_oldest(req: ResponsesRequest) -> ResponsesRequest | None:
     items = [*req.history, *req.input]
     if len(items) <= 1:
         return None
-    rest = items[1:]
-    calls = {i.call_id for i in rest if isinstance(i, CALL_ITEMS)}
-    kept = [i for i in rest if not isinstance(i, OUTPUT_ITEMS) or i.call_id in calls]
+    rest = [(i, fields(i)) for i in items[1:]]
+    calls = {f["call_id"] for _, f in rest if f["type"] in _CALL_TYPES}
+    kept = [i for i, f in rest if f["type"] not in _OUTPUT_TYPES or f["call_id"] in calls]
     if not kept:
         return None
     in_history = {id(i) for i in req.history}
@@ -635,13 +620,21 @@ def drop_oldest(req: ResponsesRequest) -> ResponsesRequest | None:
     return req.model_copy(update={"history": history, "input": [i for i in kept if id(i) not in in_history]})
 
 
-_ITEMS: TypeAdapter[list[Item]] = TypeAdapter(list[Item])
+def fields(item: Item | dict[str, Any]) -> dict[str, Any]:
+    """An item's (or a part's) fields by name: a stored one is its dict, a parsed one's are its
+    attributes (so stored history is rendered without being parsed again)."""
+    return item if isinstance(item, dict) else vars(item)
 
 
-def parse_items(raw: list[dict[str, Any]]) -> tuple[Item, ...]:
-    """Stored items back into their models (they were validated and normalized when they came
-    in): the item list alone, not a whole request around it (a quarter less time)."""
-    return tuple(_ITEMS.validate_python(raw))
+def text_of(value: str | list[Any]) -> str:
+    """A message's content or a tool output as text: a string, or its parts' texts in order."""
+    if isinstance(value, str):
+        return value
+    return "".join(f["refusal"] if f["type"] == "refusal" else f["text"] for f in map(fields, value))
+
+
+_CALL_TYPES = ("function_call", "custom_tool_call")
+_OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
 
 
 # -- as a chat request ------------------------------------------------------------------------
@@ -658,43 +651,46 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     for where, item in [("history", i) for i in req.history] + [
         (f"input[{n}]", i) for n, i in enumerate(req.input)
     ]:
-        if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text})
-        elif isinstance(item, FunctionCallItem):
+        f = fields(item)
+        kind = f["type"]
+        if kind == "message":
+            messages.append({"role": f["role"], "content": text_of(f["content"])})
+        elif kind == "function_call":
             call = {
-                "id": item.call_id,
+                "id": f["call_id"],
                 "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
+                "function": {"name": f["name"], "arguments": f["arguments"]},
             }
-            calls.add(item.call_id)
+            calls.add(f["call_id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in calls:
+        elif kind == "function_call_output":
+            if f["call_id"] not in calls:
                 raise invalid_request(
-                    f"No function_call found for the function_call_output with call_id {item.call_id!r}.",
+                    f"No function_call found for the function_call_output with call_id {f['call_id']!r}.",
                     param=f"{where}.call_id",
                 )
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-        elif isinstance(item, CustomToolCallItem):
-            calls.add(item.call_id)
-            block = custom_call_block(item.name, item.input)
+            messages.append({"role": "tool", "tool_call_id": f["call_id"], "content": text_of(f["output"])})
+        elif kind == "custom_tool_call":
+            calls.add(f["call_id"])
+            block = custom_call_block(f["name"], f["input"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
                 last["content"] = f"{last['content']}\n{block}" if last["content"] else block
             else:
                 messages.append({"role": "assistant", "content": block})
-        elif isinstance(item, CustomToolCallOutputItem):
-            if item.call_id not in calls:
+        elif kind == "custom_tool_call_output":
+            if f["call_id"] not in calls:
                 raise invalid_request(
                     "No custom_tool_call found for the custom_tool_call_output with call_id "
-                    f"{item.call_id!r}.",
+                    f"{f['call_id']!r}.",
                     param=f"{where}.call_id",
                 )
-            messages.append({"role": "user", "content": f"<tool_response>\n{item.text}\n</tool_response>"})
+            content = f"<tool_response>\n{text_of(f['output'])}\n</tool_response>"
+            messages.append({"role": "user", "content": content})
     if not messages:
         raise invalid_request("'input' must hold at least one message or item.", param="input")
     body: dict[str, Any] = {"model": req.model, "messages": messages}

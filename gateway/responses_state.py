@@ -41,7 +41,7 @@ from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLit
 from gateway.responses import now
 from gateway.responses_background import ACTIVE, BackgroundRuns, Job
 from gateway.responses_output import TERMINAL_EVENTS, encode, skeleton, stored_events
-from gateway.responses_request import ResponsesRequest, items_of, parse_items
+from gateway.responses_request import ResponsesRequest, items_of
 from gateway.settings import Settings
 from gateway.sse import DONE, EventStreamResponse
 
@@ -110,7 +110,8 @@ class ResponsesState:
             history = previous.conversation()
         else:
             return
-        work.request = req.model_copy(update={"history": parse_items(history)})
+        # Stored items are rendered as they are (never parsed again: gateway/responses_request.py).
+        work.request = req.model_copy(update={"history": tuple(history)})
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
 
@@ -123,7 +124,7 @@ class ResponsesState:
         store = (req.stores or conversation_id is not None) and not work.caller.internal
         tenant = work.caller.name
         input_items = with_ids(items_of(req)) if store else []
-        history = [i.model_dump(mode="json", by_alias=True, exclude_none=True) for i in req.history]
+        history = list(req.history)
 
         async def save(response: dict[str, Any]) -> None:
             if req.stores:

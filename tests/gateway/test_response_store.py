@@ -136,3 +136,20 @@ async def test_the_servers_store_keeps_its_bound_and_counts_evictions(make_app: 
         )
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     assert SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=3).count() == 3
+
+
+async def test_sqlite_reads_see_writes_at_once_and_their_recency_outlives_a_clean_close(
+    tmp_path: Path,
+) -> None:
+    """Reads run on a connection of their own, and their use is written with the next write or
+    at close: a response read before a restart is still the more recently used after it."""
+    store = SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=2)
+    for i in range(2):
+        await put(store, "acme", record(f"resp_{i}"))
+        assert await get(store, "acme", f"resp_{i}") == record(f"resp_{i}")  # the writer's, at once
+    assert await get(store, "acme", "resp_0") is not None  # now the most recent, not yet written
+    await store.aclose()
+    again = SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=2)
+    await put(again, "acme", record("resp_2"))
+    assert await get(again, "acme", "resp_1") is None and await get(again, "acme", "resp_0") is not None
+    await again.aclose()
