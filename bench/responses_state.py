@@ -1,7 +1,8 @@
 """What resolving stored state adds to a request: the time of `ResponsesState.prepare` and `wrap`
 (gateway/responses_state.py), the functions the pipeline runs before its backend, each call timed
 by a monotonic span, for a `previous_response_id` and a `conversation` of 10-50 turns, on the
-SQLite store and on Redis (a real redis-server on a free port), built as the server builds them.
+SQLite store and on Redis (a real redis-server on a free port), built as the server builds them,
+on the server's event loop (uvloop).
 
     .venv/bin/python -m bench.responses_state [--turns 10,25,50] [--lookups 300]
 
@@ -216,4 +217,6 @@ if __name__ == "__main__":
         script = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({__file__!r}, run_name='__main__')"
         env = {**os.environ, "PYTHONPATH": args.baseline}
         subprocess.run([sys.executable, "-c", script], cwd=args.baseline, env=env, check=True)
-    asyncio.run(main([int(t) for t in args.turns.split(",")], args.lookups, args.label))
+    import uvloop  # the server's loop: uvicorn's "auto" picks uvloop where it is installed
+
+    uvloop.run(main([int(t) for t in args.turns.split(",")], args.lookups, args.label))
