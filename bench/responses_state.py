@@ -100,13 +100,16 @@ def _work(body: dict[str, Any]) -> Work:
     return Work(RESPONSES, RESPONSES.parse(body), body, Caller(TENANT), "m", "resp_bench")
 
 
-async def _span(state: ResponsesState, body: dict[str, Any]) -> tuple[float, float]:
-    """The wall and thread CPU time (ms) of the state's hooks for one request with `body`."""
+async def _span(state: ResponsesState, body: dict[str, Any], num_items: int) -> tuple[float, float]:
+    """The wall and thread CPU time (ms) of the state's hooks for one request with `body`, whose
+    history must come out `num_items` items long (so a span is never of a lookup that failed)."""
     work = _work(body)  # parsing the body is every request's, outside the span
     start, cpu = time.perf_counter(), time.thread_time()
     await state.prepare(work)
     state.wrap(work, Plan(1, 1, _unused))
-    return (time.perf_counter() - start) * 1e3, (time.thread_time() - cpu) * 1e3
+    wall, cpu = (time.perf_counter() - start) * 1e3, (time.thread_time() - cpu) * 1e3
+    assert len(work.request.history) == num_items, (len(work.request.history), num_items)
+    return wall, cpu
 
 
 def _spin(iterations: int) -> float:
@@ -133,10 +136,12 @@ def _stats(times: list[float]) -> str:
     )
 
 
-async def _measure(state: ResponsesState, body: dict[str, Any], plain: dict[str, Any], n: int) -> list[str]:
+async def _measure(
+    state: ResponsesState, body: dict[str, Any], num_items: int, plain: dict[str, Any], n: int
+) -> list[str]:
     for _ in range(20):  # warm: connections, the script cache, the page cache
-        await _span(state, body)
-    median = statistics.median(w for w, _ in [await _span(state, body) for _ in range(30)])
+        await _span(state, body, num_items)
+    median = statistics.median(w for w, _ in [await _span(state, body, num_items) for _ in range(30)])
     spin = _calibrate(median)
     wall, cpu, none, loop = [], [], [], []
     for _ in range(n):
@@ -144,11 +149,11 @@ async def _measure(state: ResponsesState, body: dict[str, Any], plain: dict[str,
         random.shuffle(order)
         for kind in order:
             if kind == "lookup":
-                w, c = await _span(state, body)
+                w, c = await _span(state, body, num_items)
                 wall.append(w)
                 cpu.append(c)
             elif kind == "none":
-                none.append((await _span(state, plain))[0])
+                none.append((await _span(state, plain, 0))[0])
             else:
                 loop.append(spin())
     return [_stats(wall), _stats(cpu), _stats(none), _stats(loop)]
@@ -191,7 +196,7 @@ async def main(turns: list[int], n: int, label: str) -> None:
                         ("previous_response_id", response.response_id, len(response.dumps())),
                         ("conversation", conversation.conversation_id, len(conversation.dumps())),
                     ]:
-                        row = await _measure(state, {**plain, param: ref}, plain, n)
+                        row = await _measure(state, {**plain, param: ref}, 4 * k, plain, n)
                         print(f"| {name} | {param} | {k} | {size / 1024:.1f} | " + " | ".join(row) + " |")
             for _, state in states:
                 await state.aclose()
