@@ -107,7 +107,9 @@ class Gateway:
         store = build_store(settings, self.metrics)
         self.conversations = Conversations(store, settings.max_body_bytes)
         background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
-        self.responses = ResponsesState(store, self.conversations, background, settings.keep_alive_s)
+        self.responses = ResponsesState(
+            store, self.conversations, background, settings.keep_alive_s, self.metrics.state_lookup.observe
+        )
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         records = loras.AdapterRecords.in_storage(settings.storage_dir)

@@ -35,6 +35,7 @@ any other client-controlled string.
     batchgate_engine_up                        gauge (1: the engine loop runs; 0: dead, shut down or loading)
     batchgate_engine_stalled_seconds           gauge (since the engine's last step while work waits; 0 idle)
     batchgate_engine_step_failures_total{stage} counter (stage: forward, sampling, output, schedule)
+    batchgate_response_state_lookup_seconds    histogram (resolving previous_response_id or conversation)
     batchgate_embedding_batch_inputs           histogram (inputs per embedding model call)
     batchgate_embedding_batch_tokens           histogram (padded tokens per embedding model call)
     batchgate_embedding_queue_wait_seconds     histogram (per input: arrival -> its model call)
@@ -100,6 +101,7 @@ _NO_ENGINE = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0)  # every count 0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _BATCH_INPUT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 100, 128, 256, 512)
 _BATCH_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_LOOKUP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
@@ -340,6 +342,12 @@ class Metrics:
             r,
             "batchgate_response_store_evictions",
             "Stored responses evicted (least recently used first) to keep the store within its bound",
+        )
+        self.state_lookup = _histogram(
+            r,
+            "batchgate_response_state_lookup_seconds",
+            "Seconds a Responses request spent resolving its previous_response_id or conversation",
+            _LOOKUP_BUCKETS,
         )
         self.batch_lines = _counter(
             r, "batchgate_batch_lines", "Batch API lines ended, by status", status=BATCH_LINE_STATUSES

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -77,8 +78,10 @@ class ResponsesState:
         conversations: Conversations,
         background: BackgroundRuns,
         keep_alive_s: float,
+        lookup_seconds: Callable[[float], None] = lambda s: None,
     ) -> None:
         self.store = store
+        self.lookup_seconds = lookup_seconds  # each continuation's state resolution, timed
         self.keep_alive_s = keep_alive_s  # between SSE keep-alive comments of a replay
         self.conversations = conversations
         self.background = background
@@ -101,6 +104,7 @@ class ResponsesState:
         if "background" in work.body:  # a replica runs it in the foreground; this gateway waits
             work.body = {k: v for k, v in work.body.items() if k != "background"}
         conversation_id = req.conversation_id
+        start = time.perf_counter()
         if conversation_id is not None:
             history = (await self.conversations.load(work.caller.name, conversation_id, "conversation")).items
         elif req.previous_response_id is not None:
@@ -114,6 +118,7 @@ class ResponsesState:
         work.request = req.model_copy(update={"history": tuple(history)})
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
+        self.lookup_seconds(time.perf_counter() - start)
 
     def _saver(self, work: Work) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]], Saver]:
         """Whether `work`'s answer is stored, its input items and history as stored, and the

@@ -153,3 +153,16 @@ async def test_sqlite_reads_see_writes_at_once_and_their_recency_outlives_a_clea
     await put(again, "acme", record("resp_2"))
     assert await get(again, "acme", "resp_1") is None and await get(again, "acme", "resp_0") is not None
     await again.aclose()
+
+
+async def test_each_continuation_is_timed_in_the_lookup_histogram(make_app: Any) -> None:
+    from tests.gateway.conftest import client_for
+
+    async with client_for(make_app()) as client:
+        first = await client.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
+        conv = await client.post("/v1/conversations", json={})
+        for ref in [{"previous_response_id": first.json()["id"]}, {"conversation": conv.json()["id"]}]:
+            r = await client.post("/v1/responses", json={"model": "fake-model", "input": "on", **ref})
+            assert r.status_code == 200, r.text
+        metrics = (await client.get("/metrics")).text
+    assert "batchgate_response_state_lookup_seconds_count 2.0" in metrics, metrics  # not the first turn
