@@ -13,7 +13,9 @@ same load on the machine:
 - "no state": the same spans for the same request without `previous_response_id` or
   `conversation`, what every request pays; a lookup adds its span less this one;
 - "busy loop": a pure-Python loop calibrated to the lookup's p50 that touches no store: its p99 is
-  what preemption alone adds to work of that length on this machine.
+  what preemption alone adds to work of that length on this machine;
+- "PING" (Redis): a bare round trip to the same redis-server on a client of its own: its p99 is
+  what waiting on another process (scheduled on the same loaded cores) adds to any round trip.
 
 "cpu" is the lookup's own CPU time on the event loop's thread: its wall time less preemption and
 waiting (on Redis, or on a worker thread where a store read runs in one).
@@ -33,9 +35,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import redis.asyncio as aioredis
 
 from bench.cpu import CpuMeter
 from gateway.admission import Caller
@@ -137,15 +141,20 @@ def _stats(times: list[float]) -> str:
 
 
 async def _measure(
-    state: ResponsesState, body: dict[str, Any], num_items: int, plain: dict[str, Any], n: int
+    state: ResponsesState,
+    body: dict[str, Any],
+    num_items: int,
+    plain: dict[str, Any],
+    n: int,
+    ping: Callable[[], Awaitable[Any]] | None,
 ) -> list[str]:
     for _ in range(20):  # warm: connections, the script cache, the page cache
         await _span(state, body, num_items)
     median = statistics.median(w for w, _ in [await _span(state, body, num_items) for _ in range(30)])
     spin = _calibrate(median)
-    wall, cpu, none, loop = [], [], [], []
+    wall, cpu, none, loop, trips = [], [], [], [], []
     for _ in range(n):
-        order = ["lookup", "none", "loop"]
+        order = ["lookup", "none", "loop"] + (["ping"] if ping is not None else [])
         random.shuffle(order)
         for kind in order:
             if kind == "lookup":
@@ -154,9 +163,14 @@ async def _measure(
                 cpu.append(c)
             elif kind == "none":
                 none.append((await _span(state, plain, 0))[0])
-            else:
+            elif kind == "loop":
                 loop.append(spin())
-    return [_stats(wall), _stats(cpu), _stats(none), _stats(loop)]
+            else:
+                assert ping is not None
+                start = time.perf_counter()
+                await ping()
+                trips.append((time.perf_counter() - start) * 1e3)
+    return [_stats(wall), _stats(cpu), _stats(none), _stats(loop), _stats(trips) if trips else "- | -"]
 
 
 async def main(turns: list[int], n: int, label: str) -> None:
@@ -170,13 +184,15 @@ async def main(turns: list[int], n: int, label: str) -> None:
         [find_redis_server(), "--port", str(port), "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
     )
+    url = f"redis://127.0.0.1:{port}/0"
+    pinger = aioredis.Redis.from_url(url)
     try:
         await asyncio.sleep(0.3)
         with tempfile.TemporaryDirectory() as tmp:
             states = []
             for name, settings in [
                 ("SQLite (file)", Settings(storage_dir=tmp)),
-                ("Redis", Settings(redis_url=f"redis://127.0.0.1:{port}/0")),
+                ("Redis", Settings(redis_url=url)),
             ]:
                 store = build_store(settings, Metrics())
                 conversations = Conversations(store, settings.max_body_bytes)
@@ -184,7 +200,9 @@ async def main(turns: list[int], n: int, label: str) -> None:
                 states.append((name, ResponsesState(store, conversations, background, 1.0)))
             print(
                 "| store | lookup | turns | record KiB | p50 ms | p99 ms | cpu p50 | cpu p99 "
-                "| no state p50 | p99 | busy loop p50 | p99 |\n|---|---|---:|---:|" + "---:|" * 8
+                "| no state p50 | p99 | busy loop p50 | p99 | PING p50 | p99 |\n|---|---|---:|---:|"
+                + "---:|"
+                * 10
             )
             plain = {"model": "m", "input": "and then?"}
             for k in turns:
@@ -196,11 +214,13 @@ async def main(turns: list[int], n: int, label: str) -> None:
                         ("previous_response_id", response.response_id, len(response.dumps())),
                         ("conversation", conversation.conversation_id, len(conversation.dumps())),
                     ]:
-                        row = await _measure(state, {**plain, param: ref}, 4 * k, plain, n)
+                        ping = pinger.ping if name == "Redis" else None
+                        row = await _measure(state, {**plain, param: ref}, 4 * k, plain, n, ping)
                         print(f"| {name} | {param} | {k} | {size / 1024:.1f} | " + " | ".join(row) + " |")
             for _, state in states:
                 await state.aclose()
     finally:
+        await pinger.aclose()
         redis.terminate()
         redis.wait()
     usage = meter.stop()
