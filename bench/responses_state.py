@@ -4,10 +4,10 @@ by a monotonic span, for a `previous_response_id` and a `conversation` of 10-50 
 SQLite store and on Redis (a real redis-server on a free port), built as the server builds them,
 on the server's event loop (uvloop).
 
-    .venv/bin/python -m bench.responses_state [--turns 10,25,50] [--lookups 300]
+    .venv/bin/python -m bench.responses_state [--turns 10,25,50] [--lookups 300] [--baseline DIR]
 
 Each turn is a user message, a function call, its output and an answer (~80 words in all). Every
-sample of a lookup is taken beside two controls, in a shuffled order, so that all three see the
+sample of a lookup is taken beside its controls, in a shuffled order, so that all of them see the
 same load on the machine:
 
 - "no state": the same spans for the same request without `previous_response_id` or
