@@ -160,7 +160,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.real_model
 @pytest.fixture(scope="module")
 def six_heads(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
     """Heads, KV heads and MLP divisible by 3, as the bundled model's (9, 3, 1536) are."""
