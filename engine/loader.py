@@ -125,7 +125,7 @@ def gguf_tensor_infos(path: Path) -> list[tuple[str, int, int]]:
         at = 24
 
         def skip_string(at: int) -> int:
-            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+            return at + 8 + int(struct.unpack_from("<Q", buf, at)[0])
 
         def skip_value(at: int, kind: int) -> int:
             if kind == 8:
@@ -135,7 +135,7 @@ def gguf_tensor_infos(path: Path) -> list[tuple[str, int, int]]:
             item, count = struct.unpack_from("<IQ", buf, at)
             at += 12
             if item in _GGUF_SIZES:
-                return at + count * _GGUF_SIZES[item]
+                return at + int(count) * _GGUF_SIZES[item]
             for _ in range(count):
                 at = skip_value(at, item)
             return at
