@@ -91,6 +91,7 @@ def build_tenancy(settings: Settings) -> Tenancy | None:
         settings.tenants,
         settings.redis_url,
         settings.redis_policy,
+        lease_ttl_s=settings.request_lease_s,
         storage_dir=settings.storage_dir,
         retention_s=settings.ledger_retention_days * 86400.0,
     )

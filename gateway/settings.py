@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.embeddings.batcher import BatchLimits
+from tenancy.limiter import DEFAULT_LEASE_TTL_S
 
 ENV_PREFIX = "BATCHGATE_"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -188,6 +189,13 @@ class Settings:
         _str,
         "when Redis is unreachable: refuse (fail_closed) or admit (fail_open)",
         choices=("fail_closed", "fail_open"),
+    )
+    request_lease_s: float = _opt(
+        DEFAULT_LEASE_TTL_S,
+        _float,
+        "a request's concurrency lease (and budget hold), renewed every third of it while the request "
+        "runs; the leases of a gateway that died lapse after this",
+        flag="--request-lease",
     )
     storage_dir: str | None = _opt(
         None,
@@ -403,6 +411,8 @@ class Settings:
         for name in (*batch_caps, "batch_max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.request_lease_s > 0:
+            raise ValueError(f"request_lease_s must be > 0, got {self.request_lease_s}")
         if not self.batch_lease_s > 0:
             raise ValueError(f"batch_lease_s must be > 0, got {self.batch_lease_s}")
         if self.responses_ttl_s < 1:

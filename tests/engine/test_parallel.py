@@ -160,12 +160,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.real_model
-def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(real_model_dir: Path) -> None:
-    """`batchgate serve --tensor-parallel-size 3 --dtype float32` over HTTP: the bundled model's
-    greedy completions equal one in-process rank's; after a rank is killed, /ready is 503 (or the
-    port is closed) and the process exits with status 1 within a bounded time."""
-    config = EngineConfig(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+@pytest.fixture(scope="module")
+def six_heads(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
+    """Heads, KV heads and MLP divisible by 3, as the bundled model's (9, 3, 1536) are."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-six-heads"),
+        real_model_dir,
+        hidden_size=96,
+        intermediate_size=192,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+    )
+
+
+def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(six_heads: Path) -> None:
+    """`batchgate serve --tensor-parallel-size 3 --dtype float32` over HTTP: greedy completions equal
+    one in-process rank's; after a rank is killed, /ready is 503 (or the port is closed) and the
+    process exits with status 1 within a bounded time."""
+    config = EngineConfig(
+        model=str(six_heads), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024
+    )
     reference = LLMEngine(config)
     prompts = [chat_ids(reference.tokenizer, q) for q in ("What is 12 times 7?", "Say hello to Ada.")]
     expected = [
@@ -177,6 +191,10 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(r
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--tensor-parallel-size", "3"]
         + [
+            "--model",
+            str(six_heads),
+            "--served-model-name",
+            "six-heads",
             "--dtype",
             "float32",
             "--kv-cache-memory",
@@ -196,7 +214,7 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(r
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240  # a safety net: three processes load the model
+        deadline = time.monotonic() + 240  # a safety net: three processes start
         while True:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
@@ -207,7 +225,7 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(r
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.2)
         for prompt, text in zip(prompts, expected, strict=True):
-            body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            body = {"model": "six-heads", "prompt": prompt, "max_tokens": 16, "temperature": 0}
             body["ignore_eos"] = True
             reply = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
             assert reply["choices"][0]["text"] == text

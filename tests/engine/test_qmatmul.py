@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine import quant
 from engine.config import EngineConfig
-from engine.loader import is_q4_1_gguf
+from engine.loader import gguf_tensor_infos, is_q4_1_gguf
 from engine.native import native_kernels, qmatmul_available
 from engine.platform import CpuIsa, cpu_isa
 from engine.quant import Linear, WeightFormat, dequantize, pack_q4, pack_q8, resolve_weight_format
@@ -124,6 +124,43 @@ def test_weight_format_per_setting_dtype_and_cpu(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         resolve_weight_format(EngineConfig(quantization="int8", tensor_parallel_size=2), CPU, f32, True)
     assert resolve_weight_format(EngineConfig(quantization="none"), CPU, f32, True) == WeightFormat()
+
+
+def _write_gguf(path: Path, layer_type: str) -> Path:
+    """A GGUF file with string, array and number metadata (a vocabulary of strings, as a model's),
+    a 1-D and a 2-D layer tensor, and an F32 embedding."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_bool("general.flag", True)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
+    writer.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    writer.add_string("general.name", "tiny")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))
+    if layer_type == "Q4_1":  # one block of 32: a scale, a minimum (fp16) and 16 bytes of nibbles
+        raw = np.zeros((4, 20), dtype=np.uint8)
+        writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=GGMLQuantizationType.Q4_1)
+    else:
+        writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("layer_type", ["Q4_1", "F32"])
+def test_the_gguf_header_reader_agrees_with_gguf_s_own(tmp_path: Path, layer_type: str) -> None:
+    from gguf import GGUFReader
+
+    path = _write_gguf(tmp_path / "m.gguf", layer_type)
+    theirs = [(t.name, len(t.shape), int(t.tensor_type)) for t in GGUFReader(str(path)).tensors]
+    assert gguf_tensor_infos(path) == theirs
+    assert is_q4_1_gguf(str(path)) == (layer_type == "Q4_1")
 
 
 @needs_qmatmul

@@ -40,7 +40,7 @@ def test_killing_the_runners_gateway_hands_the_batch_to_the_other(
         args = [
             *replica_args(tiny_model_dir),
             *("--served-model-name", "tiny", "--tenants", str(tmp_path / "tenants.toml")),
-            *("--redis-url", redis_url, "--batch-lease", str(LEASE_S)),
+            *("--redis-url", redis_url, "--batch-lease", str(LEASE_S), "--request-lease", str(LEASE_S)),
             *("--files-bucket", f"s3://{BUCKET}/pool", "--s3-endpoint-url", s3_url),
         ]
         try:

@@ -39,6 +39,7 @@ NAMES = [
     ("tenants", "--tenants", "BATCHGATE_TENANTS"),
     ("redis_url", "--redis-url", "BATCHGATE_REDIS_URL"),
     ("redis_policy", "--redis-policy", "BATCHGATE_REDIS_POLICY"),
+    ("request_lease_s", "--request-lease", "BATCHGATE_REQUEST_LEASE"),  # added after that snapshot
     ("storage_dir", "--storage-dir", "BATCHGATE_STORAGE_DIR"),
     ("files_bucket", "--files-bucket", "BATCHGATE_FILES_BUCKET"),
     ("s3_endpoint_url", "--s3-endpoint-url", "BATCHGATE_S3_ENDPOINT_URL"),
