@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
 
-from tenancy.batcher import ScriptBatcher
+from tenancy.batcher import ScriptBatcher, pack_command
 from tenancy.bucket import Reason
 from tenancy.keyspace import leases_key, open_async, requests_key, tokens_key, usage_key
 from tenancy.limiter import FailurePolicy, Lease
@@ -271,13 +272,20 @@ async def admitted(limiter: RedisLimiter, n: int) -> list[Lease]:
     return leases
 
 
+def test_commands_are_packed_as_redis_py_packs_them() -> None:
+    command = ("EVALSHA", "a" * 40, 2, "{tenant:é}:k", b"raw\r\n", 0, -7, 1.5, repr(0.1), "")
+    assert pack_command(command) == b"".join(Connection().pack_commands([command]))
+    with pytest.raises(TypeError):
+        pack_command(("SET", "k", True))
+
+
 async def test_concurrent_settlements_share_round_trips_and_each_gets_its_own_answer(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sizes: list[int] = []  # commands per round trip, counted around the real exchange
     exchange = ScriptBatcher._exchange
 
-    async def counted(self: ScriptBatcher, commands: list[tuple[object, ...]]) -> list[object]:
+    async def counted(self: ScriptBatcher, commands: list[bytes]) -> list[object]:
         sizes.append(len(commands))
         return await exchange(self, commands)
 
