@@ -362,3 +362,21 @@ def test_completion_schema_agrees_with_parser(body: dict[str, Any], valid: bool)
     assert _request_validator("CompletionRequest").is_valid(body) == valid
     if valid:
         parse_completion_request(body)
+
+
+def test_the_admin_tables_have_the_tenants_files_fields() -> None:
+    from tenancy import config
+
+    components = build_openapi(MODEL)["components"]["schemas"]
+
+    def fields(name: str) -> set[str]:
+        return set(components[name]["properties"])
+
+    assert fields("PlanTable") == config._PLAN_FIELDS
+    assert set(components["PlanTable"]["required"]) == config._PLAN_REQUIRED
+    assert fields("TenantTable") == config._TENANT_FIELDS - {"keys"}  # issued with the keys routes
+    assert fields("PriceTable") == config._PRICE_FIELDS
+    assert fields("BudgetFields") == config._BUDGET_FIELDS
+    assert all(
+        components[n]["additionalProperties"] is False for n in ("PlanTable", "TenantTable", "PriceTable")
+    )
