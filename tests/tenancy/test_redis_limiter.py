@@ -282,14 +282,14 @@ def test_commands_are_packed_as_redis_py_packs_them() -> None:
 async def test_concurrent_settlements_share_round_trips_and_each_gets_its_own_answer(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sizes: list[int] = []  # commands per round trip, counted around the real exchange
-    exchange = ScriptBatcher._exchange
+    sizes: list[int] = []  # commands per write, counted around the real flush
+    flush = ScriptBatcher._flush
 
-    async def counted(self: ScriptBatcher, commands: list[bytes]) -> list[object]:
-        sizes.append(len(commands))
-        return await exchange(self, commands)
+    def counted(self: ScriptBatcher) -> None:
+        sizes.append(len(self._outbox))
+        flush(self)
 
-    monkeypatch.setattr(ScriptBatcher, "_exchange", counted)
+    monkeypatch.setattr(ScriptBatcher, "_flush", counted)
     limiter = RedisLimiter(open_async(redis_url))
     try:
         leases = await admitted(limiter, 40)
