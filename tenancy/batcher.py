@@ -22,7 +22,7 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis.asyncio as aioredis
@@ -152,7 +152,8 @@ class ScriptBatcher:
             # __del__ would close it), and its stream objects are kept (a collected StreamWriter
             # closes its transport too).
             streams = (conn._reader, conn._writer)
-            transport = conn._writer.transport
+            assert conn._writer is not None  # connected
+            transport = cast(asyncio.Transport, conn._writer.transport)
             conn._reader = conn._writer = None
         except Exception as exc:
             self._connecting = None
