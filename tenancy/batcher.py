@@ -133,6 +133,9 @@ class ScriptBatcher:
             self._outbox.clear()
             return
         wire = self._wire
+        if wire is not None and wire.transport is not None and wire.transport.is_closing():
+            self._lost(wire, None)  # closed under us, its connection_lost not delivered yet
+            wire = None
         if wire is None or wire.transport is None:
             if self._connecting is None:
                 self._connecting = asyncio.get_running_loop().create_task(
@@ -141,7 +144,10 @@ class ScriptBatcher:
             return  # sent once connected
         self._outbox.clear()
         wire.in_flight.extend(calls)
-        wire.transport.write(b"".join(c.command() for c in calls))
+        try:
+            wire.transport.write(b"".join(c.command() for c in calls))
+        except Exception as exc:  # noqa: BLE001 - uvloop raises RuntimeError on a closed transport
+            self._lost(wire, exc)
 
     async def _connect(self) -> None:
         try:
