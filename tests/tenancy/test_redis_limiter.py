@@ -321,3 +321,28 @@ async def test_settlements_survive_a_script_flush_and_a_restarted_redis(
         assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (2, 4, 2)
     finally:
         await limiter.aclose()
+
+
+async def _settle_across_a_connection_closed_under_the_batcher(redis_url: str) -> None:
+    limiter = RedisLimiter(open_async(redis_url), call_deadline_s=1.0)
+    try:
+        leases = await admitted(limiter, 2)
+        assert await limiter.settle(leases[0], 1, 2)
+        wire = limiter._batcher._wire
+        assert wire is not None and wire.transport is not None
+        wire.transport.close()  # as when Redis went away: connection_lost comes a turn later
+        started = time.monotonic()
+        assert await limiter.settle(leases[1], 1, 2)  # sent again at once on a new connection
+        assert time.monotonic() - started < 0.5 and limiter.num_pending_settles == 0
+    finally:
+        await limiter.aclose()
+
+
+async def test_a_connection_closed_under_the_batcher_is_replaced_at_once(redis_url: str) -> None:
+    await _settle_across_a_connection_closed_under_the_batcher(redis_url)
+
+
+def test_a_connection_closed_under_the_batcher_is_replaced_at_once_on_uvloop(redis_url: str) -> None:
+    import uvloop  # the gateway's event loop under uvicorn, whose transports raise on a write once closed
+
+    uvloop.run(_settle_across_a_connection_closed_under_the_batcher(redis_url))
