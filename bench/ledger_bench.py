@@ -16,7 +16,8 @@ adds to a request.
    redis-server and the SQLite store. The difference of the medians is settlement's added cost.
    Then settlement alone at each `--settle-concurrency` (requests in flight at once): a round's
    admissions first, untimed, then its settlements, timed together; their wall time per request
-   is what settling costs the gateway and Redis per request at that load.
+   is what settling costs the gateway and Redis per request at that load (on Redis, with the
+   settle script's own time in Redis from INFO commandstats: the part no client change removes).
 
 Prints a JSON summary (`--out` writes it too).
 """
@@ -265,11 +266,17 @@ async def settle_bench(
     }
 
 
-async def settle_at(limiter: Any, rounds: int, requests: int, concurrency: int) -> dict[str, Any]:
+async def settle_at(
+    limiter: Any, rounds: int, requests: int, concurrency: int, redis_url: str | None = None
+) -> dict[str, Any]:
     """Settlement alone with `concurrency` in flight: each round's admissions (untimed), then its
-    settlements timed together; the median of their wall time per request."""
+    settlements timed together; the median of their wall time per request. With `redis_url`, also
+    the settle script's own time in Redis (INFO commandstats over the settlements only)."""
     slots = asyncio.Semaphore(concurrency)
     per_request: list[float] = []
+    stats = redis_client.Redis.from_url(redis_url) if redis_url else None
+    script_us = script_calls = 0.0
+
     async def admit(request_id: str) -> Any:
         async with slots:
             decision = await limiter.admit("bench", SETTLE_PLAN, 150, request_id, charge())
@@ -282,15 +289,25 @@ async def settle_at(limiter: Any, rounds: int, requests: int, concurrency: int) 
 
     for r in range(rounds):
         leases = await asyncio.gather(*(admit(f"c{concurrency}-{r}-{i}") for i in range(requests)))
+        if stats is not None:
+            stats.config_resetstat()
         t0 = time.perf_counter()
         await asyncio.gather(*(settle(lease) for lease in leases))
         per_request.append((time.perf_counter() - t0) / requests)
-    return {
+        if stats is not None:
+            evalsha = stats.info("commandstats").get("cmdstat_evalsha", {})
+            script_us += float(evalsha.get("usec", 0))
+            script_calls += float(evalsha.get("calls", 0))
+    out: dict[str, Any] = {
         "concurrency": concurrency,
         "requests_per_round": requests,
         "rounds": rounds,
         "settle_ms_per_request": round(statistics.median(per_request) * 1000, 4),
     }
+    if stats is not None:
+        stats.close()
+        out["redis_script_ms_per_settle"] = round(script_us / max(script_calls, 1) / 1000, 4)
+    return out
 
 
 def main() -> int:
@@ -334,7 +351,7 @@ def main() -> int:
                             limiter, args.settle_rounds, args.settle_requests, drop
                         )
                         out["settle"]["redis"]["alone"] = [
-                            await settle_at(limiter, args.settle_rounds, args.settle_requests, c)
+                            await settle_at(limiter, args.settle_rounds, args.settle_requests, c, redis.url)
                             for c in levels
                         ]
                     finally:

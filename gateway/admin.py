@@ -173,12 +173,8 @@ class AdminRoutes:
                 raise APIError(ErrorKind.NOT_FOUND, f"no tenant named {name!r}")
             now = time.time()
             return JSONResponse({"object": "list", "data": [k.body(now) for k in keys]})
-        body = await _json(request) if await request.body() else {}
-        expires_at = body.get("expires_at")
-        if expires_at is not None and (
-            not isinstance(expires_at, int | float) or isinstance(expires_at, bool)
-        ):
-            raise invalid_request("expires_at must be Unix seconds", "expires_at")
+        body = await _object(request, ("name", "expires_at", "budgets"))
+        expires_at = _expires_at(body)
         label = body.get("name", "")
         if not isinstance(label, str):
             raise invalid_request("name must be a string", "name")
@@ -193,14 +189,14 @@ class AdminRoutes:
     async def key_budgets(self, request: Request, store: AdminStore) -> Response:
         import time
 
-        info = await store.set_key_budgets(
-            request.path_params["key_hash"], await _json(request), self._actor(request)
-        )
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise invalid_request("The body must be a JSON object of budget_* fields.")
+        info = await store.set_key_budgets(request.path_params["key_hash"], body, self._actor(request))
         return JSONResponse(info.body(time.time()))
 
     async def rotate_key(self, request: Request, store: AdminStore) -> Response:
-        body = await _json(request) if await request.body() else {}
-        expires_at = body.get("expires_at")
+        expires_at = _expires_at(await _object(request, ("expires_at",)))
         issued = await store.rotate_key(
             request.path_params["key_hash"], self._actor(request), expires_at=expires_at
         )
@@ -225,6 +221,24 @@ async def _json(request: Request) -> Any:
         return json.loads(await request.body())
     except ValueError:
         raise invalid_request("The body must be JSON.") from None
+
+
+async def _object(request: Request, fields: tuple[str, ...]) -> dict[str, Any]:
+    """An optional JSON object body (empty: {}) of only ``fields``; else a 400 naming the problem."""
+    body = await _json(request) if await request.body() else {}
+    if not isinstance(body, dict):
+        raise invalid_request("The body must be a JSON object.")
+    extra = sorted(set(body) - set(fields))
+    if extra:
+        raise invalid_request(f"Unknown field {extra[0]!r} (expected {', '.join(fields)}).", extra[0])
+    return body
+
+
+def _expires_at(body: dict[str, Any]) -> float | None:
+    expires_at = body.get("expires_at")
+    if expires_at is not None and (not isinstance(expires_at, int | float) or isinstance(expires_at, bool)):
+        raise invalid_request("expires_at must be Unix seconds", "expires_at")
+    return expires_at
 
 
 def _issued(issued: Any, name: str, expires_at: Any) -> Response:

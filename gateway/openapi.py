@@ -38,6 +38,25 @@ if TYPE_CHECKING:
 
 REF = "#/components/schemas/{model}"
 
+# Both keys are bearer tokens: a tenant's key (checked against the tenants file's and the admin
+# API's hashes; no key needed without --tenants) and the admin key (--admin-key-hash); neither
+# opens the other's routes.
+SECURITY_SCHEMES = {
+    "tenantKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A tenant's API key; without --tenants no key is needed",
+    },
+    "adminKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The admin key (its hash: --admin-key-hash or BATCHGATE_ADMIN_KEY_HASH); "
+        "a tenant's key is a 401 here",
+    },
+}
+_TENANT_AUTH: list[dict[str, list[str]]] = [{"tenantKey": []}, {}]
+_ADMIN_AUTH: list[dict[str, list[str]]] = [{"adminKey": []}]
+
 REQUEST_TYPES: tuple[type, ...] = (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,6 +101,7 @@ def _error(description: str) -> dict[str, Any]:
 
 
 _COMMON_ERRORS = {
+    "401": _error("Missing or invalid API key (when tenants are configured)"),
     "404": _error("Unknown model (`model_not_found`)"),
     "405": _error("Method not allowed"),
     "500": _error("Internal error (a bug) or a failed generation"),
@@ -89,7 +109,6 @@ _COMMON_ERRORS = {
 }
 _POST_ERRORS = {
     "400": _error("Invalid request; `param` names the field"),
-    "401": _error("Missing or invalid API key (when tenants are configured)"),
     "413": _error("Request body too large"),
     "415": _error("Content-Type is not application/json"),
     "429": _error("Rate limited; see Retry-After and x-ratelimit-* headers"),
@@ -195,7 +214,7 @@ def _generation_op(
 def _status_op(summary: str, not_ok: str) -> dict[str, Any]:
     ok = {"description": "OK", "content": {"application/json": {"schema": _ref("Status")}}}
     bad = {"description": not_ok, "content": {"application/json": {"schema": _ref("Status")}}}
-    return {"get": {"summary": summary, "responses": {"200": ok, "503": bad}}}
+    return {"get": {"summary": summary, "security": [], "responses": {"200": ok, "503": bad}}}
 
 
 def build_openapi(
@@ -240,7 +259,8 @@ def build_openapi(
             "description": "OpenAI-compatible text generation over an in-process continuous-batching engine.",
         },
         "paths": paths,
-        "components": {"schemas": schemas},
+        "components": {"schemas": schemas, "securitySchemes": SECURITY_SCHEMES},
+        "security": _TENANT_AUTH,
     }
 
 
@@ -309,6 +329,7 @@ def _paths() -> dict[str, Any]:
         },
         **_usage_paths(),
         **_batch_paths(),
+        **_admin_paths(),
         "/v1/responses": {
             "post": _generation_op(
                 "Create a response (the Responses API)",
@@ -412,25 +433,6 @@ _USAGE_RESULT = {
         "batch": {"type": ["boolean", "null"]},
     },
 }
-_BUDGET_STATE = {
-    "type": "object",
-    "properties": {
-        name: {"type": kind}
-        for name, kind in (
-            ("scope", "string"),
-            ("metric", "string"),
-            ("window", "string"),
-            ("limit", "integer"),
-            ("used", "integer"),
-            ("reserved", "integer"),
-            ("remaining", "integer"),
-            ("soft_limit", ["integer", "null"]),
-            ("window_start", ["integer", "null"]),
-            ("resets_at", ["integer", "null"]),
-            ("source", "string"),
-        )
-    },
-}
 _USAGE_PAGE = {
     "type": "object",
     "properties": {
@@ -449,7 +451,7 @@ _USAGE_PAGE = {
         },
         "has_more": {"type": "boolean"},
         "next_page": {"type": "null"},
-        "budgets": {"type": "array", "items": _BUDGET_STATE, "description": "GET /v1/usage only"},
+        "budgets": {"type": "array", "items": _ref("BudgetState"), "description": "GET /v1/usage only"},
     },
 }
 
@@ -487,6 +489,7 @@ def _usage_paths() -> dict[str, Any]:
         "/v1/organization/usage/completions": {
             "get": {
                 "summary": "Every tenant's usage, in OpenAI's organization Usage API shape (admin key)",
+                "security": _ADMIN_AUTH,
                 "parameters": [
                     *_USAGE_PARAMS,
                     _query(
@@ -499,6 +502,7 @@ def _usage_paths() -> dict[str, Any]:
         "/admin/usage.csv": {
             "get": {
                 "summary": "The organization usage buckets as CSV, one row per bucket and group (admin key)",
+                "security": _ADMIN_AUTH,
                 "parameters": _USAGE_PARAMS,
                 "responses": {
                     "200": {"description": "CSV", "content": {"text/csv": {"schema": {"type": "string"}}}},
@@ -568,3 +572,147 @@ def _batch_paths() -> dict[str, Any]:
             )
         },
     }
+
+
+_NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+_MODEL_NAME = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "description": "The model's name (it may hold '/')",
+    "schema": {"type": "string"},
+}
+_KEY_HASH = {
+    "name": "key_hash",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+}
+_ADMIN_ERRORS = {
+    "400": _error("The change breaks the tenants file's rules (the message names the field), or bad JSON"),
+    "401": _error(
+        "Missing or incorrect admin key (a tenant's key is no admin key; none configured: every call)"
+    ),
+    "404": _error(
+        "No such plan, tenant, price or key; or the admin API is off (it needs --tenants and --redis-url)"
+    ),
+    "405": _error("Method not allowed"),
+    "500": _error("Internal error (a bug)"),
+    "503": _error("Redis, where the changes live, is unavailable; see Retry-After"),
+}
+
+
+def _admin_op(
+    summary: str,
+    response: str,
+    parameters: Sequence[dict[str, Any]] = (),
+    request: str | None = None,
+    *,
+    status: str = "200",
+    optional_body: bool = False,
+    errors: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "security": _ADMIN_AUTH}
+    if parameters:
+        op["parameters"] = list(parameters)
+    if request is not None:
+        content = {"application/json": {"schema": _ref(request)}}
+        op["requestBody"] = {"required": not optional_body, "content": content}
+    op["responses"] = {
+        status: _json("OK" if status == "200" else "Created", response),
+        **(errors or _ADMIN_ERRORS),
+    }
+    return op
+
+
+def _admin_paths() -> dict[str, Any]:
+    """The admin API (gateway/admin.py, gateway/loras.py): run-time plans, tenants, prices, keys
+    and budgets, the audit log, and LoRA adapters; every route needs the admin key."""
+    paths: dict[str, Any] = {}
+    for noun, plural, param, what in (
+        ("Plan", "plans", _NAME, "a plan (each of its tenants' default limits and budgets)"),
+        ("Tenant", "tenants", _NAME, "a tenant (its plan and budget overrides)"),
+        ("Price", "prices", _MODEL_NAME, "a model's price (the next request of it pays the new one)"),
+    ):
+        table = f"{noun}Table"
+        paths[f"/admin/{plural}"] = {"get": _admin_op(f"List every {noun.lower()}", f"Admin{noun}List")}
+        paths[f"/admin/{plural}/{{name}}"] = {
+            "get": _admin_op(f"Retrieve {what}", f"Admin{noun}", [param]),
+            "put": _admin_op(f"Create or replace {what}", f"Admin{noun}", [param], table),
+            "delete": _admin_op(f"Delete {what}", "AdminDeleted", [param]),
+        }
+    paths["/admin/tenants/{name}/keys"] = {
+        "get": _admin_op("List a tenant's keys (hashes and metadata only)", "ApiKeyList", [_NAME]),
+        "post": _admin_op(
+            "Issue a key for a tenant (the raw key is in this answer only)",
+            "IssuedKey",
+            [_NAME],
+            "KeyCreateRequest",
+            status="201",
+            optional_body=True,
+        ),
+    }
+    paths["/admin/keys/{key_hash}/rotate"] = {
+        "post": _admin_op(
+            "Rotate a key: a new one (same tenant, name, budgets), the old one revoked",
+            "IssuedKey",
+            [_KEY_HASH],
+            "KeyRotateRequest",
+            status="201",
+            optional_body=True,
+        )
+    }
+    paths["/admin/keys/{key_hash}/budgets"] = {
+        "put": _admin_op("Set a key's own budgets ({} removes them)", "ApiKey", [_KEY_HASH], "BudgetFields")
+    }
+    paths["/admin/keys/{key_hash}"] = {
+        "delete": _admin_op("Revoke a key (a 401 at once on every gateway)", "KeyRevoked", [_KEY_HASH])
+    }
+    paths["/admin/audit"] = {
+        "get": _admin_op(
+            "The audit log: who changed what, when",
+            "AuditLog",
+            [
+                _query(
+                    "limit",
+                    "How many entries, newest first",
+                    {"type": "integer", "minimum": 1, "maximum": 1000},
+                )
+            ],
+        )
+    }
+    lora_errors = {
+        **_ADMIN_ERRORS,
+        "404": _error("No such adapter, or no in-process chat model to attach adapters to"),
+        "409": _error("The adapter is in use and ?wait=false: nothing changed (`adapter_in_use`)"),
+        "503": _error("The engine is unavailable; see Retry-After"),
+    }
+    paths["/admin/loras"] = {
+        "get": _admin_op("List the LoRA adapters and the adapter bytes each model holds", "LoraList")
+    }
+    paths["/admin/loras/{name}"] = {
+        "put": _admin_op(
+            "Load or replace a LoRA adapter (requests that started keep their version)",
+            "LoraAdapter",
+            [_NAME],
+            "LoraLoadRequest",
+            errors=lora_errors,
+        ),
+        "delete": _admin_op(
+            "Unload a LoRA adapter (taken from new requests at once)",
+            "LoraDeleted",
+            [
+                _NAME,
+                _query(
+                    "wait",
+                    "Wait for the requests using it (false: a 409 while any does)",
+                    {"type": "boolean"},
+                ),
+                _query(
+                    "timeout_s", "How long to wait, seconds (default 30)", {"type": "number", "minimum": 0}
+                ),
+            ],
+            errors=lora_errors,
+        ),
+    }
+    return paths

@@ -498,6 +498,235 @@ class BatchList(TypedDict):
     has_more: bool
 
 
+# -- the admin API (gateway/admin.py, gateway/loras.py) ----------------------------------------
+# Plans, tenants and prices are the tenants file's tables as JSON (tenancy/config.py validates
+# them and names a bad field in a 400); a table's fields are its keys there.
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Dollars = Annotated[float, Field(ge=0)]
+UnixSeconds = Annotated[float, Field(ge=0)]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class BudgetFields(TypedDict):
+    """A budget in money (integer micro-dollars once parsed) or tokens (input, cached included,
+    plus output) over a UTC calendar window; the soft ratio reports crossing that share of it."""
+
+    budget_usd: NotRequired[Dollars]
+    budget_tokens: NotRequired[NonNegativeInt]
+    budget_window: NotRequired[Literal["daily", "monthly", "none"]]
+    budget_soft_ratio: NotRequired[Annotated[float, Field(gt=0, le=1)]]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class PlanTable(BudgetFields):
+    """A plan's limits (the tenants file's `[plans.NAME]`); the batch_* fields and the storage
+    quota are optional (unset: no limit)."""
+
+    priority: Literal["paid", "free"]
+    tokens_per_minute: PositiveInt
+    requests_per_minute: PositiveInt
+    max_concurrent_requests: PositiveInt
+    queue_deadline_seconds: Annotated[float, Field(gt=0)]
+    batch_tokens_per_minute: NotRequired[PositiveInt]
+    batch_max_concurrent_lines: NotRequired[PositiveInt]
+    batch_enqueued_tokens: NotRequired[PositiveInt]
+    storage_quota_bytes: NotRequired[PositiveInt]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class TenantTable(BudgetFields):
+    """A tenant (`[tenants.NAME]`): its plan, and budget_* fields that override the plan's. Keys
+    are issued with the keys routes, not written here."""
+
+    plan: str
+
+
+@with_config(ConfigDict(extra="forbid"))
+class PriceTable(TypedDict):
+    """A model's price (`[prices."MODEL"]`), USD per 1M tokens; cached_input defaults to input,
+    batch_multiplier (applied to Batch API lines) to 1."""
+
+    input: Dollars
+    output: Dollars
+    cached_input: NotRequired[Dollars]
+    batch_multiplier: NotRequired[Dollars]
+
+
+class AdminPlan(PlanTable):
+    object: Literal["plan"]
+    id: str
+
+
+class AdminPlanList(TypedDict):
+    object: Literal["list"]
+    data: list[AdminPlan]
+
+
+class BudgetState(TypedDict):
+    """A budget's use now: `used` settled, `reserved` held by requests in flight (their worst
+    case), in micro-dollars or tokens (`metric`); times are Unix seconds (null: no window)."""
+
+    scope: str
+    metric: Literal["usd", "tokens"]
+    window: Literal["daily", "monthly", "none"]
+    limit: NonNegativeInt
+    used: NonNegativeInt
+    reserved: NonNegativeInt
+    remaining: NonNegativeInt
+    soft_limit: NonNegativeInt | None
+    window_start: int | None
+    resets_at: int | None
+    source: str
+
+
+class AdminTenant(TenantTable):
+    """`budgets`: the tenant's budgets' state, on GET /admin/tenants/{name} only."""
+
+    object: Literal["tenant"]
+    id: str
+    budgets: NotRequired[list[BudgetState]]
+
+
+class AdminTenantList(TypedDict):
+    object: Literal["list"]
+    data: list[AdminTenant]
+
+
+class AdminPrice(PriceTable):
+    object: Literal["price"]
+    id: str
+
+
+class AdminPriceList(TypedDict):
+    object: Literal["list"]
+    data: list[AdminPrice]
+
+
+class AdminDeleted(TypedDict):
+    object: Literal["plan.deleted", "tenant.deleted", "price.deleted"]
+    id: str
+    deleted: bool
+
+
+@with_config(ConfigDict(extra="forbid"))
+class KeyCreateRequest(TypedDict):
+    """A new key for the tenant: a label, an expiry (Unix seconds; null: none) and the key's own
+    budgets; the body may be empty."""
+
+    name: NotRequired[str]
+    expires_at: NotRequired[UnixSeconds | None]
+    budgets: NotRequired[BudgetFields | None]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class KeyRotateRequest(TypedDict):
+    """The new key's expiry (omitted: the old key's); the body may be empty."""
+
+    expires_at: NotRequired[UnixSeconds | None]
+
+
+class ApiKey(TypedDict):
+    """What is stored about a key: its hash and metadata, never the key. `static`: from the
+    tenants file; `active`: neither revoked nor expired."""
+
+    key_hash: str
+    key_id: str
+    tenant: str
+    name: str
+    created_at: float | None
+    expires_at: float | None
+    static: bool
+    budgets: BudgetFields
+    active: bool
+
+
+class ApiKeyList(TypedDict):
+    object: Literal["list"]
+    data: list[ApiKey]
+
+
+class IssuedKey(TypedDict):
+    """A key issued or rotated: `key` is shown this once (only its hash is stored)."""
+
+    object: Literal["key"]
+    key: str
+    key_hash: str
+    key_id: str
+    tenant: str
+    name: str
+    expires_at: float | None
+
+
+class KeyRevoked(TypedDict):
+    object: Literal["key.revoked"]
+    key_id: str
+    tenant: str
+    revoked: bool
+
+
+class AuditEntry(TypedDict):
+    """One change: who (`admin@<client address>`), what (`action` on `target`, with `detail`:
+    the change, never a key), when (`at`, Unix seconds); `id` orders the entries."""
+
+    id: str
+    at: float
+    actor: str
+    action: str
+    target: str
+    detail: object
+
+
+class AuditLog(TypedDict):
+    """The newest changes, newest first."""
+
+    object: Literal["list"]
+    data: list[AuditEntry]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class LoraLoadRequest(TypedDict):
+    """Load (or replace) an adapter from its PEFT folder on the server, public or for one
+    `tenant`, over `model` (omitted: the main chat model)."""
+
+    path: str
+    tenant: NotRequired[str | None]
+    model: NotRequired[str | None]
+
+
+class LoraAdapter(TypedDict):
+    """A loaded adapter (a replace is a new `version`); `owner` null: public."""
+
+    object: Literal["lora"]
+    id: str
+    model: str | None
+    owner: str | None
+    version: NonNegativeInt
+    content_hash: str
+    rank: PositiveInt
+    target_modules: list[str]
+    bytes: NonNegativeInt
+    path: str
+
+
+class LoraList(TypedDict):
+    """Every adapter, and each in-process model's adapter bytes held."""
+
+    object: Literal["list"]
+    data: list[LoraAdapter]
+    bytes_held: dict[str, NonNegativeInt]
+
+
+class LoraDeleted(TypedDict):
+    """`released`: whether the adapter's memory was freed before the answer (the last request
+    using it ended within the wait)."""
+
+    object: Literal["lora.deleted"]
+    id: str
+    deleted: bool
+    released: bool
+
+
 # The bodies the document names as responses; their nested classes come along as components.
 RESPONSE_TYPES: tuple[type, ...] = (
     ChatCompletion,
@@ -520,4 +749,25 @@ RESPONSE_TYPES: tuple[type, ...] = (
     FileDeleted,
     Batch,
     BatchList,
+    PlanTable,
+    TenantTable,
+    PriceTable,
+    AdminPlan,
+    AdminPlanList,
+    AdminTenant,
+    AdminTenantList,
+    AdminPrice,
+    AdminPriceList,
+    AdminDeleted,
+    KeyCreateRequest,
+    KeyRotateRequest,
+    ApiKey,
+    ApiKeyList,
+    IssuedKey,
+    KeyRevoked,
+    AuditLog,
+    LoraLoadRequest,
+    LoraAdapter,
+    LoraList,
+    LoraDeleted,
 )

@@ -203,12 +203,12 @@ class RedisLimiter:
         self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any], *, batched: bool = False
     ) -> Any:
         """Run a script within the call deadline; LimiterUnavailableError if Redis is away.
-        ``batched``: in a round trip shared with the calls made meanwhile (idempotent ones only)."""
+        ``batched``: pipelined on the batcher's connection (idempotent calls only)."""
         try:
-            async with asyncio.timeout(self._deadline_s):
-                if batched:
-                    result = await self._batcher.call(script, keys, args)
-                else:
+            if batched:  # the batcher bounds the call (and drops a connection that overran it)
+                result = await self._batcher.call(script, keys, args)
+            else:
+                async with asyncio.timeout(self._deadline_s):
                     result = await script(keys=list(keys), args=list(args))
         except UNAVAILABLE_ERRORS as exc:
             self._went_down(what, exc)

@@ -170,8 +170,10 @@ if not redis.call('SET', KEYS[5], '1', 'NX', 'EX', ARGV[12]) then
 end
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 local live = 0
-if score and tonumber(score) > now then live = 1 end
-redis.call('ZREM', KEYS[2], ARGV[1])
+if score then
+  if tonumber(score) > now then live = 1 end
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
 local unused = tonumber(ARGV[2])
 if live == 1 and unused > 0 then
   local cap = tonumber(ARGV[3])
@@ -184,13 +186,13 @@ end
 -- Budgets: charged in the window the request was admitted in, while that window lasts (a
 -- request admitted before a reset does not count against the new window, which never held it).
 local admitted_in = {}
-local held = redis.call('HGET', KEYS[4], ARGV[1])
+local n = tonumber(ARGV[13])
+local held = n > 0 and redis.call('HGET', KEYS[4], ARGV[1])  -- holds exist only with budgets
 if held then
   redis.call('HDEL', KEYS[4], ARGV[1])
   for k, w in string.gmatch(held, '(%S+) (%S+) %S+') do admitted_in[k] = w end
 end
 local out = {tostring(live), '0'}
-local n = tonumber(ARGV[13])
 for i = 1, n do
   local key = KEYS[7 + i]
   local kind, amount, soft = ARGV[11 + 4 * i], tonumber(ARGV[12 + 4 * i]), ARGV[13 + 4 * i]
@@ -214,16 +216,20 @@ redis.call('HINCRBY', KEYS[3], 'requests', 1)
 
 -- The ledger: one hash per tenant and hour, fields "<model>\t<key>\t<batch>\t<counter>".
 local p = ARGV[9]
-redis.call('HINCRBY', ledger, p .. 'requests', 1)
+local first = redis.call('HINCRBY', ledger, p .. 'requests', 1) == 1
 redis.call('HINCRBY', ledger, p .. 'input', ARGV[4])
 redis.call('HINCRBY', ledger, p .. 'cached', ARGV[7])
 redis.call('HINCRBY', ledger, p .. 'output', ARGV[5])
 redis.call('HINCRBY', ledger, p .. 'cost', ARGV[8])
-local keep = tonumber(ARGV[11])
-redis.call('EXPIRE', ledger, math.ceil((hour + 1) * 3600 - now) + keep)
--- The hours that have a ledger hash, so that a read visits only those.
-redis.call('ZADD', KEYS[6], hour, fmt(hour))
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. fmt(hour - math.ceil(keep / 3600) - 1))
+-- The hash's expiry (the hour's end plus the retention) and its entry in the hours index, so
+-- that a read visits only hours with data: set by the hour's first settlement of this group
+-- (the same values every time, so the later ones skip them).
+if first then
+  local keep = tonumber(ARGV[11])
+  redis.call('EXPIRE', ledger, math.ceil((hour + 1) * 3600 - now) + keep)
+  redis.call('ZADD', KEYS[6], hour, fmt(hour))
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. fmt(hour - math.ceil(keep / 3600) - 1))
+end
 return out
 """
 )

@@ -99,3 +99,22 @@ class ASGICall:
                     await self._asyncio.wait_for(self._changed.wait(), 0.005)
                 except TimeoutError:
                     pass
+
+
+def validate_answer(doc: dict[str, Any], method: str, template: str, response: Any) -> None:
+    """That an httpx response of `method` on the path `template` is one the OpenAPI document
+    `doc` names: its status is listed, and its JSON body matches that status's schema."""
+    operation = doc["paths"][template][method.lower()]
+    status = str(response.status_code)
+    assert status in operation["responses"], (method, template, status, response.text)
+    content = operation["responses"][status].get("content", {})
+    if "application/json" in content:
+        schema = {**content["application/json"]["schema"], "components": doc["components"]}
+        jsonschema.Draft202012Validator(schema).validate(response.json())
+
+
+def validate_request(doc: dict[str, Any], method: str, template: str, body: Any) -> bool:
+    """Whether `body` is a request body the document accepts for `method` on `template`."""
+    content = doc["paths"][template][method.lower()]["requestBody"]["content"]
+    schema = {**content["application/json"]["schema"], "components": doc["components"]}
+    return bool(jsonschema.Draft202012Validator(schema).is_valid(body))

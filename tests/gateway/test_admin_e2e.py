@@ -23,6 +23,7 @@ from tenancy import hash_key
 from tenancy.billing import Price
 from tests.gateway.conftest import LiveServer
 from tests.gateway.fakes import FakeEngine
+from tests.gateway.helpers import validate_answer, validate_request
 
 ADMIN_KEY = "bg-admin-root"
 SEED_KEY = "sk-seed"
@@ -304,3 +305,85 @@ def test_a_price_changed_on_one_gateway_applies_to_the_next_request_on_the_other
         ("price.delete", "price:fake-model"),
     ]
     assert next(e for e in audit if e["action"] == "price.put")["detail"] == {"input": 1, "output": 1}
+
+
+def test_every_admin_answer_is_one_the_openapi_document_names(gateways: list[Any]) -> None:
+    """Each admin route's answers (successes and errors) match /openapi.json, and the bodies the
+    document accepts are the ones the server accepts."""
+    a = gateways[0]
+    doc = httpx.get(a.base_url + "/openapi.json", timeout=10).json()
+    plan = {k: v for k, v in admin(a, "GET", "/admin/plans/paid").json().items() if k not in ("object", "id")}
+    plan |= {"budget_usd": 5.0, "budget_window": "monthly", "budget_soft_ratio": 0.8}
+    calls: list[tuple[str, str, str, Any]] = [  # method, template, path, body
+        ("GET", "/admin/plans", "/admin/plans", None),
+        ("PUT", "/admin/plans/{name}", "/admin/plans/gold", plan),
+        ("GET", "/admin/plans/{name}", "/admin/plans/gold", None),
+        ("PUT", "/admin/plans/{name}", "/admin/plans/bad", {**plan, "colour": "red"}),
+        ("PUT", "/admin/tenants/{name}", "/admin/tenants/newco", {"plan": "gold", "budget_tokens": 10**6}),
+        ("GET", "/admin/tenants/{name}", "/admin/tenants/newco", None),
+        ("GET", "/admin/tenants", "/admin/tenants", None),
+        ("PUT", "/admin/tenants/{name}", "/admin/tenants/newco", {"plan": "gold", "keys": []}),
+        ("GET", "/admin/tenants/{name}", "/admin/tenants/nosuch", None),
+        ("PUT", "/admin/prices/{name}", "/admin/prices/org/model", {"input": 1.0, "output": 2.5}),
+        ("GET", "/admin/prices/{name}", "/admin/prices/org/model", None),
+        ("GET", "/admin/prices", "/admin/prices", None),
+        ("PUT", "/admin/prices/{name}", "/admin/prices/org/model", {"input": 1.0}),
+        ("DELETE", "/admin/prices/{name}", "/admin/prices/org/model", None),
+        ("POST", "/admin/tenants/{name}/keys", "/admin/tenants/newco/keys", None),
+        (
+            "POST",
+            "/admin/tenants/{name}/keys",
+            "/admin/tenants/newco/keys",
+            {
+                "name": "ci",
+                "expires_at": time.time() + 60,
+                "budgets": {"budget_usd": 1, "budget_window": "daily"},
+            },
+        ),
+        ("POST", "/admin/tenants/{name}/keys", "/admin/tenants/newco/keys", {"label": "ci"}),
+        ("POST", "/admin/tenants/{name}/keys", "/admin/tenants/newco/keys", ["ci"]),
+        ("GET", "/admin/tenants/{name}/keys", "/admin/tenants/newco/keys", None),
+        ("GET", "/admin/tenants/{name}/keys", "/admin/tenants/seed/keys", None),
+        ("GET", "/admin/audit", "/admin/audit?limit=3", None),
+        ("GET", "/admin/loras", "/admin/loras", None),
+        ("PUT", "/admin/loras/{name}", "/admin/loras/x", {"path": "/nowhere"}),
+        ("PUT", "/admin/loras/{name}", "/admin/loras/x", {"path": "/nowhere", "rank": 8}),
+        ("DELETE", "/admin/loras/{name}", "/admin/loras/x", None),
+    ]
+    statuses = []
+    for method, template, path, body in calls:
+        response = admin(a, method, path, body)
+        validate_answer(doc, method, template, response)
+        statuses.append(response.status_code)
+        if body is not None:  # what the schema refuses, the server refuses (and the other way)
+            accepted = validate_request(doc, method, template, body)
+            assert accepted == (response.status_code < 400) or template.startswith("/admin/loras"), (
+                path,
+                body,
+                response.text,
+            )
+        if template == "/admin/tenants/{name}/keys" and response.status_code == 201:
+            key_hash = response.json()["key_hash"]
+    assert statuses[:9] == [200, 200, 200, 400, 200, 200, 200, 400, 404]  # plans, tenants
+    assert statuses[9:14] == [200, 200, 200, 400, 200]  # prices
+    assert statuses[14:] == [201, 201, 400, 400, 200, 200, 200, 200, 400, 400, 404]  # keys, audit, loras
+    for method, template, body in (
+        ("PUT", "/admin/keys/{key_hash}/budgets", {"budget_tokens": 5, "budget_window": "none"}),
+        ("PUT", "/admin/keys/{key_hash}/budgets", {"tokens": 5}),
+        ("POST", "/admin/keys/{key_hash}/rotate", {"expires_at": "soon"}),
+        ("POST", "/admin/keys/{key_hash}/rotate", None),
+        ("DELETE", "/admin/keys/{key_hash}", None),
+        ("DELETE", "/admin/keys/{key_hash}", None),  # the rotated one: already revoked
+    ):
+        response = admin(a, method, template.format(key_hash=key_hash), body)
+        validate_answer(doc, method, template, response)
+        if method == "POST" and response.status_code == 201:
+            key_hash = response.json()["key_hash"]
+    for template in doc["paths"]:  # the admin key guards every admin route, as documented
+        for method, operation in doc["paths"][template].items():
+            if template.startswith("/admin/"):
+                assert operation["security"] == [{"adminKey": []}]
+                path = template.format(name="gold", key_hash=hash_key("x"))
+                response = admin(a, method.upper(), path, {} if method in ("put", "post") else None, SEED_KEY)
+                assert response.status_code == 401
+                validate_answer(doc, method, template, response)

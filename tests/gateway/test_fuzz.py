@@ -33,6 +33,9 @@ MAX_EXAMPLES = {"POST": 150, "GET": 15, "DELETE": 15}
 # The Responses, Conversations, Files and Batches APIs' operations share one parser and store each:
 # fewer examples each, to keep the run short.
 RESPONSES_MAX_EXAMPLES = {"POST": 30, "GET": 5, "DELETE": 5}
+# The admin routes answer this server (no admin key configured) with the documented 401 before
+# reading a body: a few examples each show that, and none in the negative mode.
+ADMIN_MAX_EXAMPLES = {"POST": 2, "PUT": 2, "GET": 2, "DELETE": 2}
 
 
 def _is_int(value: Any) -> bool:
@@ -74,11 +77,16 @@ def test_no_server_errors(tiny_server: TinyServer, mode: GenerationMode) -> None
             continue  # a GET, or a POST without a body (cancel), has nothing to break
         if mode is GenerationMode.NEGATIVE and operation.label == "POST /v1/files":
             continue  # a multipart form carries only strings and bytes: no value breaks its types
+        admin = operation.path.startswith("/admin/")
+        if mode is GenerationMode.NEGATIVE and admin:
+            continue
 
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(
             max_examples=(
-                RESPONSES_MAX_EXAMPLES
+                ADMIN_MAX_EXAMPLES
+                if admin
+                else RESPONSES_MAX_EXAMPLES
                 if operation.path.startswith(
                     ("/v1/responses", "/v1/conversations", "/v1/files", "/v1/batches")
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jsonschema
@@ -75,7 +76,60 @@ def test_schemathesis_loads_every_operation() -> None:
         "GET /v1/batches",
         "GET /v1/batches/{batch_id}",
         "POST /v1/batches/{batch_id}/cancel",
+        *ADMIN_OPERATIONS,
     }
+
+
+ADMIN_OPERATIONS = {
+    *(f"{m} /admin/{n}" for m in ("GET",) for n in ("plans", "tenants", "prices", "audit", "loras")),
+    *(f"{m} /admin/{n}/{{name}}" for m in ("GET", "PUT", "DELETE") for n in ("plans", "tenants", "prices")),
+    "GET /admin/tenants/{name}/keys",
+    "POST /admin/tenants/{name}/keys",
+    "POST /admin/keys/{key_hash}/rotate",
+    "PUT /admin/keys/{key_hash}/budgets",
+    "DELETE /admin/keys/{key_hash}",
+    "PUT /admin/loras/{name}",
+    "DELETE /admin/loras/{name}",
+}
+# Served but not documented: the document itself, Prometheus, and the gateway-to-gateway routes.
+UNDOCUMENTED = {"/openapi.json", "/metrics", "/v1/generate"}
+
+
+def test_the_document_covers_every_route_the_app_serves() -> None:
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from tests.gateway.fakes import FakeEngine
+
+    app = create_app(Settings(embedding_model="none"), engine=FakeEngine())
+    paths = build_openapi(MODEL)["paths"]
+    documented = {(path, method.upper()) for path, ops in paths.items() for method in ops}
+    served = {
+        (re.sub(r":\w+}", "}", route.path), method)
+        for route in app.routes
+        for method in (getattr(route, "methods", None) or ()) - {"HEAD"}
+        if route.path not in UNDOCUMENTED and not route.path.startswith("/v1/internal/")
+    }
+    assert served == documented
+
+
+def test_admin_routes_need_the_admin_key_and_the_others_a_tenant_key_if_any() -> None:
+    doc = build_openapi(MODEL)
+    schemes = doc["components"]["securitySchemes"]
+    assert {name: (s["type"], s["scheme"]) for name, s in schemes.items()} == {
+        "tenantKey": ("http", "bearer"),
+        "adminKey": ("http", "bearer"),
+    }
+    assert doc["security"] == [{"tenantKey": []}, {}]  # no key needed without --tenants
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            admin = path.startswith("/admin/") or path.startswith("/v1/organization/")
+            assert op.get("security", doc["security"]) == (
+                [{"adminKey": []}] if admin else [] if path in ("/health", "/ready") else doc["security"]
+            ), (method, path)
+            if path not in ("/health", "/ready"):
+                assert op["responses"]["401"]["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/Error"
+                }, (method, path)
 
 
 def test_generate_is_an_alias_of_completions() -> None:
@@ -308,3 +362,21 @@ def test_completion_schema_agrees_with_parser(body: dict[str, Any], valid: bool)
     assert _request_validator("CompletionRequest").is_valid(body) == valid
     if valid:
         parse_completion_request(body)
+
+
+def test_the_admin_tables_have_the_tenants_files_fields() -> None:
+    from tenancy import config
+
+    components = build_openapi(MODEL)["components"]["schemas"]
+
+    def fields(name: str) -> set[str]:
+        return set(components[name]["properties"])
+
+    assert fields("PlanTable") == config._PLAN_FIELDS
+    assert set(components["PlanTable"]["required"]) == config._PLAN_REQUIRED
+    assert fields("TenantTable") == config._TENANT_FIELDS - {"keys"}  # issued with the keys routes
+    assert fields("PriceTable") == config._PRICE_FIELDS
+    assert fields("BudgetFields") == config._BUDGET_FIELDS
+    assert all(
+        components[n]["additionalProperties"] is False for n in ("PlanTable", "TenantTable", "PriceTable")
+    )

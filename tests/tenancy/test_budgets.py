@@ -11,9 +11,10 @@ import pytest
 
 from tenancy.billing import Budget, Charge, Price, window_bounds, window_index
 from tenancy.bucket import Reason
-from tenancy.keyspace import open_async
+from tenancy.keyspace import ledger_hours_key, ledger_prefix, open_async
 from tenancy.ledger import HOUR_S, LedgerRow, MemoryStore, buckets
 from tenancy.limiter import Limiter, MemoryLimiter
+from tenancy.redis_limiter import RedisLimiter
 from tenancy.scripts import PRELUDE
 from tests.tenancy.conftest import FakeClock, MakeLimiter, make_plan
 
@@ -328,3 +329,36 @@ async def test_the_store_sums_what_the_rows_sum(make_limiter: MakeLimiter, clock
             expected = buckets(kept, start_time=start, end_time=end, bucket_width_s=width, group_by=group_by)
             got = page(sums, start_time=start, end_time=end, bucket_width_s=width, group_by=group_by)
             assert got == expected and any(b["results"] for b in got), (width, group_by, models)
+
+
+async def test_each_ledger_hour_keeps_its_expiry_and_its_place_in_the_hours_index(
+    redis_url: str, clock: FakeClock
+) -> None:
+    # Set by the first settlement of a group in the hour, kept by the later ones; old hours
+    # leave the index after the retention.
+    clock.t = ts(2026, 12, 1, 10, 30)
+    limiter = RedisLimiter(open_async(redis_url), clock=clock, retention_s=2 * HOUR_S)
+    client = limiter.client
+    budget = Budget("usd", 10**9, "monthly")
+    first_hour = int(clock.t // HOUR_S)
+    first_seen: dict[int, float] = {}
+    try:
+        for i in range(8):  # two groups (keys) an hour, over four hours
+            for key_id in ("key_a", "key_b"):
+                decision = await admit(limiter, f"r{i}{key_id}", charge((budget,), 10, 10, key_id=key_id))
+                assert decision.lease is not None
+                assert await limiter.settle(decision.lease, 10, 5)
+            hour = int(clock.t // HOUR_S)
+            ttl = await client.ttl(ledger_prefix("acme") + str(hour))
+            # The fake clock moves and Redis's does not: the TTL is the one the hour's first set.
+            end_of_hour = (hour + 1) * HOUR_S - first_seen.setdefault(hour, clock.t)
+            assert end_of_hour + 2 * HOUR_S - 2 <= ttl <= end_of_hour + 2 * HOUR_S, (i, ttl)
+            clock.advance(HOUR_S / 2)
+        last_hour = int((clock.t - 1) // HOUR_S)
+        indexed = [int(h) for h in await client.zrange(ledger_hours_key("acme"), 0, -1)]
+        assert indexed == list(range(last_hour - 3, last_hour + 1))  # the hour, 2 h retention and 1 h slack
+        rows = await limiter.ledger(["acme"], first_hour, last_hour + 1)
+        assert sum(r.requests for r in rows) == 14  # hour 10 (2 requests) is past the retention
+        assert {r.key_id for r in rows} == {"key_a", "key_b"}
+    finally:
+        await limiter.aclose()

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
 
-from tenancy.batcher import ScriptBatcher
+from tenancy.batcher import ScriptBatcher, pack_command
 from tenancy.bucket import Reason
 from tenancy.keyspace import leases_key, open_async, requests_key, tokens_key, usage_key
 from tenancy.limiter import FailurePolicy, Lease
@@ -271,17 +272,24 @@ async def admitted(limiter: RedisLimiter, n: int) -> list[Lease]:
     return leases
 
 
+def test_commands_are_packed_as_redis_py_packs_them() -> None:
+    command = ("EVALSHA", "a" * 40, 2, "{tenant:é}:k", b"raw\r\n", 0, -7, 1.5, repr(0.1), "")
+    assert pack_command(command) == b"".join(Connection().pack_commands([command]))
+    with pytest.raises(TypeError):
+        pack_command(("SET", "k", True))
+
+
 async def test_concurrent_settlements_share_round_trips_and_each_gets_its_own_answer(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sizes: list[int] = []  # commands per round trip, counted around the real exchange
-    exchange = ScriptBatcher._exchange
+    sizes: list[int] = []  # commands per write, counted around the real flush
+    flush = ScriptBatcher._flush
 
-    async def counted(self: ScriptBatcher, commands: list[tuple[object, ...]]) -> list[object]:
-        sizes.append(len(commands))
-        return await exchange(self, commands)
+    def counted(self: ScriptBatcher) -> None:
+        sizes.append(len(self._outbox))
+        flush(self)
 
-    monkeypatch.setattr(ScriptBatcher, "_exchange", counted)
+    monkeypatch.setattr(ScriptBatcher, "_flush", counted)
     limiter = RedisLimiter(open_async(redis_url))
     try:
         leases = await admitted(limiter, 40)
@@ -313,3 +321,28 @@ async def test_settlements_survive_a_script_flush_and_a_restarted_redis(
         assert (usage.prompt_tokens, usage.completion_tokens, usage.num_requests) == (2, 4, 2)
     finally:
         await limiter.aclose()
+
+
+async def _settle_across_a_connection_closed_under_the_batcher(redis_url: str) -> None:
+    limiter = RedisLimiter(open_async(redis_url), call_deadline_s=1.0)
+    try:
+        leases = await admitted(limiter, 2)
+        assert await limiter.settle(leases[0], 1, 2)
+        wire = limiter._batcher._wire
+        assert wire is not None and wire.transport is not None
+        wire.transport.close()  # as when Redis went away: connection_lost comes a turn later
+        started = time.monotonic()
+        assert await limiter.settle(leases[1], 1, 2)  # sent again at once on a new connection
+        assert time.monotonic() - started < 0.5 and limiter.num_pending_settles == 0
+    finally:
+        await limiter.aclose()
+
+
+async def test_a_connection_closed_under_the_batcher_is_replaced_at_once(redis_url: str) -> None:
+    await _settle_across_a_connection_closed_under_the_batcher(redis_url)
+
+
+def test_a_connection_closed_under_the_batcher_is_replaced_at_once_on_uvloop(redis_url: str) -> None:
+    import uvloop  # the gateway's event loop under uvicorn, whose transports raise on a write once closed
+
+    uvloop.run(_settle_across_a_connection_closed_under_the_batcher(redis_url))
