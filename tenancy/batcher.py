@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, NoScriptError, ResponseError
+from redis.exceptions import InvalidResponse, NoScriptError
 
 
 @dataclass(eq=False)
@@ -190,7 +190,7 @@ class ScriptBatcher:
                     self._send(call)
                 elif call.future.done():  # its caller was cancelled
                     continue
-                elif isinstance(reply, ResponseError):
+                elif isinstance(reply, Exception):  # an error reply (LOADING parses as a ConnectionError)
                     call.future.set_exception(reply)
                 else:
                     call.future.set_result(reply)

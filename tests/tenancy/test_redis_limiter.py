@@ -16,7 +16,7 @@ from redis.asyncio.connection import Connection
 
 from tenancy.batcher import ScriptBatcher, pack_command
 from tenancy.bucket import Reason
-from tenancy.keyspace import leases_key, open_async, requests_key, tokens_key, usage_key
+from tenancy.keyspace import UNAVAILABLE_ERRORS, leases_key, open_async, requests_key, tokens_key, usage_key
 from tenancy.limiter import FailurePolicy, Lease
 from tenancy.redis_limiter import RedisLimiter
 from tests.conftest_redis import RedisProcess
@@ -346,3 +346,32 @@ def test_a_connection_closed_under_the_batcher_is_replaced_at_once_on_uvloop(red
     import uvloop  # the gateway's event loop under uvicorn, whose transports raise on a write once closed
 
     uvloop.run(_settle_across_a_connection_closed_under_the_batcher(redis_url))
+
+
+async def test_an_error_reply_of_the_connection_kind_fails_the_call_and_keeps_the_settlement() -> None:
+    """A Redis still loading its data after a restart answers `-LOADING` (redis-py parses it as
+    a ConnectionError, not a ResponseError): the call raises it, so the limiter keeps the
+    settlement for its retry instead of reading the error as a reply."""
+    import hiredis
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = hiredis.Reader()
+        while data := await reader.read(65536):
+            parser.feed(data)
+            while (command := parser.gets()) is not False:
+                loading = command[0].upper() in (b"EVALSHA", b"EVAL")
+                writer.write(b"-LOADING Redis is loading the dataset\r\n" if loading else b"+OK\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    batcher = ScriptBatcher(client, deadline_s=2.0)
+    try:
+        with pytest.raises(redis.exceptions.BusyLoadingError):
+            await batcher.call(client.register_script("return 1"), [], [])
+        assert isinstance(redis.exceptions.BusyLoadingError(), UNAVAILABLE_ERRORS)
+    finally:
+        await batcher.aclose()
+        await client.aclose()
+        server.close()
