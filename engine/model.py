@@ -335,7 +335,9 @@ class LlamaModel:
         """`_layers` in one native call, for a step that only decodes (the same ops, bit for bit, the
         decode rows' LoRA deltas included) or whose prefill tokens run as decode rows."""
         tables, lens = (
-            (batch.token_tables, batch.token_lens) if batch.prefills else (batch.decode_tables, batch.decode_lens)
+            (batch.token_tables, batch.token_lens)
+            if batch.prefills
+            else (batch.decode_tables, batch.decode_lens)
         )
         assert tables is not None and lens is not None
         spec = self.spec
