@@ -103,6 +103,7 @@ class LLMEngine:
         self._seqs: dict[str, list[Sequence]] = {}
         self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._recent: deque[tuple[float, int]] = deque()
+        self._recent_tokens = 0  # the sum of `_recent`'s token counts (stats() runs every step)
         self.meter = ServiceMeter()
         # Refusals are counted on the engine thread (expiry) and on callers' threads (at arrival).
         self._refusals: dict[str, int] = {}
@@ -316,8 +317,9 @@ class LLMEngine:
         )
         self.scheduler.record_step(out, now - start)  # trains the step-time budget's cost model
         self._recent.append((now, len(result.tokens)))
+        self._recent_tokens += len(result.tokens)
         while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
+            self._recent_tokens -= self._recent.popleft()[1]
 
     def _process(self, result: StepResult) -> list[RequestOutput]:
         """Each sampled sequence's new token: append, check stops, detokenize, build the output. A
@@ -507,7 +509,6 @@ class LLMEngine:
         """
         running = self.scheduler.running
         waiting = self.scheduler.waiting
-        window = [n for t, n in self._recent]
         span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
         return EngineStats(
             num_running=len(running),
@@ -515,7 +516,7 @@ class LLMEngine:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
             block_size=self.block_manager.block_size,
-            output_tokens_per_s=(sum(window) / span) if span > 0 else 0.0,
+            output_tokens_per_s=(self._recent_tokens / span) if span > 0 else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
             num_waiting_tokens=sum(waiting.tokens_by_priority().values())
             + sum(s.num_uncomputed_tokens for s in running if s.is_prefilling),

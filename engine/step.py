@@ -116,6 +116,13 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
+    # Where the step prefills: every token as a row of its own, [T, B] its sequence's block ids and
+    # [T] its context length (its position + 1), so the one-call layers (engine/model.py) run a
+    # prefill token exactly as a decode token; and the sum of the prefill tokens' context lengths
+    # (the attention work of running them so). None / 0 for a step that only decodes.
+    token_tables: torch.Tensor | None = None
+    token_lens: torch.Tensor | None = None
+    prefill_context: int = 0
     # (LoRA slot, a run of consecutive prefill rows using it); empty: none.
     lora_groups: list[tuple[int, slice]] = field(default_factory=list)
     # The decode rows with an adapter, all slots in one batched shrink and expand; None: none.
@@ -252,6 +259,11 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         PrefillSlice(start, end, _slots(tables[num_decode + j : num_decode + j + 1], ctx, block_size)[0])
         for j, (start, end, ctx) in enumerate(prefill_ranges)
     ]
+    token_tables = token_lens = None
+    if prefill_ranges:
+        token_lens = pos_t + 1
+        width = -(-(max(inputs.positions) + 1) // block_size)  # the blocks of the longest context
+        token_tables = tables[row_of_token, :width].contiguous()
     return ForwardBatch(
         input_ids=torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
         positions=pos_t,
@@ -261,6 +273,9 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         decode_lens=decode_lens,
         prefills=prefills,
         logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
+        token_tables=token_tables,
+        token_lens=token_lens,
+        prefill_context=sum((e - s) * ctx - (e - s) * (e - s - 1) // 2 for s, e, ctx in prefill_ranges),
         lora_groups=lora_groups(inputs) if inputs.lora_slots else [],
         lora_decode=lora_decode_plan(inputs, device) if inputs.lora_slots else None,
     )

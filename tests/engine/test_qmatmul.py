@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import model as model_module
 from engine import quant
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.loader import gguf_tensor_infos, is_q4_1_gguf
+from engine.model import LlamaModel
 from engine.native import native_kernels, qmatmul_available
 from engine.platform import CpuIsa, cpu_isa
 from engine.quant import Linear, WeightFormat, dequantize, pack_q4, pack_q8, resolve_weight_format
-from engine.types import GenerationRequest
+from engine.types import GenerationRequest, TokenLogprob
 from tests.engine.helpers import compare_one_call_decode, greedy, run_all, tiny_engine, tokens_of
 from tests.tiny_model import make_tiny_model, snap_to_q4_1
 
@@ -217,3 +221,45 @@ def test_a_decode_step_in_one_native_call_gives_the_same_logits_bit_for_bit(
     run_all(engine, requests)
     assert len(compared) >= 8 and all(compared)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@needs_qmatmul
+def test_a_short_prefill_in_the_one_native_call_gives_the_same_logprobs_however_it_is_split(
+    tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short prefill runs its tokens as decode rows of the one-call layers (engine/model.py):
+    prefilled whole, in chunks of 5 beside a decoding sequence, or after a prefix-cache hit, a
+    prompt's logprobs are the same bit for bit, and no step goes through the Python layer loop."""
+    model = make_tiny_model(
+        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
+    )
+    layer_loops: list[int] = []
+    python_layers = LlamaModel._layers
+
+    def counted(self: LlamaModel, *args: Any) -> Any:
+        layer_loops.append(1)
+        return python_layers(self, *args)
+
+    monkeypatch.setattr(LlamaModel, "_layers", counted)
+    prompt = list(range(200, 237))
+    sampling = greedy(6, logprobs=True, top_logprobs=5)
+
+    def logprobs(engine: LLMEngine, request_id: str, partner: bool = False) -> list[TokenLogprob]:
+        requests = [GenerationRequest(request_id, prompt, sampling)]
+        if partner:  # a sequence already decoding: the chunks share steps with its decode rows
+            requests.insert(0, GenerationRequest(f"{request_id}-partner", [5, 6, 7], greedy(20)))
+        return [lp for out in run_all(engine, requests)[(request_id, 0)] for lp in out.logprobs]
+
+    engine = tiny_engine(model, quantization="int4")
+    whole = logprobs(engine, "whole")
+    cached = logprobs(engine, "cached")  # the same prompt again: its full blocks from the cache
+    assert engine.block_manager.num_hit_tokens == 36
+    chunked = logprobs(tiny_engine(model, quantization="int4", max_num_batched_tokens=5), "chunked", True)
+    assert len(whole) == 6 and whole == cached == chunked
+    assert not layer_loops
+    # Past the bound on attention work the Python layer loop (SDPA) prefills (here the prompt's
+    # last token, after the cached blocks): the same first token.
+    monkeypatch.setattr(model_module, "ONE_CALL_PREFILL_CONTEXT", 0)
+    looped = logprobs(engine, "looped")
+    assert layer_loops and looped[0].token_id == whole[0].token_id
+    assert abs(looped[0].logprob - whole[0].logprob) < 0.05
