@@ -166,7 +166,7 @@ def held_report(hosts: Sequence[AdapterHost]) -> dict[str, dict[str, Any]]:
 class PoolHost(Protocol):
     """The adapters of a pool of replicas (gateway/pool_loras.py's PoolAdapters)."""
 
-    def is_adapter(self, name: str) -> bool: ...
+    def serves(self, name: str) -> bool: ...
 
     def owner(self, name: str) -> str | None: ...
 
@@ -269,7 +269,7 @@ class LoraRoutes:
             raise invalid_request("`tenant` and `model` must be strings.")
         backend = self._local(model)
         if backend is None:
-            replaced = self._pool().is_adapter(name)
+            replaced = self._pool().serves(name)
             answer = await self._pool().load(name, body["path"], tenant, model)
         else:
             replaced = name in backend.lora_owners
@@ -293,7 +293,7 @@ class LoraRoutes:
         if backend is not None:
             owner, model = backend.lora_owners.get(name), backend.name
             released = await backend.unload_lora(name, wait, timeout_s)
-        elif self.pool is not None and self.pool.is_adapter(name):
+        elif self.pool is not None and self.pool.serves(name):
             owner, model = self.pool.owner(name), None
             released = await self.pool.unload(name, wait, timeout_s)
         else:

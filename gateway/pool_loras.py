@@ -99,6 +99,10 @@ class PoolAdapters:
     def hidden(self, name: str) -> bool:
         return name in self.unloaded and name not in self.declared
 
+    def serves(self, name: str) -> bool:
+        """Whether `name` is an adapter of the pool now (for the admin API)."""
+        return self.is_adapter(name) and not self.hidden(name)
+
     def owner(self, name: str) -> str | None:
         """The tenant owning adapter `name` (None: public, or not an adapter): the declaration
         here, else what the replicas report (an owner any of them names wins over public)."""
@@ -121,7 +125,7 @@ class PoolAdapters:
 
     def route(self, name: str) -> AdapterRoute[Upstream] | None:
         """How a request for adapter `name` is routed (None: `name` is no adapter)."""
-        if self.hidden(name) or not self.is_adapter(name):
+        if not self.serves(name):
             return None
         spec = self.declared.get(name)
 
