@@ -382,7 +382,8 @@ class LoraStack:
     """Every slot's delta for one fused linear (qkv, o, gate_up, down) of one layer, stacked for
     batched matmuls on the model's device: A of each of the linear's modules side by side
     [slots, in, modules * R], and B cut into equal column chunks of the fused output
-    [slots, chunks, R, chunk], R the largest rank installed so far (zero-padded: exact). A chunk
+    [slots, chunks, R, chunk], R the largest rank of the installed adapters (zero-padded: exact;
+    the stacks are rebuilt larger or smaller when an install changes it, between steps). A chunk
     (the gcd of the modules' widths: q is 3 chunks of k's width) belongs to one module, so one
     batched expand writes each module's own output columns, without block-diagonal zeros."""
 
@@ -410,14 +411,19 @@ class LoraStack:
         self.first_chunk = [owner.index(m) for m in range(len(widths))]
         self.fan_in, self.num_slots, self.dtype, self.device = fan_in, num_slots, dtype, device
         self.rank = 0
+        self.slot_ranks = [0] * num_slots  # each slot's own largest rank here
         self.a = self.b = torch.empty(0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
 
     def install(self, slot: int, layer: LayerLora | None) -> None:
         """Slot `slot` holds `layer`'s deltas of this linear's modules (None or none: zero)."""
         parts = [(m, layer[name]) for m, name in enumerate(self.modules) if layer and name in layer]
-        rank = max((p.a.shape[0] for _, p in parts), default=0)
-        if rank > self.rank:
-            self._grow(rank)
+        self.slot_ranks[slot] = max((p.a.shape[0] for _, p in parts), default=0)
+        if max(self.slot_ranks) != self.rank:
+            self._resize(max(self.slot_ranks))
         if self.rank == 0:
             return
         r_max = self.rank
@@ -429,19 +435,25 @@ class LoraStack:
             b_t = part.b.T.reshape(r, -1, self.chunk).transpose(0, 1)  # [its chunks, r, chunk]
             self.b[slot, self.first_chunk[m] : self.first_chunk[m] + b_t.shape[0], :r] = b_t
 
-    def _grow(self, rank: int) -> None:
+    def _resize(self, rank: int) -> None:
+        """New stacks of `rank` with every slot's deltas (a shrink drops only zero padding: no
+        slot has a larger rank); rank 0 frees them."""
         old_a, old_b, old = self.a, self.b, self.rank
+        self.rank = rank
+        if rank == 0:
+            self.a = self.b = torch.empty(0)
+            return
         m = len(self.modules)
         self.a = torch.zeros(self.num_slots, self.fan_in, m * rank, dtype=self.dtype, device=self.device)
         self.b = torch.zeros(
             self.num_slots, self.num_chunks, rank, self.chunk, dtype=self.dtype, device=self.device
         )
-        if old:
-            self.a.view(self.num_slots, self.fan_in, m, rank)[..., :old] = old_a.view(
+        keep = min(old, rank)
+        if keep:
+            self.a.view(self.num_slots, self.fan_in, m, rank)[..., :keep] = old_a.view(
                 self.num_slots, self.fan_in, m, old
-            )
-            self.b[:, :, :old] = old_b
-        self.rank = rank
+            )[..., :keep]
+            self.b[:, :, :keep] = old_b[:, :, :keep]
 
     def _per_chunk(self, shrunk: torch.Tensor, dim: int) -> torch.Tensor:
         """The shrink output of each chunk's module: [..., modules, R] -> [..., chunks, R] on `dim`."""
@@ -509,6 +521,11 @@ class LoraWeights:
             }
             for _ in range(spec.num_layers)
         ]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stacks hold (they follow the largest rank installed)."""
+        return sum(stack.nbytes for stacks in self.layers for stack in stacks.values())
 
     def install(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Put `adapter`'s weights into `slot` (None empties it); between steps only."""

@@ -91,13 +91,13 @@ class Gateway:
                 )
                 self.engines.append(backend)
         chat_names = {None} | {s.name for s in settings.served_models() if s.task == "generate"}
-        orphans = sorted(
-            a.name for a in adapters if a.model not in chat_names or (a.model is None and not self.engines)
-        )
-        if orphans:
-            raise ValueError(f"LoRA adapter(s) {', '.join(orphans)}: no in-process chat model to attach to")
+        # Adapters of no in-process chat model are the pool's (gateway/pool_loras.py).
+        pooled = [a for a in adapters if a.model not in chat_names or (a.model is None and not self.engines)]
+        if pooled and not settings.upstreams:
+            names = ", ".join(sorted(a.name for a in pooled))
+            raise ValueError(f"LoRA adapter(s) {names}: no in-process chat model to attach to")
         if settings.upstreams:
-            self.replicas = ReplicaBackend(settings, self.metrics, tenancy)
+            self.replicas = ReplicaBackend(settings, self.metrics, tenancy, pooled)
             self.metrics.state.upstreams = self.replicas.replicas.counts
         self.backends: list[Backend] = [*self.engines, *self.embedders]
         if self.replicas is not None:
@@ -114,7 +114,10 @@ class Gateway:
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         records = loras.AdapterRecords.in_storage(settings.storage_dir)
         audit = None if tenancy is None or tenancy.admin is None else tenancy.admin.record
-        self.loras = loras.LoraRoutes(self.engines, settings.admin_key_hash, records, audit)
+        pool = self.replicas.adapters if self.replicas is not None else None
+        self.loras = loras.LoraRoutes(
+            self.engines, settings.admin_key_hash, records, audit, settings.internal_token, pool
+        )
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
         self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
@@ -287,13 +290,15 @@ class Gateway:
     async def internal_stats(self, request: Request) -> Response:
         """engine.stats() as JSON, for gateways routing by outstanding work, with what each
         served model does (`tasks`), so a gateway refuses a model sent to the wrong endpoint
-        before admission, as this server would."""
+        before admission, as this server would, and the LoRA adapters held (`loras`, by name:
+        owner, model, resident, version, content hash) for a gateway's adapter routing."""
         admission.check_internal(self.settings.internal_token, request.headers)
         everything = admission.Caller(name="", internal=True)
         tasks = {c.id: c.task.value for c in self.registry.cards(everything) if c.task is not None}
         if not self.engines:  # an embedding-only replica: the pool routes by its own in-flight count
             return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
-        return JSONResponse({**self.engines[0].stats(), "tasks": tasks})
+        held = {"loras": loras.held_report(self.engines), "chat_model": self.engines[0].name}
+        return JSONResponse({**self.engines[0].stats(), "tasks": tasks, **held})
 
     async def internal_usage(self, request: Request) -> Response:
         """The usage this replica kept for a gateway's request (gateway/reports.py); 404 when none

@@ -115,6 +115,9 @@ class EngineBackend:
     def adapter_bytes(self) -> int:
         return 0 if self.engine is None else self.engine.lora_bytes()
 
+    def resident(self) -> tuple[str, ...]:
+        return () if self.engine is None else self.engine.stats().loras_resident
+
     async def load_lora(self, name: str, path: str, tenant: str | None) -> LoraAdapter:
         engine, _ = self._running()
         if name == self.name:

@@ -14,7 +14,9 @@ any other caller gets the same 404 as for a name nobody serves.
                                          the answer waits (up to ?timeout_s=, default 30) for the last
                                          running one, saying whether its memory was released
 
-A replace is a new version: requests that started keep the version they pinned. Each load, replace
+A replace is a new version: requests that started keep the version they pinned. In pool mode
+(no in-process chat model for it) the same routes act on the replicas (gateway/pool_loras.py),
+and a replica takes them from its gateway with the internal token as well as the admin key. Each load, replace
 and unload is an entry of the admin audit log (`GET /admin/audit`, with tenancy over Redis; else
 only logged). What the admin API loads is recorded (`AdapterRecords`: loras.sqlite3 in
 `--storage-dir`), so a restarted gateway loads it again; the models file's and `--lora` adapters
@@ -110,6 +112,10 @@ class AdapterHost(Protocol):
 
     def adapter_bytes(self) -> int: ...
 
+    def resident(self) -> tuple[str, ...]:
+        """The adapters resident in an engine slot now."""
+        ...
+
     async def load_lora(self, name: str, path: str, tenant: str | None) -> LoraAdapter: ...
 
     async def unload_lora(self, name: str, wait: bool, timeout_s: float) -> bool: ...
@@ -140,6 +146,39 @@ def adapter_body(adapter: LoraAdapter, owner: str | None, model: str | None) -> 
     }
 
 
+def held_report(hosts: Sequence[AdapterHost]) -> dict[str, dict[str, Any]]:
+    """The adapters these in-process models hold, for a gateway in front (/v1/internal/stats;
+    gateway/replicas.py reads it back)."""
+    report: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        resident = set(host.resident())
+        for name, adapter in host.adapters().items():
+            report[name] = {
+                "owner": host.lora_owners.get(name),
+                "model": host.name,
+                "resident": name in resident,
+                "version": adapter.version,
+                "content_hash": adapter.content_hash,
+            }
+    return report
+
+
+class PoolHost(Protocol):
+    """The adapters of a pool of replicas (gateway/pool_loras.py's PoolAdapters)."""
+
+    def serves(self, name: str) -> bool: ...
+
+    def owner(self, name: str) -> str | None: ...
+
+    def declare(self, record: AdapterRecord) -> None: ...
+
+    def listing(self) -> list[dict[str, Any]]: ...
+
+    async def load(self, name: str, path: str, tenant: str | None, model: str | None) -> dict[str, Any]: ...
+
+    async def unload(self, name: str, wait: bool, timeout_s: float) -> bool: ...
+
+
 # Appends one audit entry (actor, action, target, detail): `tenancy.admin.AdminStore.record`.
 Audit = Callable[[str, str, str, Any], Awaitable[None]]
 
@@ -153,11 +192,18 @@ class LoraRoutes:
         admin_key_hash: str | None,
         records: AdapterRecords,
         audit: Audit | None = None,
+        internal_token: str | None = None,
+        pool: PoolHost | None = None,
     ) -> None:
+        """`internal_token`: a gateway in front calls these with it (pool mode); its loads are not
+        recorded (the gateway owns them). `pool`: the replicas' adapters, where no in-process
+        chat model is named."""
         self.engines = engines
         self.admin_key_hash = admin_key_hash
         self.records = records
         self.audit = audit
+        self.internal_token = internal_token
+        self.pool = pool
         # /ready waits for the restore, so a restarted server serves what it had (nothing to wait
         # for when nothing was recorded)
         self.restored = not records.all()
@@ -167,7 +213,11 @@ class LoraRoutes:
         an adapter that cannot load now (its folder gone) is logged and left out, not retried."""
         for record in self.records.all():
             try:
-                await self._backend(record.model).load_lora(record.name, record.path, record.tenant)
+                local = self._local(record.model)
+                if local is None:
+                    self._pool().declare(record)
+                    continue
+                await local.load_lora(record.name, record.path, record.tenant)
                 logger.info("restored LoRA %s for %s", record.name, record.tenant or "everyone")
             except (APIError, EngineError) as exc:
                 logger.error("LoRA %s from %s could not be restored: %s", record.name, record.path, exc)
@@ -182,7 +232,8 @@ class LoraRoutes:
 
     def _admin(self, handler: Any) -> Any:
         async def handle(request: Request) -> Response:
-            admission.check_admin(self.admin_key_hash, request.headers)
+            if admission.internal_caller(self.internal_token, request.headers, None) is None:
+                admission.check_admin(self.admin_key_hash, request.headers)
             try:
                 response: Response = await handler(request)
             except EngineError as exc:
@@ -198,6 +249,8 @@ class LoraRoutes:
             for name, adapter in backend.adapters().items()
         ]
         held = {backend.name: backend.adapter_bytes() for backend in self.engines}
+        if self.pool is not None:
+            data.extend(self.pool.listing())
         return JSONResponse({"object": "list", "data": data, "bytes_held": held})
 
     async def load(self, request: Request) -> Response:
@@ -214,14 +267,20 @@ class LoraRoutes:
         tenant, model = body.get("tenant"), body.get("model")
         if not isinstance(tenant, str | None) or not isinstance(model, str | None):
             raise invalid_request("`tenant` and `model` must be strings.")
-        backend = self._backend(model)
-        replaced = name in backend.lora_owners
-        adapter = await backend.load_lora(name, body["path"], tenant)
-        self.records.put(AdapterRecord(name, body["path"], tenant, model))
-        logger.info("admin@%s loaded LoRA %s for %s", _client(request), adapter.id, tenant or "everyone")
-        detail = {k: v for k, v in adapter_body(adapter, tenant, backend.name).items() if k != "object"}
+        backend = self._local(model)
+        if backend is None:
+            replaced = self._pool().serves(name)
+            answer = await self._pool().load(name, body["path"], tenant, model)
+        else:
+            replaced = name in backend.lora_owners
+            adapter = await backend.load_lora(name, body["path"], tenant)
+            answer = adapter_body(adapter, tenant, backend.name)
+        if not self._by_gateway(request):  # a gateway's load is its own to restore
+            self.records.put(AdapterRecord(name, body["path"], tenant, model))
+        logger.info("%s loaded LoRA %s for %s", self._actor(request), name, tenant or "everyone")
+        detail = {k: v for k, v in answer.items() if k != "object"}
         await self._audit(request, "lora.replace" if replaced else "lora.load", name, detail)
-        return JSONResponse(adapter_body(adapter, tenant, backend.name))
+        return JSONResponse(answer)
 
     async def unload(self, request: Request) -> Response:
         name = request.path_params["name"]
@@ -231,13 +290,17 @@ class LoraRoutes:
         except ValueError:
             raise invalid_request("timeout_s must be a number of seconds.", param="timeout_s") from None
         backend = next((b for b in self.engines if name in b.lora_owners), None)
-        if backend is None:
+        if backend is not None:
+            owner, model = backend.lora_owners.get(name), backend.name
+            released = await backend.unload_lora(name, wait, timeout_s)
+        elif self.pool is not None and self.pool.serves(name):
+            owner, model = self.pool.owner(name), None
+            released = await self.pool.unload(name, wait, timeout_s)
+        else:
             raise APIError(ErrorKind.NOT_FOUND, f"No LoRA adapter named {name!r} is loaded.")
-        owner = backend.lora_owners.get(name)
-        released = await backend.unload_lora(name, wait, timeout_s)
         self.records.delete(name)
-        logger.info("admin@%s unloaded LoRA %s (released: %s)", _client(request), name, released)
-        detail = {"model": backend.name, "owner": owner, "released": released}
+        logger.info("%s unloaded LoRA %s (released: %s)", self._actor(request), name, released)
+        detail = {"model": model, "owner": owner, "released": released}
         await self._audit(request, "lora.unload", name, detail)
         return JSONResponse({"object": "lora.deleted", "id": name, "deleted": True, "released": released})
 
@@ -248,21 +311,34 @@ class LoraRoutes:
         from tenancy.errors import LimiterUnavailableError
 
         try:
-            await self.audit(f"admin@{_client(request)}", action, f"lora:{name}", detail)
+            await self.audit(self._actor(request), action, f"lora:{name}", detail)
         except LimiterUnavailableError as exc:
             logger.error("%s of LoRA %s not in the audit log (%s): %s", action, name, exc, detail)
 
-    def _backend(self, model: str | None) -> AdapterHost:
+    def _by_gateway(self, request: Request) -> bool:
+        return admission.internal_caller(self.internal_token, request.headers, None) is not None
+
+    def _actor(self, request: Request) -> str:
+        """Who made a change, for the logs: `admin@host`, or `gateway@host` (the internal token: a
+        gateway in front, loading on demand)."""
+        return f"{'gateway' if self._by_gateway(request) else 'admin'}@{_client(request)}"
+
+    def _local(self, model: str | None) -> AdapterHost | None:
+        """The in-process chat model `model` names (None: the main one), or None: the pool's."""
+        for backend in self.engines:
+            if backend.name == model or (model is None and backend is self.engines[0]):
+                return backend
+        if self.pool is not None:
+            return None
         if not self.engines:
             raise APIError(
                 ErrorKind.NOT_FOUND, "This server runs no chat model in process to attach adapters to."
             )
-        if model is None:
-            return self.engines[0]
-        for backend in self.engines:
-            if backend.name == model:
-                return backend
         raise invalid_request(f"No in-process chat model named {model!r}.", param="model")
+
+    def _pool(self) -> PoolHost:
+        assert self.pool is not None, "_local answers None only with a pool"
+        return self.pool
 
 
 async def wait_released(done: Future[None], timeout_s: float) -> bool:

@@ -17,7 +17,8 @@ usage the replica kept for it (`/v1/internal/usage/{id}`, gateway/reports.py), s
 exact in pool mode too.
 
 The request goes to the replica routing picks (gateway/routing.py) among the healthy ones that
-serve its model (gateway/replicas.py). A replica that fails before the client got its first byte
+serve its model (gateway/replicas.py); for a LoRA adapter, one that holds it or where it is
+loaded first (gateway/pool_loras.py). A replica that fails before the client got its first byte
 is retried on another; one that dies mid-stream ends the client's stream with an SSE error event
 in OpenAI's shape, then `[DONE]`.
 """
@@ -28,7 +29,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +40,11 @@ from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream
 from gateway.drain import DRAINING_HEADER
 from gateway.errors import APIError, ErrorKind, Refusal, sse_error_event
 from gateway.metrics import Metrics
+from gateway.pool_loras import AdapterLoadError, PoolAdapters
 from gateway.replicas import ReplicaSet, Upstream
 from gateway.responses_output import TEXT_EVENTS
 from gateway.routing import affinity_key
-from gateway.settings import Settings
+from gateway.settings import LoraSpec, Settings
 from gateway.sse import DONE
 from gateway.telemetry import ChatSpan
 
@@ -85,7 +87,14 @@ class _Sent:
 class ReplicaBackend:
     """Every model the `--upstream` replicas serve, relayed to them."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, tenancy: Tenancy | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        tenancy: Tenancy | None = None,
+        loras: Sequence[LoraSpec] = (),
+    ) -> None:
+        """`loras`: the adapters declared for the pool (gateway/pool_loras.py)."""
         self.settings = settings
         self.metrics = metrics
         self.tenancy = tenancy  # its prices and budgets say how a prompt excess is paid for
@@ -96,6 +105,7 @@ class ReplicaBackend:
             settings.long_prompt_upstreams,
             settings.long_prompt_threshold,
         )
+        self.adapters = PoolAdapters(self.replicas, loras)
         self._counter: TokenCounter | None = None
 
     async def start(self) -> None:
@@ -105,15 +115,27 @@ class ReplicaBackend:
         await self.replicas.aclose()
 
     def models(self) -> list[ModelCard]:
+        """The replicas' models, each adapter with its owner, and the declared adapters that no
+        replica holds yet (loaded on demand)."""
         cards = []
+        adapters = self.adapters
         for model, created in sorted(self.replicas.models().items()):
+            if adapters.hidden(model):
+                continue
             task = self.replicas.task_of(model)
-            cards.append(ModelCard(model, created, Task(task) if task in TASKS else None))
+            cards.append(
+                ModelCard(model, created, Task(task) if task in TASKS else None, adapters.owner(model))
+            )
+        for name in adapters.loadable():
+            cards.append(ModelCard(name, adapters.created, Task.GENERATE, adapters.owner(name)))
         return cards
 
     async def find(self, model: str) -> bool:
         """Whether a healthy replica serves `model`; if none does while some replica is marked
-        down, those are probed first (one may be back before its next poll)."""
+        down, those are probed first (one may be back before its next poll). An adapter is never
+        found here: `models()` lists it to those who may use it."""
+        if self.adapters.is_adapter(model):
+            return False
         if model in self.replicas.models():
             return True
         if len(self.replicas.healthy()) < len(self.replicas.upstreams):
@@ -252,10 +274,12 @@ class ReplicaBackend:
         last: tuple[_Sent, httpx.Response, bytes, AsyncGenerator[bytes, None]] | None = None
         reprobed = False
         client = self.replicas.client
+        adapter = self.adapters.route(model)
+        refused: AdapterLoadError | None = None  # the last replica that could not load the adapter
         try:
             while True:
                 up = self.replicas.pick(
-                    model, tried, affinity, self.settings.route_affinity_tokens, num_prompt_tokens
+                    model, tried, affinity, self.settings.route_affinity_tokens, num_prompt_tokens, adapter
                 )
                 if up is None and not reprobed and last is None:
                     reprobed = True
@@ -265,12 +289,23 @@ class ReplicaBackend:
                     if last is not None:
                         result, last = last, None
                         return result
+                    if refused is not None:
+                        raise refused.for_request(model)
                     raise APIError(
                         ErrorKind.UNAVAILABLE,
                         "No healthy upstream replica could take the request.",
                         retry_after_s=1.0,
                     )
                 tried.add(up.url)
+                if adapter is not None and adapter.warmth(up) == 0:
+                    try:
+                        await self.adapters.ensure(up, model)
+                    except AdapterLoadError as exc:
+                        refused = exc
+                        continue
+                    except httpx.HTTPError as exc:
+                        self.replicas.mark_down(up, f"{type(exc).__name__}: {exc}")
+                        continue
                 if unanswered is not None:
                     unanswered.append(up)
                 sent = _Sent(up, tokens)

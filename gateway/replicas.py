@@ -1,9 +1,10 @@
 """The replica registry: the remote engine replicas a gateway fronts, their health and load.
 
 Each replica is polled (GET /ready, /v1/models and /v1/internal/stats, every `--health-interval`
-seconds) for whether it takes requests, which models it serves, and the tokens it reports waiting
-and running. A replica failing its poll, or a call, or answering that it drains (/ready 503, or a
-503 marked `x-batchgate-draining`), gets no new requests until a poll finds it ready again; a
+seconds) for whether it takes requests, which models it serves, the tokens it reports waiting
+and running, and the LoRA adapters it holds (gateway/pool_loras.py). A replica failing its
+poll, or a call, or answering that it drains (/ready 503, or a 503 marked
+`x-batchgate-draining`), gets no new requests until a poll finds it ready again; a
 replica marked down is polled again after 0.1 s, then at a doubling interval up to
 `--health-interval`, and when a request finds no healthy replica left, the marked-down ones are
 probed at once (concurrently, 0.5 s each) before it is answered 503: a replica back from a short
@@ -33,6 +34,18 @@ DOWN_POLL_FIRST_S = 0.1
 REPROBE_TIMEOUT_S = 0.5
 
 
+@dataclass(frozen=True)
+class HeldAdapter:
+    """A LoRA adapter as a replica reports it: its owner (None: public), the chat model it is
+    attached to, whether it is resident in an engine slot now, and its current version."""
+
+    owner: str | None
+    model: str | None
+    resident: bool = False
+    version: int = 0
+    content_hash: str = ""
+
+
 @dataclass
 class Upstream:
     url: str
@@ -46,6 +59,8 @@ class Upstream:
     created: dict[str, int] = field(default_factory=dict)
     tasks: dict[str, str] = field(default_factory=dict)  # model -> "generate" | "embed", as reported
     long_prompts: bool = False  # one of the replicas reserved for prompts over the threshold
+    loras: dict[str, HeldAdapter] = field(default_factory=dict)  # the adapters it holds, by name
+    chat_model: str | None = None  # its main chat model (what an adapter without a model attaches to)
     marked_down: asyncio.Event = field(default_factory=asyncio.Event)  # wakes its poller
 
     @property
@@ -153,6 +168,8 @@ class ReplicaSet:
         up.created = {str(m["id"]): int(m.get("created", 0)) for m in cards}
         up.tasks = {str(k): str(v) for k, v in (s.get("tasks") or {}).items()}
         up.reported_tokens = int(s.get("num_waiting_tokens", 0)) + int(s.get("num_running_tokens", 0))
+        up.loras = {str(name): _held(a) for name, a in (s.get("loras") or {}).items()}
+        up.chat_model = s.get("chat_model")
         if not up.healthy:
             logger.info("upstream %s is healthy (models: %s)", up.url, ", ".join(up.models))
         up.healthy = True
@@ -177,6 +194,7 @@ class ReplicaSet:
                 "healthy": u.healthy,
                 "models": list(u.models),
                 "long_prompts": u.long_prompts,
+                "loras": {n: {"resident": a.resident, "version": a.version} for n, a in u.loras.items()},
                 "reported_tokens": u.reported_tokens,
                 "inflight": u.inflight,
                 "num_sent": u.num_sent,
@@ -209,6 +227,7 @@ class ReplicaSet:
         affinity: bytes = b"",
         slack_tokens: int = 0,
         num_prompt_tokens: int = 0,
+        adapter: routing.AdapterRoute[Upstream] | None = None,
     ) -> Upstream | None:
         """Where a request goes now (gateway/routing.py)."""
         return routing.pick(
@@ -219,4 +238,16 @@ class ReplicaSet:
             slack_tokens,
             num_prompt_tokens,
             self.long_prompt_threshold,
+            adapter,
         )
+
+
+def _held(report: dict[str, object]) -> HeldAdapter:
+    owner, model = report.get("owner"), report.get("model")
+    return HeldAdapter(
+        owner=str(owner) if owner is not None else None,
+        model=str(model) if model is not None else None,
+        resident=bool(report.get("resident")),
+        version=int(str(report.get("version", 0))),
+        content_hash=str(report.get("content_hash", "")),
+    )

@@ -10,6 +10,9 @@ cache holds for it, while no replica takes more than that margin above the rest.
 `--long-prompt-upstream` replicas, prompts of more than `--long-prompt-threshold` tokens go to
 those and the others to the `--upstream` ones (a long prefill on a replica serving chat turns
 stalls their streams), each set taking the other's prompts when none of its own is healthy.
+A request for a LoRA adapter (gateway/pool_loras.py) goes to a replica that holds it or can load
+it; among those within `--route-affinity-tokens` of the least loaded, to one that has it resident
+in an engine slot, else one that holds it loaded, else one where it is loaded first.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.admission import Caller
 
@@ -41,6 +45,15 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
+@dataclass(frozen=True)
+class AdapterRoute(Generic[C]):
+    """Where a request for a LoRA adapter may go: `takes(replica)`, it holds the adapter or can
+    load it; `warmth(replica)`, 2 resident in a slot, 1 loaded, 0 not held."""
+
+    takes: Callable[[C], bool]
+    warmth: Callable[[C], int]
+
+
 def pick(
     replicas: Sequence[C],
     model: str,
@@ -49,19 +62,27 @@ def pick(
     slack_tokens: int = 0,
     num_prompt_tokens: int = 0,
     long_prompt_threshold: int = 0,
+    adapter: AdapterRoute[C] | None = None,
 ) -> C | None:
     """The least-loaded candidate; with an `affinity` key, the candidate that key ranks first
     among those whose load is at most `slack_tokens` above the least. Candidates: the healthy
-    replicas serving `model`, not in `exclude`, of the set for the prompt's length (replicas
-    for long prompts when it has more than `long_prompt_threshold` tokens, else the others)
-    when that set has any, else of either set."""
-    candidates = [u for u in replicas if u.healthy and model in u.models and u.url not in exclude]
+    replicas serving `model` (for an `adapter`: that take it), not in `exclude`, of the set for
+    the prompt's length (replicas for long prompts when it has more than `long_prompt_threshold`
+    tokens, else the others) when that set has any, else of either set; for an adapter, only
+    the warmest of those within `slack_tokens` of the least loaded."""
+    serves = adapter.takes if adapter is not None else (lambda u: model in u.models)
+    candidates = [u for u in replicas if u.healthy and u.url not in exclude and serves(u)]
     if not candidates:
         return None
     if any(u.long_prompts for u in replicas):
         long = num_prompt_tokens > long_prompt_threshold
         candidates = [u for u in candidates if u.long_prompts == long] or candidates
     best = min(u.load for u in candidates)
+    if adapter is not None:
+        near = [u for u in candidates if u.load <= best + slack_tokens]
+        warmest = max(adapter.warmth(u) for u in near)
+        candidates = [u for u in near if adapter.warmth(u) == warmest]
+        best = min(u.load for u in candidates)
     if affinity and slack_tokens > 0:
         near = [u for u in candidates if u.load <= best + slack_tokens]
         return max(near, key=lambda u: _rendezvous(affinity, u.url))

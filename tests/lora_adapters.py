@@ -8,6 +8,25 @@ from typing import Any
 
 import torch
 
+# Two tenants of one paid plan, acme and beta ({acme} and {beta}: their key hashes), for the
+# adapter ownership tests (tests/gateway/test_lora_e2e.py, tests/pool/test_pool_loras.py).
+TENANTS = """
+[plans.paid]
+priority = "paid"
+tokens_per_minute = 1000000
+requests_per_minute = 6000
+max_concurrent_requests = 16
+queue_deadline_seconds = 30
+
+[tenants.acme]
+plan = "paid"
+keys = ["{acme}"]
+
+[tenants.beta]
+plan = "paid"
+keys = ["{beta}"]
+"""
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

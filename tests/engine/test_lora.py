@@ -183,7 +183,8 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
 ) -> None:
     """Decode rows of mixed slots (the grid as it lies, and gathered around base rows) and a run
     of prefill rows: the native op and the torch ops each equal x @ A.T @ B.T per module, also
-    after a higher-rank adapter grew the stacks (ranks 4, 8, 16, 64: the kernel's 8-wide tails);
+    after a higher-rank adapter grew the stacks (ranks 4, 8, 16, 64: the kernel's 8-wide tails)
+    and after it left and they shrank back to their bytes before;
     with A and B held in bfloat16 (`compact`), x @ A.T @ B.T of the bfloat16-rounded A and B."""
     loaded = [load_adapter(adapters[n], spec, n) for n in ("attn", "r8", "mlp", "r64")]
     weights = {
@@ -208,11 +209,16 @@ def test_the_stacked_deltas_equal_each_module_s_own_matmuls(
                     y[row, cols] += x[row] @ a.float().T @ b.float().T
         return y
 
-    for grow in (False, True):
-        if grow:
-            for w in weights.values():
-                w.install(1, loaded[3])  # rank 64 replaces rank 8 in slot 1: every stack grows
-            loaded[1] = loaded[3]
+    sizes = {name: w.nbytes for name, w in weights.items()}
+    r8 = loaded[1]
+    for phase in ("installed", "grown", "shrunk"):
+        if phase != "installed":
+            # rank 64 replaces rank 8 in slot 1: every stack grows; then back: they shrink again
+            loaded[1] = loaded[3] if phase == "grown" else r8
+            for name, w in weights.items():
+                w.install(1, loaded[1])
+                assert (w.nbytes > sizes[name]) == (phase == "grown"), (name, phase)
+                assert phase == "grown" or w.nbytes == sizes[name]
         for slots in ([0, 0, 1, 1, 2, 2], [-1, 0, 0, 0, 1, 2, 2, 2, 2, 2]):
             n = len(slots)
             inputs = StepInputs([0] * n, [0] * n, [[0]] * n, n, [], [], slots)
@@ -349,8 +355,11 @@ def test_unloading_returns_the_bytes_held_after_the_last_user(
     before = engine.loras.nbytes
     adapter = engine.load_lora("x", str(adapters["r64"]))
     assert engine.loras.nbytes == before + adapter.nbytes
+    stacks = engine.runner.model.lora
+    assert stacks.nbytes == 0  # no slot holds an adapter: the stacks hold nothing
     engine.add_request(request(engine, "u", PROMPTS[0], "x", 4))
     engine.step()
+    assert stacks.nbytes > 0  # rank 64 in a slot
     with pytest.raises(LoraInUseError):
         engine.loras.unload("x", wait=False)
     done = engine.loras.unload("x")
@@ -359,7 +368,8 @@ def test_unloading_returns_the_bytes_held_after_the_last_user(
         engine.step()
     assert done.done() and engine.loras.nbytes == before
     engine.step()  # the slot lets go of the released weights
-    assert engine.lora_slots.resident() == [] and engine.runner.model.lora.installed == [None] * 8
+    assert engine.lora_slots.resident() == [] and stacks.installed == [None] * 8
+    assert stacks.nbytes == 0  # and the stacks shrink with the largest rank left: none
 
 
 @pytest.mark.skipif(

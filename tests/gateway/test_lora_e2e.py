@@ -30,27 +30,11 @@ from gateway.settings import Settings
 from tenancy import hash_key
 from tests.engine.helpers import hf_greedy
 from tests.gateway.conftest import LiveServer
-from tests.lora_adapters import make_adapter, peft_reference
+from tests.lora_adapters import TENANTS, make_adapter, peft_reference
 
 BASE = "tiny"
 ADMIN_KEY = "bg-admin-lora"
 EOS = 2
-TENANTS = """
-[plans.paid]
-priority = "paid"
-tokens_per_minute = 1000000
-requests_per_minute = 6000
-max_concurrent_requests = 16
-queue_deadline_seconds = 30
-
-[tenants.acme]
-plan = "paid"
-keys = ["{acme}"]
-
-[tenants.beta]
-plan = "paid"
-keys = ["{beta}"]
-"""
 
 
 @pytest.fixture(scope="module")
