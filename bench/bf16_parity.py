@@ -40,7 +40,7 @@ def main() -> None:
     }
     engines = {
         label: LLMEngine(
-            EngineConfig(dtype=d, quantization=q, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+            EngineConfig.of(dtype=d, quantization=q, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
         )
         for label, (d, q) in variants.items()
     }

@@ -42,7 +42,7 @@ def main() -> None:
     for label in args.variants.split(","):
         dtype, rest = label.split(":")
         quantization, _, ratio = rest.partition("@")
-        config = EngineConfig(
+        config = EngineConfig.of(
             dtype=dtype, quantization=quantization, max_model_len=2048, kv_cache_memory_bytes=256 << 20
         )
         engine = LLMEngine(config)

@@ -51,7 +51,7 @@ def main() -> None:
     overrides = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
     if args.adapters:
         overrides.setdefault("max_loras", args.adapters)
-    config = EngineConfig(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides)
+    config = EngineConfig.of(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides)
     engine = LLMEngine(config)
     loras: list[Any] = [None]
     if args.adapters:

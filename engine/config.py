@@ -259,6 +259,11 @@ class EngineConfig:
         30.0, "seconds a rank waits in one collective before it gives up", section="parallel", server=False
     )
 
+    @classmethod
+    def of(cls, **settings: Any) -> EngineConfig:
+        """An EngineConfig from settings by their field names (`block_size=16, max_num_seqs=8`)."""
+        return cls(**settings)
+
     def __post_init__(self) -> None:
         self.length_buckets = tuple(int(b) for b in self.length_buckets)
         check_settings(self)

@@ -440,7 +440,7 @@ class Settings:
                 to_engine = _ENGINE_FIELDS[name].metadata["to_engine"]
                 value = getattr(self, f.name)
                 values[name] = value if to_engine is None else to_engine(value)
-        return EngineConfig(**values)
+        return EngineConfig.of(**values)
 
     def served_loras(self) -> list[LoraSpec]:
         """The adapters `--lora` (public, of the chat model) and the models file's [[loras]] declare."""

@@ -297,7 +297,7 @@ def test_policy_settings_are_validated() -> None:
         dict(default_queue_deadline_s=0.0),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            EngineConfig(**bad)  # type: ignore[arg-type]
+            EngineConfig.of(**bad)  # type: ignore[arg-type]
 
 
 def test_prefix_caching_changes_no_output_and_reports_cached_tokens(
