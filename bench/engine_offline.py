@@ -3,7 +3,7 @@
     python -m bench.engine_offline --dtype bfloat16 --num-requests 64 --concurrency 32 --max-tokens 64
 
 Same prompts and tokenization as `bench.hf_baseline` (chat template applied by the model's
-tokenizer), `ignore_eos`, greedy. The concurrency cap is `EngineConfig.max_num_seqs`. Only the
+tokenizer), `ignore_eos`, greedy. The concurrency cap is `max_num_seqs`. Only the
 `generate` call is timed; engine start-up (load, KV cache allocation) and a small warm-up run are
 reported separately.
 

@@ -36,7 +36,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     cfg = EngineConfig()
-    reference = AutoModelForCausalLM.from_pretrained(bundled_dir(cfg.cache_dir), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(bundled_dir(cfg.model.cache_dir), dtype=torch.float32)
     reference.generation_config.eos_token_id = None
     engines = {}
     for label in args.variants.split(","):

@@ -59,7 +59,7 @@ def main() -> None:
         from bench.model import hf_folder
 
         with tempfile.TemporaryDirectory() as tmp:
-            paths = make_adapters(hf_folder(config.model), Path(tmp), args.adapters, args.rank)
+            paths = make_adapters(hf_folder(config.model.model), Path(tmp), args.adapters, args.rank)
             loras = [engine.load_lora(f"a{i}", str(p)) for i, p in enumerate(paths)]
     params = SamplingParams(max_tokens=10 + 8 * args.windows + 20, ignore_eos=True, temperature=0.0)
     for i in range(args.batch):
