@@ -235,18 +235,16 @@ class _Writer:
 
     def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         frames = []
-        if self.open_item is None or self.open_item["type"] != "message":
-            frames += self.close_item("completed")
-            self.open_item = _message("", "in_progress", [])
-            self.open_item["content"] = []
+        item = self.open_item
+        if item is None or item["type"] != "message":
+            item = _message("", "in_progress", [])
+            item["content"] = []
+            frames += self._open(item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            frames.append(
-                self.emit("response.output_item.added", output_index=self.index, item=self.open_item)
-            )
             frames.append(
                 self.emit(
                     "response.content_part.added",
-                    item_id=self.open_item["id"],
+                    item_id=item["id"],
                     output_index=self.index,
                     content_index=0,
                     part=part,
@@ -257,7 +255,7 @@ class _Writer:
         frames.append(
             self.emit(
                 "response.output_text.delta",
-                item_id=self.open_item["id"],
+                item_id=item["id"],
                 output_index=self.index,
                 content_index=0,
                 delta=text,
@@ -279,10 +277,15 @@ class _Writer:
         return self._call_delta("response.custom_tool_call_input.delta", fragment)
 
     def _start_call(self, item: dict[str, Any]) -> list[bytes]:
-        """Close the open item and open the tool call `item`, its input empty so far."""
+        """Open the tool call `item`, its input empty so far (after the open item closed with its own)."""
+        frames = self._open(item)
+        self.args = []
+        return frames
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        """Close the open item (completed) and open `item`."""
         frames = self.close_item("completed")
         self.open_item = item
-        self.args = []
         frames.append(self.emit("response.output_item.added", output_index=self.index, item=self.open_item))
         return frames
 
