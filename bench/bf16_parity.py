@@ -29,7 +29,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     cfg = EngineConfig()
-    model_dir = bundled_dir(cfg.cache_dir)
+    model_dir = bundled_dir(cfg.model.cache_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     reference.generation_config.eos_token_id = None
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -40,7 +40,7 @@ def main() -> None:
     }
     engines = {
         label: LLMEngine(
-            EngineConfig(dtype=d, quantization=q, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+            EngineConfig.of(dtype=d, quantization=q, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
         )
         for label, (d, q) in variants.items()
     }

@@ -3,7 +3,7 @@
     python -m bench.engine_offline --dtype bfloat16 --num-requests 64 --concurrency 32 --max-tokens 64
 
 Same prompts and tokenization as `bench.hf_baseline` (chat template applied by the model's
-tokenizer), `ignore_eos`, greedy. The concurrency cap is `EngineConfig.max_num_seqs`. Only the
+tokenizer), `ignore_eos`, greedy. The concurrency cap is `max_num_seqs`. Only the
 `generate` call is timed; engine start-up (load, KV cache allocation) and a small warm-up run are
 reported separately.
 
@@ -11,7 +11,7 @@ Engine API used (the lead's):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.types import SamplingParams
-    eng = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=32))
+    eng = LLMEngine(EngineConfig.of(dtype="bfloat16", max_num_seqs=32))
     eng.generate(list_of_prompt_token_id_lists, SamplingParams(...)) -> list of output token id lists
 """
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> OfflineResult:
         config_kwargs["num_threads"] = args.threads
 
     start = time.perf_counter()
-    engine = LLMEngine(EngineConfig(**config_kwargs))
+    engine = LLMEngine(EngineConfig.of(**config_kwargs))
     load_s = time.perf_counter() - start
 
     def sampling(max_tokens: int) -> SamplingParams:

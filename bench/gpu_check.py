@@ -170,7 +170,7 @@ def make_engine(
     work: Workload,
     batching: str = "continuous",
 ) -> LLMEngine:
-    config = EngineConfig(
+    config = EngineConfig.of(
         dtype=args.dtype,
         device=args.device,
         kv_cache_memory_bytes=work.kv_cache_bytes,

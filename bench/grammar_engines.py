@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.config import EngineConfig
     from engine.loader import resolve_model_dir
 
-    hf = AutoTokenizer.from_pretrained(resolve_model_dir(None, EngineConfig().cache_dir))
+    hf = AutoTokenizer.from_pretrained(resolve_model_dir(None, EngineConfig().model.cache_dir))
     vocab_size = 49152
     factories: dict[str, Callable[..., Any]] = {"xgrammar": _Xgrammar, "llguidance": _Llguidance}
     print(f"{len(SCHEMAS)} schemas, vocab {vocab_size}, {args.steps} steps each, best of {args.repeat}")

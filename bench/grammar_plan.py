@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.config import EngineConfig
     from engine.loader import resolve_model_dir
 
-    hf = AutoTokenizer.from_pretrained(resolve_model_dir(None, EngineConfig().cache_dir))
+    hf = AutoTokenizer.from_pretrained(resolve_model_dir(None, EngineConfig().model.cache_dir))
     backend = LLGuidanceBackend(hf, 49152, (2,))
     meter = CpuMeter()
     meter.start()

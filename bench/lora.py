@@ -85,7 +85,7 @@ def main() -> None:
     }
     if args.model is not None:
         config["model"] = args.model
-    engine = LLMEngine(EngineConfig(**config))
+    engine = LLMEngine(EngineConfig.of(**config))
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(folder, Path(tmp), args.adapters, args.rank)
         adapters = [engine.load_lora(f"a{i}", str(p)) for i, p in enumerate(paths)]

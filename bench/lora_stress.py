@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         tenants=str(work / "tenants.toml"), admin_key_hash=hash_key(ADMIN_KEY), embedding_model="none"
     )
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(model_dir),
             served_model_name=BASE,
             dtype="float32",

@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(max_num_seqs=1, max_num_batched_tokens=2048))
+    engine = LLMEngine(EngineConfig.of(max_num_seqs=1, max_num_batched_tokens=2048))
     torch.set_num_threads(args.threads)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     base = list(range(300, 300 + args.cached))

@@ -242,7 +242,7 @@ class Engines:
         if self.args.kv_cache_mib:
             settings["kv_cache_memory_bytes"] = self.args.kv_cache_mib << 20
         settings.update(overrides)
-        engine = await asyncio.to_thread(AsyncEngine.from_config, EngineConfig(**settings))
+        engine = await asyncio.to_thread(AsyncEngine.from_config, EngineConfig.of(**settings))
         try:
             warm = Workload(0)
             request, record = warm.request("warmup", 16, 4)

@@ -36,13 +36,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     cfg = EngineConfig()
-    reference = AutoModelForCausalLM.from_pretrained(bundled_dir(cfg.cache_dir), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(bundled_dir(cfg.model.cache_dir), dtype=torch.float32)
     reference.generation_config.eos_token_id = None
     engines = {}
     for label in args.variants.split(","):
         dtype, rest = label.split(":")
         quantization, _, ratio = rest.partition("@")
-        config = EngineConfig(
+        config = EngineConfig.of(
             dtype=dtype, quantization=quantization, max_model_len=2048, kv_cache_memory_bytes=256 << 20
         )
         engine = LLMEngine(config)

@@ -51,7 +51,7 @@ def main() -> None:
     overrides = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
     if args.adapters:
         overrides.setdefault("max_loras", args.adapters)
-    config = EngineConfig(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides)
+    config = EngineConfig.of(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides)
     engine = LLMEngine(config)
     loras: list[Any] = [None]
     if args.adapters:
@@ -59,7 +59,7 @@ def main() -> None:
         from bench.model import hf_folder
 
         with tempfile.TemporaryDirectory() as tmp:
-            paths = make_adapters(hf_folder(config.model), Path(tmp), args.adapters, args.rank)
+            paths = make_adapters(hf_folder(config.model.model), Path(tmp), args.adapters, args.rank)
             loras = [engine.load_lora(f"a{i}", str(p)) for i, p in enumerate(paths)]
     params = SamplingParams(max_tokens=10 + 8 * args.windows + 20, ignore_eos=True, temperature=0.0)
     for i in range(args.batch):

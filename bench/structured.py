@@ -45,7 +45,7 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(
+        EngineConfig.of(
             device=args.device,
             kv_cache_memory_bytes=args.kv_cache_mib << 20,
             max_model_len=2048,

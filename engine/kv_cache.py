@@ -22,14 +22,14 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
 
 def num_kv_blocks(config: EngineConfig, model: LoadedModel, dtype: torch.dtype, device: torch.device) -> int:
     """Blocks that fit the configured KV memory, never more than the engine could ever use."""
-    per_block = kv_bytes_per_token(model.spec, dtype) * config.block_size
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
+    per_block = kv_bytes_per_token(model.spec, dtype) * config.cache.block_size
+    if config.cache.kv_cache_memory_bytes is not None:
+        budget = config.cache.kv_cache_memory_bytes
     else:
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
-        budget = int(free * config.kv_cache_memory_fraction)
-    max_len = config.max_model_len or model.spec.max_position_embeddings
-    useful = config.max_num_seqs * -(-max_len // config.block_size)
+        budget = int(free * config.cache.kv_cache_memory_fraction)
+    max_len = config.cache.max_model_len or model.spec.max_position_embeddings
+    useful = config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size)
     num_blocks = min(budget // per_block, useful)
     if num_blocks < 1:
         raise ValueError(

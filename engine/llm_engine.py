@@ -79,14 +79,14 @@ class LLMEngine:
         worker: EngineWorker | None = None,
     ) -> None:
         """`worker`: one already started (`EngineWorker.start(config, model)`: bench/gpu_check.py
-        starts one on a model with random weights), instead of loading `config.model`."""
+        starts one on a model with random weights), instead of loading `config.model.model`."""
         self.config = config
         self.clock = clock
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if config.model.num_threads:
+            torch.set_num_threads(config.model.num_threads)
         worker = worker if worker is not None else EngineWorker.start(config)
         device, dtype, weight_format = worker.device, worker.dtype, worker.weight_format
-        self.model_name = config.served_model_name or worker.name
+        self.model_name = config.model.served_model_name or worker.name
         self.tokenizer = worker.tokenizer
         self.spec = worker.spec
         self.dtype, self.device = dtype, device
@@ -95,7 +95,7 @@ class LLMEngine:
         self.max_model_len = max_len
         # LoRA adapters: every loaded version (CPU memory), and the slots a step may mix.
         self.loras = LoraRegistry(self.spec)
-        self.lora_slots = LoraSlots(config.max_loras, self.runner.set_lora_slot)
+        self.lora_slots = LoraSlots(config.model.max_loras, self.runner.set_lora_slot)
         self.scheduler = Scheduler.for_engine(config, num_blocks, clock, self.lora_slots)
         self.block_manager = self.scheduler.blocks
         # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar.py).
@@ -114,20 +114,21 @@ class LLMEngine:
         self.grammars = GrammarCache(
             LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
         )
+        ranks = config.parallel.tensor_parallel_size
         logger.info(
             "engine ready: %s, %s on %s%s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
             "max_model_len %d, prefix caching %s",
             self.model_name,
             dtype,
             device,
-            f" x {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else "",
+            f" x {ranks} ranks" if ranks > 1 else "",
             weight_format.describe(),
             self.runner.kv_cache_bytes / 2**20,
             num_blocks,
-            config.block_size,
+            config.cache.block_size,
             "committed now, in the process's RSS" if device.type == "cpu" else "device memory",
             max_len,
-            "on" if config.enable_prefix_caching else "off",
+            "on" if config.cache.enable_prefix_caching else "off",
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -153,7 +154,7 @@ class LLMEngine:
     def load_lora(self, name: str, path: str) -> LoraAdapter:
         """Load (or replace) adapter `name` from a PEFT folder; from any thread (it reads files).
         Running requests keep the version they pinned; new ones get this one."""
-        if self.config.max_loras == 0:
+        if self.config.model.max_loras == 0:
             raise LoraError("this engine serves no LoRA adapters (max_loras is 0)")
         return self.loras.load(name, path)
 
@@ -169,7 +170,7 @@ class LLMEngine:
             return None
         if request.queue_deadline_s is not None:
             return request.queue_deadline_s
-        return self.config.default_queue_deadline_s
+        return self.config.scheduler.default_queue_deadline_s
 
     def check_arrival(
         self,
@@ -534,7 +535,7 @@ class LLMEngine:
             num_fairness_preemptions=self.scheduler.num_fairness_preemptions,
             prefill_tokens_per_s=self.meter.prefill_tokens_per_s,
             decode_steps_per_s=self.meter.decode_steps_per_s,
-            batching=self.config.batching,
+            batching=self.config.scheduler.batching,
             prefix_cache_queried_tokens=self.block_manager.num_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
             step_failures_by_stage={stage.value: n for stage, n in self._step_failures.items()},
@@ -547,8 +548,8 @@ class LLMEngine:
         """What the arrival estimate needs, frozen; engine thread only (AsyncEngine publishes it)."""
         waiting = self.scheduler.waiting
         return LoadSnapshot(
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
             seconds_per_token=self.meter.seconds_per_token,
             seconds_per_step=self.meter.seconds_per_step,
             completion_ratio=self.meter.completion_ratio,

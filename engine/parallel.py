@@ -279,7 +279,7 @@ class RankArgs:
 
 def _init_groups(config: EngineConfig, rank: int, init_method: str, device: torch.device) -> tuple[Any, Any]:
     """Join the replica: (control group for the step broadcast, group for the step's collectives)."""
-    world = config.tensor_parallel_size
+    world = config.parallel.tensor_parallel_size
     dist.init_process_group(
         "gloo",
         init_method=init_method,
@@ -288,7 +288,8 @@ def _init_groups(config: EngineConfig, rank: int, init_method: str, device: torc
         timeout=timedelta(seconds=START_TIMEOUT_S),
     )
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
-    compute = dist.new_group(backend=_backend(device), timeout=timedelta(seconds=config.collective_timeout_s))
+    timeout = timedelta(seconds=config.parallel.collective_timeout_s)
+    compute = dist.new_group(backend=_backend(device), timeout=timeout)
     return control, compute
 
 
@@ -321,14 +322,14 @@ class ParallelExecutor:
         """Spawn ranks 1..N-1, each running `rank_main` (a module-level function: `serve_rank` with
         what the rank runs), join them, and wait until each has loaded its shard (rank 0 loads its
         own after this returns). Raises RuntimeError naming the rank that failed to start."""
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(
                 f"tensor_parallel_size {world} needs {world} GPUs, found {torch.cuda.device_count()}"
             )
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         # CPU ranks share the cores: each gets its share of rank 0's threads.
-        threads = config.num_threads or max(1, torch.get_num_threads() // world)
+        threads = config.model.num_threads or max(1, torch.get_num_threads() // world)
         ctx = mp.get_context("spawn")
         procs, pipes = [], []
         for rank in range(1, world):
@@ -357,7 +358,7 @@ class ParallelExecutor:
             raise
         logger.info("tensor parallel: %d ranks (%s)", world, _backend(device))
         tp = TensorParallel.of(spec, 0, world, compute)
-        return cls(procs, tp, control, config.collective_timeout_s)
+        return cls(procs, tp, control, config.parallel.collective_timeout_s)
 
     def run(self, forward: Callable[[Message], Result], message: Message) -> Result:
         """Send `message` (a step's `StepInputs`, or a `LoraSlotChange`) to every rank and run

@@ -67,30 +67,31 @@ class WeightFormat:
 def resolve_weight_format(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, has_qmatmul: bool
 ) -> WeightFormat:
-    """`config.quantization` on this device and dtype; `has_qmatmul`: our int8 kernels are built and
+    """`config.model.quantization` on this device and dtype; `has_qmatmul`: our int8 kernels are built and
     the CPU runs them (engine/native.py). "auto" keeps a Q4_1 GGUF's weights as the file holds
     them and leaves any other model in its dtype, and leaves an explicit `--dtype float32` exact
     (the parity mode); "int4" / "int8" requantize (lossy unless the weights came from such a file)."""
-    q = config.quantization
+    q, int4_max_batch = config.model.quantization, config.model.int4_max_batch
     if q == "none":
         return WeightFormat()
-    single_cpu = device.type == "cpu" and config.tensor_parallel_size == 1
-    ours = single_cpu and dtype == torch.float32 and has_qmatmul and (q != "auto" or config.dtype == "auto")
-    bf16_int4 = single_cpu and dtype == torch.bfloat16 and config.int4_max_batch > 0
+    single_cpu = device.type == "cpu" and config.parallel.tensor_parallel_size == 1
+    exact = q == "auto" and config.model.dtype != "auto"  # "auto" beside an explicit dtype: parity
+    ours = single_cpu and dtype == torch.float32 and has_qmatmul and not exact
+    bf16_int4 = single_cpu and dtype == torch.bfloat16 and int4_max_batch > 0
     if q in ("int4", "int8"):
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             raise ValueError(f"quantization {q} needs tensor_parallel_size 1")
         if ours:
             return WeightFormat(layers="q4" if q == "int4" else "q8", head="q8")
         if q == "int4" and single_cpu and dtype == torch.bfloat16:
-            return WeightFormat(int4_max_rows=config.int4_max_batch)
+            return WeightFormat(int4_max_rows=int4_max_batch)
         raise ValueError(
             f"quantization {q} needs the CPU with dtype float32 and the native kernels (AVX2 or newer)"
             + (", or dtype bfloat16" if q == "int4" else "")
         )
-    if not (ours or bf16_int4) or not is_q4_1_gguf(config.model):
+    if not (ours or bf16_int4) or not is_q4_1_gguf(config.model.model):
         return WeightFormat()
-    return WeightFormat(layers="q4", head="q8") if ours else WeightFormat(int4_max_rows=config.int4_max_batch)
+    return WeightFormat(layers="q4", head="q8") if ours else WeightFormat(int4_max_rows=int4_max_batch)
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,6 @@ it has finished. It keeps the class order but neither preempts for priority nor 
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import time
@@ -72,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, check_settings
+from engine.config import EngineConfig, SchedulerConfig
 from engine.policy import WaitingQueue
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import ScheduledChunk, SchedulerOutput
@@ -81,53 +80,6 @@ from engine.types import GrammarError, Priority
 
 if TYPE_CHECKING:
     from engine.lora import LoraSlots
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The engine's scheduling settings; the defaults are EngineConfig's (engine/config.py)."""
-
-    max_num_seqs: int = EngineConfig.max_num_seqs
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
-    # Free blocks kept back when admitting new sequences, so running ones can still grow.
-    watermark_blocks: int = 1
-    # Prompt-length bucket boundaries (bucket i: prompts <= length_buckets[i]); () = one FIFO.
-    length_buckets: tuple[int, ...] = EngineConfig.length_buckets
-    # Share of the step budget that longer prompts' prefill chunks may take while shorter ones wait.
-    long_prefill_share: float = EngineConfig.long_prefill_share
-    # Preemptions after which a sequence is no longer preempted for priority (0: never for priority).
-    max_preemptions_per_seq: int = EngineConfig.max_preemptions_per_seq
-    batching: str = EngineConfig.batching
-    # Step-time budget while long prompts prefill next to interactive work (module docstring); 0: off.
-    target_itl_ms: float = EngineConfig.target_itl_ms
-    # Floor of a long prompt's chunk when it must progress although nothing fits the budget: below
-    # a few dozen tokens a chunk's fixed cost (one pass over the weights) buys too little prefill.
-    min_long_prefill_chunk: int = 32
-    # A long prompt still prefilling progresses at least once in this many steps.
-    max_long_prefill_stall_steps: int = 4
-    # A lower class's decode row left out of steps to yield to a higher class joins after this many.
-    max_yield_stall_steps: int = 4
-
-    def __post_init__(self) -> None:
-        check_settings(self)  # the fields it shares with EngineConfig, by the same checks
-        if self.min_long_prefill_chunk < 1:
-            raise ValueError(f"min_long_prefill_chunk must be >= 1, got {self.min_long_prefill_chunk}")
-        if self.max_long_prefill_stall_steps < 1:
-            raise ValueError(
-                f"max_long_prefill_stall_steps must be >= 1, got {self.max_long_prefill_stall_steps}"
-            )
-        if self.max_yield_stall_steps < 1:
-            raise ValueError(f"max_yield_stall_steps must be >= 1, got {self.max_yield_stall_steps}")
-
-    @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
-        """The scheduling settings of `config` (validated there; the rest keep their defaults)."""
-        shared = {f.name for f in dataclasses.fields(EngineConfig)}
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name in shared})
-
-    @property
-    def long_prefill_budget(self) -> int:
-        return max(1, int(self.long_prefill_share * self.max_num_batched_tokens))
 
 
 @dataclass
@@ -253,8 +205,8 @@ class Scheduler:
         cls, config: EngineConfig, num_blocks: int, clock: Callable[[], float], loras: LoraSlots | None = None
     ) -> Scheduler:
         """The engine's scheduler, over a block manager of `num_blocks` of its own."""
-        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        return cls(SchedulerConfig.from_engine_config(config), blocks, clock, loras)
+        blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        return cls(config.scheduler, blocks, clock, loras)
 
     # ---- queue operations -------------------------------------------------------------------
 

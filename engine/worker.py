@@ -48,7 +48,7 @@ class EngineWorker:
 
     @classmethod
     def start(cls, config: EngineConfig, model: LoadedModel | None = None) -> EngineWorker:
-        """Load `config.model` (or take `model`, already in memory in the engine's dtype on its
+        """Load `config.model.model` (or take `model`, already in memory in the engine's dtype on its
         device; its weights are consumed) and build rank 0's runner."""
         loaded, device, dtype, weight_format = load_engine_model(config, model)
         runner = build_engine_runner(config, loaded, device, dtype, weight_format)
@@ -59,15 +59,17 @@ class EngineWorker:
 def load_engine_model(
     config: EngineConfig, model: LoadedModel | None
 ) -> tuple[LoadedModel, torch.device, torch.dtype, WeightFormat]:
-    """`model` (or `config.model` loaded), with the engine's device, dtype and weight format."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    weight_format = resolve_weight_format(config, device, dtype, qmatmul_available(config.kernels, device))
+    """`model` (or `config.model.model` loaded), with the engine's device, dtype and weight format."""
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    has_qmatmul = qmatmul_available(config.model.kernels, device)
+    weight_format = resolve_weight_format(config, device, dtype, has_qmatmul)
     # Quantized weights are recovered from float32 ones (exact for a GGUF's groups); the model
     # casts the rest to `dtype`.
     load_dtype = torch.float32 if weight_format.layers or weight_format.int4_max_rows else dtype
-    loaded = model if model is not None else load_model(config.model, config.cache_dir, load_dtype, device)
-    return loaded, device, dtype, weight_format
+    if model is None:
+        model = load_model(config.model.model, config.model.cache_dir, load_dtype, device)
+    return model, device, dtype, weight_format
 
 
 def build_engine_runner(
@@ -80,9 +82,11 @@ def build_engine_runner(
     """Rank 0's runner: the KV cache sized to its memory, the model's context bounded by the cache,
     and on a tensor-parallel replica the other ranks started first (the runner sends them each step)."""
     num_blocks = num_kv_blocks(config, model, dtype, device)
-    max_len = min(config.max_model_len or model.spec.max_position_embeddings, num_blocks * config.block_size)
+    max_len = min(
+        config.cache.max_model_len or model.spec.max_position_embeddings, num_blocks * config.cache.block_size
+    )
     executor = None
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         _check_parallel(config, model.spec)
         executor = ParallelExecutor.start(config, model.spec, num_blocks, max_len, dtype, device, _rank_main)
     try:
@@ -106,10 +110,10 @@ def build_runner(
     tp: TensorParallel | None = None,
     executor: ParallelExecutor | None = None,
 ) -> ModelRunner:
-    """One rank's runner. With `config.tensor_parallel_size` > 1: `tp` is this rank's share (rank 0:
+    """One rank's runner. With `config.parallel.tensor_parallel_size` > 1: `tp` is this rank's share (rank 0:
     its `executor`'s), and the model is this rank's shard of the weights."""
     spec, weights = model.spec, model.weights
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         _check_parallel(config, spec)
         tp = executor.tp if executor is not None else tp
         if tp is None:
@@ -120,13 +124,16 @@ def build_runner(
         weight_format, kernels = WeightFormat(), None
         spec, weights = shard_weights(spec, weights, tp.rank, tp.world_size)
     else:
-        kernels = resolve_kernels(config.kernels, device)
+        kernels = resolve_kernels(config.model.kernels, device)
     # On CUDA: decode attention by our Triton kernel, straight from the block table, and the
     # decode step replayed from CUDA graphs (one rank; engine/cuda_graphs.py).
     use_triton = (
-        device.type == "cuda" and config.kernels != "torch" and importlib.util.find_spec("triton") is not None
+        device.type == "cuda"
+        and config.model.kernels != "torch"
+        and importlib.util.find_spec("triton") is not None
     )
-    use_graphs = use_triton and config.tensor_parallel_size == 1
+    use_graphs = use_triton and config.parallel.tensor_parallel_size == 1
+    block_size = config.cache.block_size
     llama = LlamaModel(
         spec,
         weights,
@@ -136,30 +143,30 @@ def build_runner(
         kernels=kernels,
         tp=tp,
         paged_decode=triton_decode_attention() if use_triton else None,
-        max_loras=config.max_loras,
+        max_loras=config.model.max_loras,
     )
     # With graphs, one block more than the block manager hands out: padding rows write there.
-    kv_caches = allocate_kv_caches(spec, num_blocks + int(use_graphs), config.block_size, dtype, device)
+    kv_caches = allocate_kv_caches(spec, num_blocks + int(use_graphs), block_size, dtype, device)
     graphs = None
     if use_graphs:
         graphs = DecodeGraphs(
             llama,
             kv_caches,
-            config.max_num_seqs,
-            config.block_size,
-            max_blocks_per_seq=-(-max_model_len // config.block_size),
-            pad_slot=num_blocks * config.block_size,
+            config.scheduler.max_num_seqs,
+            block_size,
+            max_blocks_per_seq=-(-max_model_len // block_size),
+            pad_slot=num_blocks * block_size,
             device=device,
         )
     backend = "native" if kernels is not None else "triton" if use_triton else "torch"
     return ModelRunner(
-        llama, kv_caches, num_blocks, config.block_size, max_model_len, device, graphs, executor, backend
+        llama, kv_caches, num_blocks, block_size, max_model_len, device, graphs, executor, backend
     )
 
 
 def _check_parallel(config: EngineConfig, spec: ModelSpec) -> None:
-    check_divisible(spec, config.tensor_parallel_size)
-    if config.kernels == "native":
+    check_divisible(spec, config.parallel.tensor_parallel_size)
+    if config.model.kernels == "native":
         raise ValueError("kernels native needs tensor_parallel_size 1")
 
 
@@ -170,6 +177,6 @@ def _rank_main(args: RankArgs, ready: Connection) -> None:
 
 def _build_rank_runner(args: RankArgs, device: torch.device, group: Any) -> ModelRunner:
     config = args.config
-    loaded = load_model(config.model, config.cache_dir, args.dtype, device)
-    tp = TensorParallel.of(loaded.spec, args.rank, config.tensor_parallel_size, group)
+    loaded = load_model(config.model.model, config.model.cache_dir, args.dtype, device)
+    tp = TensorParallel.of(loaded.spec, args.rank, config.parallel.tensor_parallel_size, group)
     return build_runner(config, loaded, args.num_blocks, device, args.dtype, args.max_model_len, tp=tp)

@@ -146,24 +146,7 @@ class SQLiteBatchStore:
         self, tenant: str, *, purpose: str | None, after: str | None, limit: int, ascending: bool
     ) -> list[dict[str, Any]]:
         """Up to `limit` files by creation time (then id), after the file `after` in that order."""
-        order = "ASC" if ascending else "DESC"
-        cmp = ">" if ascending else "<"
-
-        def list_() -> list[dict[str, Any]]:
-            where, args = "tenant = ?", [tenant]
-            if purpose:
-                where += " AND purpose = ?"
-                args.append(purpose)
-            if after:
-                where += _AFTER.format(cmp=cmp, table="files")
-                args += [tenant, after]
-            rows = self._db.execute(
-                f"SELECT body FROM files WHERE {where} ORDER BY created_at {order}, rowid {order} LIMIT ?",
-                (*args, limit),
-            ).fetchall()
-            return [dict(orjson.loads(r[0])) for r in rows]
-
-        return await self._run(list_)
+        return await self._list("files", tenant, after, limit, ascending, purpose)
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         def delete() -> bool:
@@ -201,14 +184,31 @@ class SQLiteBatchStore:
 
     async def list_batches(self, tenant: str, *, after: str | None, limit: int) -> list[dict[str, Any]]:
         """Newest first, as OpenAI lists them."""
+        return await self._list("batches", tenant, after, limit, ascending=False)
+
+    async def _list(
+        self,
+        table: str,
+        tenant: str,
+        after: str | None,
+        limit: int,
+        ascending: bool,
+        purpose: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Up to `limit` bodies of `tenant`'s rows of `table` by creation time (then row), after the
+        row `after` in that order; with `purpose`, only rows of it (files)."""
+        order, cmp = ("ASC", ">") if ascending else ("DESC", "<")
 
         def list_() -> list[dict[str, Any]]:
             where, args = "tenant = ?", [tenant]
+            if purpose:
+                where += " AND purpose = ?"
+                args.append(purpose)
             if after:
-                where += _AFTER.format(cmp="<", table="batches")
+                where += _AFTER.format(cmp=cmp, table=table)
                 args += [tenant, after]
             rows = self._db.execute(
-                f"SELECT body FROM batches WHERE {where} ORDER BY created_at DESC, rowid DESC LIMIT ?",
+                f"SELECT body FROM {table} WHERE {where} ORDER BY created_at {order}, rowid {order} LIMIT ?",
                 (*args, limit),
             ).fetchall()
             return [dict(orjson.loads(r[0])) for r in rows]

@@ -81,7 +81,8 @@ from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
 from gateway.body import read_json
 from gateway.conversations import parse_body
 from gateway.errors import APIError, ErrorKind, invalid_request
-from gateway.files import Files, expires_at, list_page, list_params
+from gateway.files import Files, expires_at
+from gateway.listing import list_page, list_params
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.admission import Caller
 from gateway.body import read_json
 from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.listing import list_page, list_params
 from gateway.protocol import StrictModel, validation_error
 from gateway.response_store import ResponseStore, StoredConversation
 from gateway.responses import now
@@ -79,12 +80,7 @@ def page(items: list[dict[str, Any]], request: Request) -> dict[str, Any]:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid_request("'order' must be 'asc' or 'desc'.", param="order")
-    try:
-        limit = int(query.get("limit", DEFAULT_LIST_LIMIT))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LIST_LIMIT:
-        raise invalid_request(f"'limit' must be an integer from 1 to {MAX_LIST_LIMIT}.", param="limit")
+    _, limit = list_params(query, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
     ordered = items if order == "asc" else items[::-1]
     after = query.get("after")
     if after is not None:
@@ -92,14 +88,7 @@ def page(items: list[dict[str, Any]], request: Request) -> dict[str, Any]:
         if after not in ids:
             raise invalid_request(f"No item with id '{after}' here.", param="after")
         ordered = ordered[ids.index(after) + 1 :]
-    data = ordered[:limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(ordered) > limit,
-    }
+    return list_page(ordered, limit)
 
 
 def _items(raw: Any, param: str) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ runner writes (gateway/batches.py) through `Files.write`.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -29,6 +29,7 @@ from gateway.batch_store import BatchStore
 from gateway.blobs import Blobs
 from gateway.conversations import parse_body
 from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.listing import list_page, list_params
 
 UPLOAD_PURPOSES = ("batch", "user_data")
 FORM_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
@@ -41,29 +42,6 @@ def new_file_id() -> str:
 
 def not_found(file_id: str, param: str | None = None) -> APIError:
     return APIError(ErrorKind.NOT_FOUND, f"No such File object: {file_id}", param=param)
-
-
-def list_params(query: Mapping[str, str], default_limit: int, max_limit: int) -> tuple[str | None, int]:
-    """`after` and `limit` of a list request (400 for a limit out of range)."""
-    try:
-        limit = int(query.get("limit", default_limit))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= max_limit:
-        raise invalid_request(f"'limit' must be an integer from 1 to {max_limit}.", param="limit")
-    return query.get("after") or None, limit
-
-
-def list_page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """A list object from `limit + 1` fetched rows (the extra one says there is more)."""
-    data = rows[:limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(rows) > limit,
-    }
 
 
 def expires_at(seconds: int | None, anchor_time: int) -> int | None:

@@ -235,18 +235,16 @@ class _Writer:
 
     def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         frames = []
-        if self.open_item is None or self.open_item["type"] != "message":
-            frames += self.close_item("completed")
-            self.open_item = _message("", "in_progress", [])
-            self.open_item["content"] = []
+        item = self.open_item
+        if item is None or item["type"] != "message":
+            item = _message("", "in_progress", [])
+            item["content"] = []
+            frames += self._open(item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            frames.append(
-                self.emit("response.output_item.added", output_index=self.index, item=self.open_item)
-            )
             frames.append(
                 self.emit(
                     "response.content_part.added",
-                    item_id=self.open_item["id"],
+                    item_id=item["id"],
                     output_index=self.index,
                     content_index=0,
                     part=part,
@@ -257,7 +255,7 @@ class _Writer:
         frames.append(
             self.emit(
                 "response.output_text.delta",
-                item_id=self.open_item["id"],
+                item_id=item["id"],
                 output_index=self.index,
                 content_index=0,
                 delta=text,
@@ -267,44 +265,36 @@ class _Writer:
         return frames
 
     def call_start(self, call_id: str, name: str) -> list[bytes]:
-        frames = self.close_item("completed")
-        self.open_item = _function_call(self.req, call_id, name, "", "in_progress")
-        self.args = []
-        frames.append(self.emit("response.output_item.added", output_index=self.index, item=self.open_item))
-        return frames
+        return self._start_call(_function_call(self.req, call_id, name, "", "in_progress"))
 
     def custom_start(self, call_id: str, name: str) -> list[bytes]:
-        frames = self.close_item("completed")
-        self.open_item = _custom_call(call_id, name, "")
+        return self._start_call(_custom_call(call_id, name, ""))
+
+    def call_delta(self, fragment: str) -> list[bytes]:
+        return self._call_delta("response.function_call_arguments.delta", fragment)
+
+    def custom_delta(self, fragment: str) -> list[bytes]:
+        return self._call_delta("response.custom_tool_call_input.delta", fragment)
+
+    def _start_call(self, item: dict[str, Any]) -> list[bytes]:
+        """Open the tool call `item`, its input empty so far (after the open item closed with its own)."""
+        frames = self._open(item)
         self.args = []
+        return frames
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        """Close the open item (completed) and open `item`."""
+        frames = self.close_item("completed")
+        self.open_item = item
         frames.append(self.emit("response.output_item.added", output_index=self.index, item=self.open_item))
         return frames
 
-    def custom_delta(self, fragment: str) -> list[bytes]:
+    def _call_delta(self, event: str, fragment: str) -> list[bytes]:
+        """The open tool call's next input `fragment`, as `event`."""
         if self.open_item is None or not fragment:
             return []
         self.args.append(fragment)
-        return [
-            self.emit(
-                "response.custom_tool_call_input.delta",
-                item_id=self.open_item["id"],
-                output_index=self.index,
-                delta=fragment,
-            )
-        ]
-
-    def call_delta(self, fragment: str) -> list[bytes]:
-        if self.open_item is None or not fragment:
-            return []
-        self.args.append(fragment)
-        return [
-            self.emit(
-                "response.function_call_arguments.delta",
-                item_id=self.open_item["id"],
-                output_index=self.index,
-                delta=fragment,
-            )
-        ]
+        return [self.emit(event, item_id=self.open_item["id"], output_index=self.index, delta=fragment)]
 
     def close_item(self, status: str) -> list[bytes]:
         item, self.open_item = self.open_item, None

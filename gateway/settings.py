@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import SETTING_FIELDS, EngineConfig
 from engine.embeddings.batcher import BatchLimits
 from tenancy.limiter import DEFAULT_LEASE_TTL_S
 
@@ -118,17 +118,19 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "tuple[int, ...]": _int_list,
 }
 _UNIT_PARSERS: dict[str, Callable[[str], Any]] = {"bytes": parse_bytes}
-_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+# Each engine setting's field in its EngineConfig section, by the field's name.
+_ENGINE_FIELDS = {name: f for name, (_section, f) in SETTING_FIELDS.items()}
 
 
 def _engine(name: str) -> Any:
-    """The setting of EngineConfig's field `name`, as that field declares it (engine/config.py):
-    its default, help, flag and choices are defined there only."""
-    meta = _ENGINE_FIELDS[name].metadata
-    default = getattr(EngineConfig, name) if meta["server_default"] is None else meta["server_default"]
+    """The setting of the engine's field `name` (in its EngineConfig section), as that field
+    declares it (engine/config.py): its default, help, flag and choices are defined there only."""
+    engine_field = _ENGINE_FIELDS[name]
+    meta = engine_field.metadata
+    default = engine_field.default if meta["server_default"] is None else meta["server_default"]
     parse: Callable[[str], Any] = _str  # choices: one of these words (its type may differ: a bool)
     if not meta["choices"]:
-        parse = _UNIT_PARSERS.get(meta["unit"]) or _PARSERS[str(_ENGINE_FIELDS[name].type)]
+        parse = _UNIT_PARSERS.get(meta["unit"]) or _PARSERS[str(engine_field.type)]
     return field(
         default=default,
         metadata={
@@ -138,7 +140,6 @@ def _engine(name: str) -> Any:
             "choices": meta["choices"],
             "multi": False,
             "engine_field": name,
-            "section": meta["section"],
         },
     )
 
@@ -149,8 +150,8 @@ class Settings:
 
     host: str = _opt("127.0.0.1", _str, "address to bind")
     port: int = _opt(8000, _int, "port to bind")
-    # The engine's settings (sections model, cache, scheduler, parallel): each defined once, by its
-    # EngineConfig field (engine/config.py); here only its name and type, for the typed attribute.
+    # The engine's settings (EngineConfig's sections model, cache, scheduler, parallel): each defined
+    # once, by its section's field (engine/config.py); here only its name and type, for the typed attribute.
     model: str | None = _engine("model")
     served_model_name: str | None = _engine("served_model_name")
     dtype: str = _engine("dtype")
@@ -440,7 +441,7 @@ class Settings:
                 to_engine = _ENGINE_FIELDS[name].metadata["to_engine"]
                 value = getattr(self, f.name)
                 values[name] = value if to_engine is None else to_engine(value)
-        return EngineConfig(**values)
+        return EngineConfig.of(**values)
 
     def served_loras(self) -> list[LoraSpec]:
         """The adapters `--lora` (public, of the chat model) and the models file's [[loras]] declare."""

@@ -254,17 +254,10 @@ def _parse_plan(name: str, body: object) -> Plan:
     priority = table["priority"]
     if priority not in PRIORITIES:
         raise TenancyConfigError(f"{path}.priority: must be 'paid' or 'free', got {priority!r}")
-    limits: dict[str, int] = {}
-    for key in _PLAN_INT_FIELDS:
-        value = table[key]
-        # bool is an int subclass; `true` is never a sensible limit.
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TenancyConfigError(f"{path}.{key}: must be an integer >= 1, got {value!r}")
-        limits[key] = value
+    limits = {key: _integer(table, key, path) for key in _PLAN_INT_FIELDS}
     for key in _PLAN_BATCH_FIELDS:
-        value = table.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise TenancyConfigError(f"{path}.{key}: must be an integer >= 1, got {value!r}")
+        if table.get(key) is not None:
+            _integer(table, key, path)
     deadline = table["queue_deadline_seconds"]
     if not isinstance(deadline, int | float) or isinstance(deadline, bool) or not deadline > 0:
         raise TenancyConfigError(f"{path}.queue_deadline_seconds: must be a number > 0, got {deadline!r}")
@@ -322,6 +315,14 @@ def _both(source: str) -> dict[str, str]:
     return {"usd": source, "tokens": source}
 
 
+def _integer(table: Mapping[str, Any], key: str, path: str, minimum: int = 1) -> int:
+    value = table[key]
+    # bool is an int subclass; `true` is never a sensible count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TenancyConfigError(f"{path}.{key}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 def _number(table: Mapping[str, Any], key: str, path: str) -> float:
     value = table[key]
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
@@ -369,10 +370,7 @@ def _budget_fields(table: Mapping[str, Any], path: str, source: str) -> _BudgetF
         except ValueError as exc:
             raise TenancyConfigError(str(exc)) from None
     if "budget_tokens" in table:
-        value = table["budget_tokens"]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise TenancyConfigError(f"{path}.budget_tokens: must be an integer >= 0, got {value!r}")
-        tokens = value
+        tokens = _integer(table, "budget_tokens", path, minimum=0)
     return _BudgetFields(usd, tokens, window, soft, source)
 
 

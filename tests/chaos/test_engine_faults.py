@@ -41,7 +41,7 @@ def server(tiny_model_dir: Path) -> Iterator[TinyServer]:
     from engine.config import EngineConfig
 
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             dtype="float32",
             device="cpu",

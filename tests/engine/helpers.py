@@ -22,7 +22,7 @@ def tiny_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
         block_size=4,
     )
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
+    return LLMEngine(EngineConfig.of(**settings))
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:

@@ -33,7 +33,7 @@ from tests.engine.helpers import tiny_engine
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
     eng = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             dtype="float32",
             block_size=4,
@@ -135,7 +135,7 @@ async def test_submit_raises_typed_errors_for_a_bad_request(engine: AsyncEngine)
 
 async def test_shutdown_fails_pending_requests(tiny_model_dir: Path) -> None:
     eng = AsyncEngine.from_config(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=4 << 20)
+        EngineConfig.of(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=4 << 20)
     )
     stream = eng.submit(
         GenerationRequest("p", [3] * 8, SamplingParams(max_tokens=10_000 // 4, ignore_eos=True))
@@ -151,7 +151,7 @@ async def test_shutdown_fails_pending_requests(tiny_model_dir: Path) -> None:
 
 async def test_overload_is_refused_at_submit_fast_and_paid_still_starts(tiny_model_dir: Path) -> None:
     eng = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             dtype="float32",
             block_size=4,
@@ -194,7 +194,7 @@ async def test_overload_is_refused_at_submit_fast_and_paid_still_starts(tiny_mod
 
 async def test_a_burst_between_snapshots_counts_itself_as_ahead(tiny_model_dir: Path) -> None:
     eng = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             dtype="float32",
             block_size=4,

@@ -179,7 +179,7 @@ def _config(**overrides: Any) -> EngineConfig:
         max_model_len=512,
         quantization="none",
     )
-    return EngineConfig(**(settings | overrides))
+    return EngineConfig.of(**(settings | overrides))
 
 
 @pytest.mark.cuda

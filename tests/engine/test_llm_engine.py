@@ -297,7 +297,7 @@ def test_policy_settings_are_validated() -> None:
         dict(default_queue_deadline_s=0.0),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            EngineConfig(**bad)  # type: ignore[arg-type]
+            EngineConfig.of(**bad)  # type: ignore[arg-type]
 
 
 def test_prefix_caching_changes_no_output_and_reports_cached_tokens(
@@ -306,7 +306,7 @@ def test_prefix_caching_changes_no_output_and_reports_cached_tokens(
     """A shared system-prompt-like prefix, then different tails; an exact repeat; a different salt.
     Token for token the same outputs (and logprobs within float error) as an engine without prefix
     caching, with the cached prompt tokens reported."""
-    assert engine.config.enable_prefix_caching  # the default
+    assert engine.config.cache.enable_prefix_caching  # the default
     uncached = tiny_engine(tiny_model_dir, enable_prefix_caching=False)
     system = list(range(300, 323))  # 23 tokens: 5 full blocks of 4
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)

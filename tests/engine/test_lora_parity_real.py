@@ -49,7 +49,7 @@ def adapter_dirs(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def engine(adapter_dirs: dict[str, Path]) -> LLMEngine:
     engine = LLMEngine(
-        EngineConfig(
+        EngineConfig.of(
             dtype="float32",
             max_num_seqs=16,
             max_num_batched_tokens=256,

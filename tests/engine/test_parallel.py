@@ -110,7 +110,7 @@ def test_shards_cover_the_heads_once_and_replicate_kv_heads_only_when_fewer(real
 
 def test_a_rank_count_that_does_not_divide_the_heads_is_refused() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide.*9 attention heads"):
-        LLMEngine(EngineConfig(dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20))
+        LLMEngine(EngineConfig.of(dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20))
     spec = ModelSpec.from_config(
         dict(vocab_size=8, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8)
     )
@@ -177,7 +177,7 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(s
     """`batchgate serve --tensor-parallel-size 3 --dtype float32` over HTTP: greedy completions equal
     one in-process rank's; after a rank is killed, /ready is 503 (or the port is closed) and the
     process exits with status 1 within a bounded time."""
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(six_heads), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024
     )
     reference = LLMEngine(config)

@@ -47,7 +47,7 @@ def reference(real_model_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return LLMEngine(
-        EngineConfig(
+        EngineConfig.of(
             dtype="float32",
             max_num_seqs=32,
             max_num_batched_tokens=256,

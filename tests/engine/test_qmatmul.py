@@ -112,22 +112,22 @@ def test_weight_format_per_setting_dtype_and_cpu(tiny_model_dir: Path) -> None:
     f32, bf16 = torch.float32, torch.bfloat16
     assert is_q4_1_gguf(None) and not is_q4_1_gguf(str(tiny_model_dir))  # the bundled file, a tiny one
     with pytest.raises(ValueError, match="quantization must be"):
-        EngineConfig(quantization="int3")
+        EngineConfig.of(quantization="int3")
     ours = WeightFormat(layers="q4", head="q8")
     assert resolve_weight_format(EngineConfig(), CPU, f32, True) == ours  # AVX2: the bundled Q4_1
     assert resolve_weight_format(EngineConfig(), CPU, f32, False) == WeightFormat()  # no kernels
     assert resolve_weight_format(EngineConfig(), CPU, bf16, True) == WeightFormat(int4_max_rows=8)
-    assert resolve_weight_format(EngineConfig(dtype="float32"), CPU, f32, True) == WeightFormat()  # parity
-    assert resolve_weight_format(EngineConfig(model=str(tiny_model_dir)), CPU, f32, True) == WeightFormat()
-    int8 = EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization="int8")
+    assert resolve_weight_format(EngineConfig.of(dtype="float32"), CPU, f32, True) == WeightFormat()  # parity
+    assert resolve_weight_format(EngineConfig.of(model=str(tiny_model_dir)), CPU, f32, True) == WeightFormat()
+    int8 = EngineConfig.of(model=str(tiny_model_dir), dtype="float32", quantization="int8")
     assert resolve_weight_format(int8, CPU, f32, True) == WeightFormat(layers="q8", head="q8")
-    int4 = EngineConfig(model=str(tiny_model_dir), quantization="int4")
+    int4 = EngineConfig.of(model=str(tiny_model_dir), quantization="int4")
     assert resolve_weight_format(int4, CPU, f32, True) == ours
     with pytest.raises(ValueError, match="native kernels"):
         resolve_weight_format(int8, CPU, f32, False)
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        resolve_weight_format(EngineConfig(quantization="int8", tensor_parallel_size=2), CPU, f32, True)
-    assert resolve_weight_format(EngineConfig(quantization="none"), CPU, f32, True) == WeightFormat()
+        resolve_weight_format(EngineConfig.of(quantization="int8", tensor_parallel_size=2), CPU, f32, True)
+    assert resolve_weight_format(EngineConfig.of(quantization="none"), CPU, f32, True) == WeightFormat()
 
 
 def _write_gguf(path: Path, layer_type: str) -> Path:

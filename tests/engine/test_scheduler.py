@@ -622,7 +622,7 @@ def test_without_a_watermark_admission_fills_the_cache() -> None:
 
 def test_a_cache_no_larger_than_the_watermark_still_serves_a_request_that_fits() -> None:
     # The engine caps max_model_len at num_blocks * block_size, so a one-block cache accepts this
-    # request (e.g. EngineConfig(max_num_seqs=1, max_model_len=16) plans exactly one 16-token block);
+    # request (e.g. EngineConfig.of(max_num_seqs=1, max_model_len=16) plans exactly one 16-token block);
     # admission must not wait forever for a free block beyond the watermark.
     sched = make_scheduler(num_blocks=1, block_size=16, max_num_batched_tokens=64, watermark_blocks=1)
     seq = make_seq(8, max_tokens=8)

@@ -101,6 +101,6 @@ def test_the_engine_trains_its_schedulers_cost_model_from_its_own_steps(tiny_mod
 
 def test_the_target_is_validated() -> None:
     with pytest.raises(ValueError, match="target_itl_ms"):
-        EngineConfig(target_itl_ms=-1.0)
+        EngineConfig.of(target_itl_ms=-1.0)
     with pytest.raises(ValueError, match="target_itl_ms"):
         SchedulerConfig(target_itl_ms=float("nan"))

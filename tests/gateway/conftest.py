@@ -116,7 +116,7 @@ def tiny_async_engine(model_dir: Any, served_model_name: str = "tiny") -> Any:
     from engine.config import EngineConfig
 
     return AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(model_dir),
             served_model_name=served_model_name,
             dtype="float32",
@@ -136,7 +136,7 @@ def serve_model(model_dir: Any, max_model_len: int, max_num_seqs: int) -> Iterat
     from engine.config import EngineConfig
 
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(model_dir),
             dtype="float32",
             device="cpu",
@@ -166,7 +166,7 @@ def real_server(real_model_dir: Any) -> Iterator[TinyServer]:
     from engine.config import EngineConfig
 
     engine = AsyncEngine.from_config(
-        EngineConfig(model=str(real_model_dir), max_model_len=2048, kv_cache_memory_bytes=128 << 20)
+        EngineConfig.of(model=str(real_model_dir), max_model_len=2048, kv_cache_memory_bytes=128 << 20)
     )
     server = LiveServer(create_app(Settings(keep_alive_s=1.0), engine=engine))
     try:

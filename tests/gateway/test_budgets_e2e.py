@@ -110,7 +110,7 @@ def server(
         usage_events_file=str(workdir / "usage.jsonl"),
     )
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             served_model_name=MODEL,
             dtype="float32",

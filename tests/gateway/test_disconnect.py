@@ -43,7 +43,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # A keep-alive of 30 s: before the fix a queued stream was not watched for that long.
     settings = Settings(tenants=str(tenants), keep_alive_s=30.0)
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             served_model_name="tiny",
             dtype="float32",

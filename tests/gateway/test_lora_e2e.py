@@ -67,7 +67,7 @@ def server(
         embedding_model="none",
     )
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             served_model_name=BASE,
             dtype="float32",
@@ -294,7 +294,7 @@ def test_adapters_the_admin_api_loaded_come_back_after_a_restart(
     )
 
     def start() -> Any:
-        config = EngineConfig(
+        config = EngineConfig.of(
             model=str(tiny_model_dir), served_model_name=BASE, dtype="float32", max_model_len=512
         )
         engine = AsyncEngine.from_config(config)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from engine.config import EngineConfig
-from engine.scheduler import SchedulerConfig
+from engine.config import EngineConfig, SchedulerConfig
 from gateway import cli
 from gateway.settings import DEFAULT_MAX_BODY_BYTES, Settings, option_specs, parse_bytes
 
@@ -45,7 +42,7 @@ def test_defaults() -> None:
         15.0,
     )
     cfg = s.engine_config()
-    assert cfg.model is None and cfg.block_size == 16
+    assert cfg.model.model is None and cfg.cache.block_size == 16
     assert s.engine_stall_timeout_s == 60.0
     assert s.drain_timeout_s == 60.0
     assert Settings.load({}, {"BATCHGATE_DRAIN_TIMEOUT": "2.5"}).drain_timeout_s == 2.5
@@ -54,10 +51,7 @@ def test_defaults() -> None:
 def test_engine_defaults_have_one_source() -> None:
     # Unset flags give exactly EngineConfig's defaults, and the scheduler starts from the same ones.
     assert Settings.load({}, {}).engine_config() == EngineConfig()
-    engine = EngineConfig()
-    for f in dataclasses.fields(SchedulerConfig):
-        if hasattr(engine, f.name):
-            assert getattr(SchedulerConfig(), f.name) == getattr(engine, f.name), f.name
+    assert EngineConfig().scheduler == SchedulerConfig()
 
 
 def test_flag_over_env_over_default() -> None:
@@ -74,10 +68,10 @@ def test_flag_over_env_over_default() -> None:
     assert s.kv_cache_memory_bytes == 1024**3 and s.keep_alive_s == 2.5 and s.max_num_seqs == 8
     assert s.served_model_name is None  # empty variable = unset
     cfg = s.engine_config()
-    assert cfg.kv_cache_memory_bytes == 1024**3 and cfg.max_num_seqs == 8
+    assert cfg.cache.kv_cache_memory_bytes == 1024**3 and cfg.scheduler.max_num_seqs == 8
     s = Settings.load({"queue_deadline_s": 2.5}, {"BATCHGATE_NUM_THREADS": "2"})
     cfg = s.engine_config()
-    assert cfg.default_queue_deadline_s == 2.5 and cfg.num_threads == 2
+    assert cfg.scheduler.default_queue_deadline_s == 2.5 and cfg.model.num_threads == 2
 
 
 @pytest.mark.parametrize(

@@ -173,7 +173,7 @@ def test_a_concurrency_limit_of_one_refuses_the_second_stream(server: Any) -> No
 def test_overloaded_engine_answers_503_with_retry_after(tiny_model_dir: Path) -> None:
     # One slot and a 0.3 s queue deadline: a request queued behind a long one is refused with 503.
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             dtype="float32",
             max_num_seqs=1,

@@ -134,7 +134,7 @@ def servers(
         embedding_model="none",
     )
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(tiny_model_dir),
             dtype="float32",
             device="cpu",

@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.types import GenerationRequest, SamplingParams
 
-engine = LLMEngine(EngineConfig(max_num_seqs=32, max_loras=8, kv_cache_memory_bytes=512 << 20, num_threads=1))
+engine = LLMEngine(EngineConfig.of(max_num_seqs=32, max_loras=8, kv_cache_memory_bytes=512 << 20, num_threads=1))
 model = engine.runner.model
 print("stack dtype", model.lora.layers[0]["qkv"].dtype, flush=True)
 with tempfile.TemporaryDirectory() as tmp:
