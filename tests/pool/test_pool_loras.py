@@ -48,7 +48,7 @@ def _replica(model_dir: Path, root: Path, name: str, models_file: str) -> tuple[
         internal_token=TOKEN, models_file=str(root / f"{name}.toml"), embedding_model="none", keep_alive_s=1.0
     )
     engine = AsyncEngine.from_config(
-        EngineConfig(
+        EngineConfig.of(
             model=str(model_dir),
             served_model_name=BASE,
             dtype="float32",
