@@ -161,24 +161,26 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def six_heads(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
-    """Heads, KV heads and MLP divisible by 3, as the bundled model's (9, 3, 1536) are."""
+def nine_heads(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
+    """The bundled model's shape in small: 9 heads over 3 KV heads, an MLP divisible by 3 and
+    tied embeddings, with 2 layers of width 144."""
     return make_tiny_model(
-        tmp_path_factory.mktemp("tiny-six-heads"),
+        tmp_path_factory.mktemp("tiny-nine-heads"),
         real_model_dir,
-        hidden_size=96,
+        hidden_size=144,
         intermediate_size=192,
-        num_attention_heads=6,
+        num_attention_heads=9,
         num_key_value_heads=3,
+        tie_word_embeddings=True,
     )
 
 
-def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(six_heads: Path) -> None:
+def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(nine_heads: Path) -> None:
     """`batchgate serve --tensor-parallel-size 3 --dtype float32` over HTTP: greedy completions equal
     one in-process rank's; after a rank is killed, /ready is 503 (or the port is closed) and the
     process exits with status 1 within a bounded time."""
     config = EngineConfig.of(
-        model=str(six_heads), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024
+        model=str(nine_heads), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024
     )
     reference = LLMEngine(config)
     prompts = [chat_ids(reference.tokenizer, q) for q in ("What is 12 times 7?", "Say hello to Ada.")]
@@ -192,9 +194,9 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(s
         [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--tensor-parallel-size", "3"]
         + [
             "--model",
-            str(six_heads),
+            str(nine_heads),
             "--served-model-name",
-            "six-heads",
+            "nine-heads",
             "--dtype",
             "float32",
             "--kv-cache-memory",
@@ -225,7 +227,7 @@ def test_serve_with_three_ranks_answers_as_one_rank_and_exits_when_a_rank_dies(s
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.2)
         for prompt, text in zip(prompts, expected, strict=True):
-            body = {"model": "six-heads", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            body = {"model": "nine-heads", "prompt": prompt, "max_tokens": 16, "temperature": 0}
             body["ignore_eos"] = True
             reply = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
             assert reply["choices"][0]["text"] == text
