@@ -59,12 +59,6 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling type {kind!r}: expected default, linear or llama3")
 
 
-# The most attention work (the sum of the prefill tokens' context lengths) a step may have for its
-# prefill to run in the one-call layers. On AVX2 (1 thread) that was 4-20% faster for fresh prompts
-# of 13-512 tokens and 11-12% slower for 32-64 tokens after 1,000-2,000 of context (sums ~65K).
-ONE_CALL_PREFILL_CONTEXT = 16384
-
-
 def _no_lora(y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch) -> torch.Tensor:
     return y
 
@@ -278,7 +272,7 @@ class LlamaModel:
         # row: no Python layer loop, and the same logits bit for bit however the prompt is chunked
         # or how much of it the prefix cache held. Past a bound on the attention work, SDPA's
         # blocked kernel reads a long context once where per-row attention reads it per token.
-        small_prefill = batch.prefill_context <= ONE_CALL_PREFILL_CONTEXT and not batch.lora_groups
+        small_prefill = batch.token_tables is not None  # built only within the bound (engine/step.py)
         if self.decode_weights is not None and one_call and (not batch.prefills or small_prefill):
             hidden, residual = self._decode_layers(hidden, batch, kv_caches, self.decode_weights)
         else:

@@ -116,13 +116,12 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
-    # Where the step prefills: every token as a row of its own, [T, B] its sequence's block ids and
-    # [T] its context length (its position + 1), so the one-call layers (engine/model.py) run a
-    # prefill token exactly as a decode token; and the sum of the prefill tokens' context lengths
-    # (the attention work of running them so). None / 0 for a step that only decodes.
+    # Where the step's prefill may run in the one-call layers (engine/model.py; see
+    # ONE_CALL_PREFILL_CONTEXT): every token as a row of its own, [T, B] its sequence's block ids
+    # and [T] its context length (its position + 1), run exactly as a decode token. None: the step
+    # only decodes, or its prefill runs in the Python layer loop.
     token_tables: torch.Tensor | None = None
     token_lens: torch.Tensor | None = None
-    prefill_context: int = 0
     # (LoRA slot, a run of consecutive prefill rows using it); empty: none.
     lora_groups: list[tuple[int, slice]] = field(default_factory=list)
     # The decode rows with an adapter, all slots in one batched shrink and expand; None: none.
@@ -231,6 +230,12 @@ def lora_groups(inputs: StepInputs) -> list[tuple[int, slice]]:
     return runs
 
 
+# The most attention work (the sum of the prefill tokens' context lengths) a step may have for its
+# prefill to run in the one-call layers. On AVX2 (1 thread) that was 4-20% faster for fresh prompts
+# of 13-512 tokens and 11-12% slower for 32-64 tokens after 1,000-2,000 of context (sums ~65K).
+ONE_CALL_PREFILL_CONTEXT = 16384
+
+
 def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
     """Slots of positions 0..num_positions-1 for each row of `block_tables` [R, max_blocks]."""
     pos = torch.arange(num_positions, device=block_tables.device)
@@ -259,8 +264,10 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         PrefillSlice(start, end, _slots(tables[num_decode + j : num_decode + j + 1], ctx, block_size)[0])
         for j, (start, end, ctx) in enumerate(prefill_ranges)
     ]
+    groups = lora_groups(inputs) if inputs.lora_slots else []
     token_tables = token_lens = None
-    if prefill_ranges:
+    attention_work = sum((e - s) * ctx - (e - s) * (e - s - 1) // 2 for s, e, ctx in prefill_ranges)
+    if prefill_ranges and attention_work <= ONE_CALL_PREFILL_CONTEXT and not groups:
         token_lens = pos_t + 1
         width = -(-(max(inputs.positions) + 1) // block_size)  # the blocks of the longest context
         token_tables = tables[row_of_token, :width].contiguous()
@@ -275,7 +282,6 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
         logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
         token_tables=token_tables,
         token_lens=token_lens,
-        prefill_context=sum((e - s) * ctx - (e - s) * (e - s - 1) // 2 for s, e, ctx in prefill_ranges),
-        lora_groups=lora_groups(inputs) if inputs.lora_slots else [],
+        lora_groups=groups,
         lora_decode=lora_decode_plan(inputs, device) if inputs.lora_slots else None,
     )

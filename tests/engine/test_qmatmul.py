@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import model as model_module
 from engine import quant
+from engine import step as step_module
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import gguf_tensor_infos, is_q4_1_gguf
@@ -259,7 +259,7 @@ def test_a_short_prefill_in_the_one_native_call_gives_the_same_logprobs_however_
     assert not layer_loops
     # Past the bound on attention work the Python layer loop (SDPA) prefills (here the prompt's
     # last token, after the cached blocks): the same first token.
-    monkeypatch.setattr(model_module, "ONE_CALL_PREFILL_CONTEXT", 0)
+    monkeypatch.setattr(step_module, "ONE_CALL_PREFILL_CONTEXT", 0)
     looped = logprobs(engine, "looped")
     assert layer_loops and looped[0].token_id == whole[0].token_id
     assert abs(looped[0].logprob - whole[0].logprob) < 0.05
