@@ -1,4 +1,4 @@
-// Quantized linear layers for x86 CPUs with AVX2 (engine/quant.py packs the weights and calls these).
+// Quantized linear layers for x86 CPUs with AVX2, and AVX-512 VNNI where the CPU has it (engine/quant.py
 //
 // y = x @ W^T for weights kept in groups of 32 along K, as the GGUF formats hold them:
 //   q4: Q4_1, w = d * q + m with q in 0..15 (d, m fp16 per group and row);
@@ -30,12 +30,17 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 #include "simd_avx2.h"
 #define BATCHGATE_QMATMUL_AVX2 1
+// AVX-512 VNNI on 256-bit registers (with AVX-512 VL): vpdpbusd in place of vpmaddubsw + vpmaddwd.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BATCHGATE_QMATMUL_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -44,7 +49,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 8;
 constexpr int64_t kQ4GroupBytes = 160;
 constexpr int64_t kQ8GroupBytes = 272;
-// Activation rows per work item of a batched step, a multiple of the tiles' 3 rows: their bytes
+// Activation rows per work item of a batched step, a multiple of the tiles' 3 or 4 rows: their bytes
 // stay in L2 while the weight blocks pass (all of a long prefill's rows did not).
 constexpr int64_t kChunkRows = 48;
 
@@ -53,6 +58,17 @@ bool has_qmatmul() {
   return true;
 #else
   return false;
+#endif
+}
+
+// The instruction set the tiles below were built for: "avx512_vnni", "avx2" or "" (none).
+std::string qmatmul_isa() {
+#if defined(BATCHGATE_QMATMUL_VNNI)
+  return "avx512_vnni";
+#elif defined(BATCHGATE_QMATMUL_AVX2)
+  return "avx2";
+#else
+  return "";
 #endif
 }
 
@@ -223,15 +239,109 @@ inline void q8_tile(const uint8_t* w, const Activations& a, int64_t r0, float* o
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
+#ifdef BATCHGATE_QMATMUL_VNNI
+// The same tiles with vpdpbusd, which sums 4 u8 x s8 products into each 32-bit lane in one
+// instruction. Its latency (several cycles) would bound a single accumulator chain a row, so each
+// row keeps two (even and odd chunks), summed once a group: the integer sums, and so the results,
+// are those of the AVX2 tiles bit for bit. AVX-512 VL gives 32 registers: four rows a tile fit.
+template <int MR>
+inline void q4_tile_vnni(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t ldo) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* wg = w + g * kQ4GroupBytes;
+    if (MR == 1) prefetch_ahead<kQ4GroupBytes>(wg);
+    bool wide = false;
+    for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
+    __m256i h0[MR], h1[MR], l0[MR], l1[MR];
+    for (int r = 0; r < MR; ++r) h0[r] = h1[r] = l0[r] = l1[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+      const __m256i lo = _mm256_and_si256(packed, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup;
+        h0[r] = _mm256_dpbusd_epi32(h0[r], lo, broadcast4(xh + 4 * p));
+        h1[r] = _mm256_dpbusd_epi32(h1[r], hi, broadcast4(xh + 16 + 4 * p));
+        if (wide) {
+          const int8_t* xl = xh + a.lo_offset;
+          l0[r] = _mm256_dpbusd_epi32(l0[r], lo, broadcast4(xl + 4 * p));
+          l1[r] = _mm256_dpbusd_epi32(l1[r], hi, broadcast4(xl + 16 + 4 * p));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 128)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 144)));
+    for (int r = 0; r < MR; ++r) {
+      const __m256i sum = combine(_mm256_add_epi32(h0[r], h1[r]), _mm256_add_epi32(l0[r], l1[r]));
+      const int64_t gi = (r0 + r) * a.groups + g;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[gi])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[gi]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <int MR>
+inline void q8_tile_vnni(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t ldo) {
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* wg = w + g * kQ8GroupBytes;
+    if (MR == 1) prefetch_ahead<kQ8GroupBytes>(wg);
+    bool wide = false;
+    for (int r = 0; r < MR; ++r) wide |= a.wide[(r0 + r) * a.groups + g] != 0;
+    __m256i h0[MR], h1[MR], l0[MR], l1[MR];
+    for (int r = 0; r < MR; ++r) h0[r] = h1[r] = l0[r] = l1[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c += 2) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c + 32));
+      const __m256i m0 = _mm256_sign_epi8(w0, w0), m1 = _mm256_sign_epi8(w1, w1);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xh = a.hi + (r0 + r) * a.k + g * kGroup + 4 * c;
+        h0[r] = _mm256_dpbusd_epi32(h0[r], m0, _mm256_sign_epi8(broadcast4(xh), w0));
+        h1[r] = _mm256_dpbusd_epi32(h1[r], m1, _mm256_sign_epi8(broadcast4(xh + 4), w1));
+        if (wide) {
+          const int8_t* xl = xh + a.lo_offset;
+          l0[r] = _mm256_dpbusd_epi32(l0[r], m0, _mm256_sign_epi8(broadcast4(xl), w0));
+          l1[r] = _mm256_dpbusd_epi32(l1[r], m1, _mm256_sign_epi8(broadcast4(xl + 4), w1));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 256)));
+    for (int r = 0; r < MR; ++r) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(r0 + r) * a.groups + g]));
+      const __m256i sum = combine(_mm256_add_epi32(h0[r], h1[r]), _mm256_add_epi32(l0[r], l1[r]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+#endif
+
 using Tile = void (*)(const uint8_t*, const Activations&, int64_t, float*, int64_t);
+
+// Activation rows a tile: AVX2's 16 registers hold three (four spill, 1.1-1.4x slower from 64 rows
+// up); AVX-512 VL's 32 hold four of the VNNI tiles' five accumulators a row.
+#ifdef BATCHGATE_QMATMUL_VNNI
+constexpr int64_t kTileRows = 4;
+#else
+constexpr int64_t kTileRows = 3;
+#endif
 
 struct Kernel {
   int64_t group_bytes;
-  Tile tiles[3];  // 1..3 activation rows at a time
+  Tile tiles[kTileRows];  // 1..kTileRows activation rows at a time
 };
 
+#ifdef BATCHGATE_QMATMUL_VNNI
+constexpr Kernel kQ4 = {kQ4GroupBytes, {q4_tile_vnni<1>, q4_tile_vnni<2>, q4_tile_vnni<3>, q4_tile_vnni<4>}};
+constexpr Kernel kQ8 = {kQ8GroupBytes, {q8_tile_vnni<1>, q8_tile_vnni<2>, q8_tile_vnni<3>, q8_tile_vnni<4>}};
+#else
 constexpr Kernel kQ4 = {kQ4GroupBytes, {q4_tile<1>, q4_tile<2>, q4_tile<3>}};
 constexpr Kernel kQ8 = {kQ8GroupBytes, {q8_tile<1>, q8_tile<2>, q8_tile<3>}};
+#endif
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
                    double outlier_ratio, const Kernel& kernel) {
@@ -268,9 +378,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
       const int64_t b = i % blocks, first = (i / blocks) * kChunkRows;
       const int64_t last = std::min(m, first + kChunkRows);
       const uint8_t* wb = wp + b * groups * kernel.group_bytes;
-      // Three rows a tile: four spill the tile's registers (1.1-1.4x slower from 64 rows up).
-      for (int64_t r = first; r < last; r += 3) {
-        const int64_t rows = std::min<int64_t>(3, last - r);
+      for (int64_t r = first; r < last; r += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, last - r);
         kernel.tiles[rows - 1](wb, acts, r, op + r * padded + b * kBlockRows, padded);
       }
     }
@@ -307,6 +416,7 @@ TORCH_LIBRARY_FRAGMENT(batchgate, m) {
   m.def("q4_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
   m.def("has_qmatmul() -> bool", &has_qmatmul);
+  m.def("qmatmul_isa() -> str", &qmatmul_isa);
 }
 
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {

@@ -98,12 +98,56 @@ def test_a_row_does_not_depend_on_its_batch(ratio: float) -> None:
     assert torch.equal(layer(x[3:9]), together[3:9])
 
 
+_AVX2_PROBE = """
+import sys, torch
+from engine.native import native_kernels
+ops = native_kernels()
+assert ops.qmatmul_isa() == "avx2", ops.qmatmul_isa()
+case = torch.load(sys.argv[1])
+torch.save([op(x, w, n, None, r) for op, (x, w, n, r) in
+            ((ops.q4_linear, case["q4"]), (ops.q8_linear, case["q8"]))], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(
+    cpu_isa() < CpuIsa.AVX512_VNNI or not HAS_QMATMUL,
+    reason=f"the VNNI tiles need AVX-512 VNNI (this CPU's level: {cpu_isa().name})",
+)
+def test_the_vnni_tiles_give_the_avx2_tiles_results_bit_for_bit(tmp_path: Path) -> None:
+    """Both sum the same integers exactly, then scale them alike: a CPU's level changes the
+    speed, never a token. The AVX2 tiles run in a process capped to that level (its own build)."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    case: dict[str, Any] = {}
+    for kind, pack in (("q4", pack_q4), ("q8", pack_q8)):
+        x = torch.randn(11, 576)
+        x[::2, 40] *= 30  # outlier groups in some rows: both the 8- and the 15-bit products
+        case[kind] = (x, pack(torch.randn(100, 576) * 0.05).packed, 100, quant.OUTLIER_RATIO)
+    torch.save(case, tmp_path / "case.pt")
+    env = {**os.environ, "BATCHGATE_MAX_CPU_ISA": "avx2"}
+    probe = [sys.executable, "-c", _AVX2_PROBE, str(tmp_path / "case.pt"), str(tmp_path / "avx2.pt")]
+    done = subprocess.run(probe, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    ops = native_kernels()
+    assert ops.qmatmul_isa() == "avx512_vnni"
+    pairs = ((ops.q4_linear, case["q4"]), (ops.q8_linear, case["q8"]))
+    for got, (op, (x, w, n, r)) in zip(avx2, pairs, strict=True):
+        assert torch.equal(op(x, w, n, None, r), got)
+
+
 def test_the_path_matches_the_cpu() -> None:
-    """Runs everywhere: our kernels exactly where the CPU level has AVX2 and they build."""
+    """Runs everywhere: our kernels exactly where the CPU level has AVX2 and they build, on the
+    VNNI tiles exactly where it has AVX-512 VNNI."""
     if cpu_isa() < CpuIsa.AVX2:
         assert not qmatmul_available("auto", CPU)
     else:
         assert qmatmul_available("auto", CPU) == bool(native_kernels().has_qmatmul())
+        want = "avx512_vnni" if cpu_isa() >= CpuIsa.AVX512_VNNI else "avx2"
+        assert native_kernels().qmatmul_isa() == (want if HAS_QMATMUL else "")
     assert not qmatmul_available("torch", CPU)
     assert not qmatmul_available("auto", torch.device("cuda"))
 
