@@ -40,6 +40,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.eos_token_ids = model.spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in kv_caches for t in kv)
+        self.argmax = None if model.kernels is None else model.kernels.argmax_rows
 
     @property
     def failure(self) -> str | None:
@@ -106,5 +107,7 @@ class ModelRunner:
         ]
         # The logits are this step's alone (a CUDA graph's output buffer is read by nothing after
         # this either, until the next replay rewrites it): the sampler may mask them in place.
-        tokens, logprobs = sample_logits(logits, rows, bitmask, overwrite=True) if seqs else ([], [])
+        if not seqs:
+            return StepResult(seqs, [], [])
+        tokens, logprobs = sample_logits(logits, rows, bitmask, overwrite=True, argmax=self.argmax)
         return StepResult(seqs, tokens, logprobs)

@@ -11,6 +11,7 @@ EOS where the grammar allows nothing else would leave no token to sample).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,13 +148,14 @@ def sample(
     bitmask: torch.Tensor | None = None,
     *,
     overwrite: bool = False,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Choose one token per row of float32 `logits` [S, vocab]; return tokens and logprobs.
 
     `bitmask` [S, ceil(vocab / 32)] int32 (engine/grammar.py) applies to the rows marked
     `constrained`; it is required when any row is. `logits` is left as it was unless `overwrite`
     (the runner's, a fresh tensor each step): masking it in place saves a copy of the batch's
-    logits."""
+    logits. `argmax`: a faster op equal to `logits.argmax(dim=-1)` (the native CPU kernels')."""
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     needs_processing = any(
@@ -173,7 +175,7 @@ def sample(
             raise RuntimeError("constrained rows need the step's bitmask")
         apply_bitmask(logits, bitmask, constrained)
     if all(r.params.greedy for r in rows):
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = (logits.argmax(dim=-1) if argmax is None else argmax(logits)).tolist()
     else:
         # One read-back for the whole batch: on CUDA each row's own would wait for the device.
         tokens = torch.stack(

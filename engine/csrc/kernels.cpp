@@ -7,7 +7,8 @@
 //   so results match the torch path (bitwise for bf16, except for the order of the sum of squares
 //   in rms_norm);
 // - silu_mul: SiLU-and-multiply in one pass, bf16 with AVX-512 only (a portable version with an
-//   auto-vectorized exp lost to torch's two ops, so elsewhere the model keeps those).
+//   auto-vectorized exp lost to torch's two ops, so elsewhere the model keeps those);
+// - argmax_rows: greedy sampling's argmax over each row of the logits.
 //
 // Decode attention:
 // One query token per sequence attends to its whole context, read block by block through its
@@ -659,6 +660,65 @@ void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, cons
   });
 }
 
+// ---- greedy sampling --------------------------------------------------------------------------
+
+// The index of row x's largest value, the first one if it repeats; a NaN counts as the largest
+// (the first NaN), as torch.argmax. Each lane keeps its own first maximum (a strictly greater
+// value replaces it, so a lane's index only grows), then the lanes' smallest index among the
+// largest value wins: one pass where torch's argmax takes 5-10x as long (docs/BENCHMARKS.md).
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#ifdef BATCHGATE_AVX2_FMA
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(x);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = vidx;
+    __m256 unordered = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= n; i += 8) {
+      cur = _mm256_add_epi32(cur, step);
+      const __m256 v = _mm256_loadu_ps(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 greater = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+      vmax = _mm256_blendv_ps(vmax, v, greater);
+      vidx = _mm256_blendv_epi8(vidx, cur, _mm256_castps_si256(greater));
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    alignas(32) float m[8];
+    alignas(32) int32_t k[8];
+    _mm256_store_ps(m, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(k), vidx);
+    top = m[0], best = k[0];
+    for (int j = 1; j < 8; ++j)
+      if (m[j] > top || (m[j] == top && k[j] < best)) top = m[j], best = k[j];
+  }
+#endif
+  for (; i < n; ++i) {
+    nan |= std::isnan(x[i]);
+    if (x[i] > top || i == 0) top = x[i], best = i;
+  }
+  if (nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  return best;
+}
+
+// argmax(dim=-1) of float32 logits [S, V] -> int64 [S].
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "argmax_rows: logits must be [S, V] float32");
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31), "argmax_rows: bad vocabulary size");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(batchgate, m) {
@@ -670,6 +730,7 @@ TORCH_LIBRARY(batchgate, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("has_fast_silu_mul() -> bool", &has_fast_silu_mul);  // no tensors: a catch-all kernel
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
@@ -679,4 +740,5 @@ TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("write_kv_", &write_kv_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -195,6 +195,25 @@ def test_silu_mul_rounds_as_the_torch_ops(rows: int, n: int) -> None:
     assert torch.allclose(got.float()[differ], want.float()[differ], rtol=1e-2)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 49152])
+def test_argmax_rows_is_torch_s_argmax(n: int) -> None:
+    """The first index of the largest value, NaN counting as the largest, as torch.argmax."""
+    torch.manual_seed(n)
+    x = torch.randn(9, n)
+    x[1] = float("-inf")  # a row fully masked: index 0
+    x[2] = x[2].round()  # ties: the first of them
+    x[3, -1] = float("nan")
+    x[4, n // 2] = float("nan")
+    x[5, : n // 2] = float("-inf")
+    x[6] = 0.0
+    x[7, -1] = float("inf")
+    x[8, n // 3 :] = float("nan")
+    assert torch.equal(native_kernels().argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(native_kernels().argmax_rows(x[:, :n]), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        native_kernels().argmax_rows(x.bfloat16())
+
+
 def test_a_build_killed_mid_way_does_not_hang_the_next_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """torch leaves its `lock` file behind when a build is killed, and its next load waits for that
     file forever. A copy of this process's build with such a lock in it loads in a fresh process."""
