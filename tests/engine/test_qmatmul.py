@@ -88,12 +88,12 @@ def test_kernels_compute_the_quantized_product(kind: str, ratio: float, bound: f
 def test_a_row_does_not_depend_on_its_batch(ratio: float) -> None:
     """So a prompt gets the same logits prefilled whole, in chunks, or decoded beside others."""
     torch.manual_seed(0)
-    layer = Linear.build(torch.randn(64, 576) * 0.05, quant="q4")
+    layer = Linear.build(torch.randn(72, 576) * 0.05, quant="q4")
     layer.outlier_ratio = ratio
-    x = torch.randn(11, 576)
+    x = torch.randn(20, 576)  # from 16 rows the AVX-512 VNNI tiles take two blocks at a time
     x[::2, 40] *= 30  # outlier groups in some rows only: tiles mix 8- and 15-bit rows
     together = layer(x)
-    for i in range(11):
+    for i in range(20):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
     assert torch.equal(layer(x[3:9]), together[3:9])
 
@@ -103,9 +103,8 @@ import sys, torch
 from engine.native import native_kernels
 ops = native_kernels()
 assert ops.qmatmul_isa() == "avx2", ops.qmatmul_isa()
-case = torch.load(sys.argv[1])
-torch.save([op(x, w, n, None, r) for op, (x, w, n, r) in
-            ((ops.q4_linear, case["q4"]), (ops.q8_linear, case["q8"]))], sys.argv[2])
+ops = {"q4": ops.q4_linear, "q8": ops.q8_linear}
+torch.save([ops[kind](x, w, n, None, r) for kind, x, w, n, r in torch.load(sys.argv[1])], sys.argv[2])
 """
 
 
@@ -121,12 +120,14 @@ def test_the_vnni_tiles_give_the_avx2_tiles_results_bit_for_bit(tmp_path: Path) 
     import sys
 
     torch.manual_seed(0)
-    case: dict[str, Any] = {}
+    cases: list[tuple[Any, ...]] = []
     for kind, pack in (("q4", pack_q4), ("q8", pack_q8)):
-        x = torch.randn(11, 576)
-        x[::2, 40] *= 30  # outlier groups in some rows: both the 8- and the 15-bit products
-        case[kind] = (x, pack(torch.randn(100, 576) * 0.05).packed, 100, quant.OUTLIER_RATIO)
-    torch.save(case, tmp_path / "case.pt")
+        w = pack(torch.randn(100, 576) * 0.05).packed  # 13 blocks of 8: pairs and an odd one
+        for rows in (11, 40):  # one block at a time, then two (from 16 rows)
+            x = torch.randn(rows, 576)
+            x[::2, 40] *= 30  # outlier groups in some rows: both the 8- and the 15-bit products
+            cases.append((kind, x, w, 100, quant.OUTLIER_RATIO))
+    torch.save(cases, tmp_path / "case.pt")
     env = {**os.environ, "BATCHGATE_MAX_CPU_ISA": "avx2"}
     probe = [sys.executable, "-c", _AVX2_PROBE, str(tmp_path / "case.pt"), str(tmp_path / "avx2.pt")]
     done = subprocess.run(probe, env=env, capture_output=True, text=True)
@@ -134,9 +135,8 @@ def test_the_vnni_tiles_give_the_avx2_tiles_results_bit_for_bit(tmp_path: Path) 
     avx2 = torch.load(tmp_path / "avx2.pt")
     ops = native_kernels()
     assert ops.qmatmul_isa() == "avx512_vnni"
-    pairs = ((ops.q4_linear, case["q4"]), (ops.q8_linear, case["q8"]))
-    for got, (op, (x, w, n, r)) in zip(avx2, pairs, strict=True):
-        assert torch.equal(op(x, w, n, None, r), got)
+    for got, (kind, x, w, n, r) in zip(avx2, cases, strict=True):
+        assert torch.equal((ops.q4_linear if kind == "q4" else ops.q8_linear)(x, w, n, None, r), got)
 
 
 def test_the_path_matches_the_cpu() -> None:
