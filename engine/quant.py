@@ -64,6 +64,22 @@ class WeightFormat:
         return f", int4 weights for steps of <= {self.int4_max_rows} tokens" if self.int4_max_rows else ""
 
 
+def resolve_engine_dtype(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, has_qmatmul: bool
+) -> torch.dtype:
+    """The engine's dtype: `dtype` (engine/platform.py's for the setting), except that "auto" runs a
+    Q4_1 GGUF on our int8 kernels (float32 activations) wherever they run, native bf16 or not:
+    on a Zen 4 they beat bf16 at every batch size (docs/BENCHMARKS.md, the Zen 4 table)."""
+    ours = (
+        config.model.dtype == "auto"
+        and config.model.quantization == "auto"
+        and device.type == "cpu"
+        and config.parallel.tensor_parallel_size == 1
+        and has_qmatmul
+    )
+    return torch.float32 if ours and is_q4_1_gguf(config.model.model) else dtype
+
+
 def resolve_weight_format(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, has_qmatmul: bool
 ) -> WeightFormat:

@@ -27,7 +27,7 @@ from engine.parallel import (
     shard_weights,
 )
 from engine.platform import resolve_device, resolve_dtype
-from engine.quant import WeightFormat, resolve_weight_format
+from engine.quant import WeightFormat, resolve_engine_dtype, resolve_weight_format
 from engine.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -61,8 +61,8 @@ def load_engine_model(
 ) -> tuple[LoadedModel, torch.device, torch.dtype, WeightFormat]:
     """`model` (or `config.model.model` loaded), with the engine's device, dtype and weight format."""
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
     has_qmatmul = qmatmul_available(config.model.kernels, device)
+    dtype = resolve_engine_dtype(config, device, resolve_dtype(config.model.dtype, device), has_qmatmul)
     weight_format = resolve_weight_format(config, device, dtype, has_qmatmul)
     # Quantized weights are recovered from float32 ones (exact for a GGUF's groups); the model
     # casts the rest to `dtype`.

@@ -20,7 +20,15 @@ from engine.loader import gguf_tensor_infos, is_q4_1_gguf
 from engine.model import LlamaModel
 from engine.native import native_kernels, qmatmul_available
 from engine.platform import CpuIsa, cpu_isa
-from engine.quant import Linear, WeightFormat, dequantize, pack_q4, pack_q8, resolve_weight_format
+from engine.quant import (
+    Linear,
+    WeightFormat,
+    dequantize,
+    pack_q4,
+    pack_q8,
+    resolve_engine_dtype,
+    resolve_weight_format,
+)
 from engine.types import GenerationRequest, TokenLogprob
 from tests.engine.helpers import compare_one_call_decode, greedy, run_all, tiny_engine, tokens_of
 from tests.tiny_model import make_tiny_model, snap_to_q4_1
@@ -172,6 +180,13 @@ def test_weight_format_per_setting_dtype_and_cpu(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         resolve_weight_format(EngineConfig.of(quantization="int8", tensor_parallel_size=2), CPU, f32, True)
     assert resolve_weight_format(EngineConfig.of(quantization="none"), CPU, f32, True) == WeightFormat()
+    # dtype "auto": the bundled Q4_1 on our kernels (float32) wherever they run, native bf16 or not.
+    assert resolve_engine_dtype(EngineConfig(), CPU, bf16, True) == f32
+    assert resolve_engine_dtype(EngineConfig(), CPU, bf16, False) == bf16  # no kernels
+    assert resolve_engine_dtype(EngineConfig.of(dtype="bfloat16"), CPU, bf16, True) == bf16
+    assert resolve_engine_dtype(EngineConfig.of(quantization="none"), CPU, bf16, True) == bf16
+    assert resolve_engine_dtype(EngineConfig.of(model=str(tiny_model_dir)), CPU, bf16, True) == bf16
+    assert resolve_engine_dtype(EngineConfig.of(tensor_parallel_size=2), CPU, bf16, True) == bf16
 
 
 def _write_gguf(path: Path, layer_type: str) -> Path:
