@@ -25,6 +25,8 @@ export ABOVE_AVX2 := import sys, torch; from engine.platform import CpuIsa, cpu_
 CPU_PATH_TESTS := tests/engine/test_platform.py tests/engine/test_qmatmul.py tests/engine/test_quant.py \
                   tests/engine/test_native.py tests/engine/test_model.py
 LLAMA_SERVER ?= /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server
+# llama.cpp built for AVX2 only (GGML_NATIVE=OFF; docs/BENCHMARKS.md): the AVX2 profile's peer.
+LLAMA_SERVER_AVX2 ?= /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build-avx2/bin/llama-server
 
 .PHONY: install serve test lint bench-avx2 clean
 
@@ -57,11 +59,11 @@ test: install $(HELM) $(CODEX)
 	    $(AVX2_PROFILE) $(BIN)/python -m pytest -q -p no:cacheprovider $(CPU_PATH_TESTS); \
 	else echo "the AVX2-profile pass: not needed, this CPU is at most AVX2 (the pass above ran at its level)"; fi
 
-# Issue 7's workload under the AVX2 profile, side by side with llama.cpp's server (built as
-# docs/BENCHMARKS.md says; LLAMA_SERVER=path) on the same GGUF file.
+# Issue 7's workload under the AVX2 profile, side by side with llama.cpp's server built for AVX2
+# only (as docs/BENCHMARKS.md says; LLAMA_SERVER_AVX2=path) on the same GGUF file.
 bench-avx2: install
 	$(AVX2_PROFILE) $(BIN)/python -m bench.compare --no-hf --no-engine --batchgate \
-	    --dtypes auto --llama-server $(LLAMA_SERVER) --repeat 2
+	    --dtypes auto --llama-server $(LLAMA_SERVER_AVX2) --repeat 2
 
 # ruff; mypy --strict over engine/, gateway/, tenancy/ ([tool.mypy]); the import contracts
 # ([tool.importlinter]: engine and tenancy import no gateway, no import cycles).

@@ -1,7 +1,7 @@
 """Teacher-forced agreement of the engine's greedy choices with the fp32 reference (issue 22's
 quality criterion).
 
-    .venv/bin/python -m bench.quant_parity [--variants float32:none,auto:auto@inf,auto:auto@4]
+    .venv/bin/python -m bench.quant_parity [--variants float32:none,auto:auto@inf,auto:auto/float32]
 
 For the 8 parity prompts (tests/engine/test_parity_real.py), transformers' fp32 `generate` gives
 the reference's 64 greedy tokens; one fp32 forward over prompt + reference gives its logits at
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="float32:none,auto:auto@inf,auto:auto@4",
-        help="dtype:quantization[@outlier ratio of our kernels], comma-separated",
+        help="dtype:quantization[@outlier ratio of our kernels][/KV-cache dtype], comma-separated",
     )
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -41,9 +41,14 @@ def main() -> None:
     engines = {}
     for label in args.variants.split(","):
         dtype, rest = label.split(":")
+        rest, _, kv_dtype = rest.partition("/")
         quantization, _, ratio = rest.partition("@")
         config = EngineConfig.of(
-            dtype=dtype, quantization=quantization, max_model_len=2048, kv_cache_memory_bytes=256 << 20
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=kv_dtype or "auto",
+            max_model_len=2048,
+            kv_cache_memory_bytes=256 << 20,
         )
         engine = LLMEngine(config)
         model = engine.runner.model

@@ -25,6 +25,7 @@ DEFAULT_TARGET_ITL_MS = 120.0
 
 # The allowed values of the string settings; the gateway's flags offer the same choices.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 KERNELS = ("auto", "native", "torch")
 BATCHING_MODES = ("continuous", "static")
@@ -80,6 +81,10 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_num_seqs": (lambda v: v >= 1, "max_num_seqs must be >= 1, got {v}"),
     "max_num_batched_tokens": (lambda v: v >= 1, "max_num_batched_tokens must be >= 1, got {v}"),
     "dtype": (lambda v: v in DTYPES, "dtype must be auto, bfloat16, float16 or float32, got {v!r}"),
+    "kv_cache_dtype": (
+        lambda v: v in KV_CACHE_DTYPES,
+        "kv_cache_dtype must be auto, bfloat16, float16 or float32, got {v!r}",
+    ),
     "kv_cache_memory_fraction": (lambda v: 0.0 < v <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]"),
     "kv_cache_memory_bytes": (lambda v: v is None or v > 0, "kv_cache_memory_bytes must be positive"),
     "quantization": (
@@ -130,7 +135,8 @@ class ModelConfig:
     served_model_name: str | None = setting(
         None, "the model id clients send and /v1/models lists", per_model=False
     )
-    # "auto": bf16 on CUDA and on CPUs with native bf16, else fp32.
+    # "auto": bf16 on CUDA and on CPUs with native bf16, else fp32; fp32 activations wherever a Q4_1
+    # GGUF runs on our int8 kernels (engine/quant.py).
     dtype: str = setting("auto", "weights and KV dtype", choices=DTYPES)
     device: str = setting("auto", "auto, cpu or cuda[:N]")
     # Weight format of the layers' projections (engine/quant.py): "none" (dtype only); "int4" /
@@ -182,6 +188,13 @@ class CacheConfig:
         0.3, "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given"
     )
     max_model_len: int | None = setting(None, "context length (default: the model's, capped by KV memory)")
+    # "auto": bf16 under fp32 activations on our int8 kernels (engine/kv_cache.py), else the dtype.
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV-cache dtype: auto (bfloat16 on the CPU's int8 kernels, else --dtype's), bfloat16, float16 or "
+        "float32 (only --dtype's, or bfloat16 under float32)",
+        choices=KV_CACHE_DTYPES,
+    )
     # Automatic prefix caching (engine/block_manager.py): full KV blocks shared by content between
     # requests of the same cache salt. The server chooses the salt's scope (a tenant's, or one).
     enable_prefix_caching: bool = setting(

@@ -13,6 +13,28 @@ from engine.platform import available_memory
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # (K, V) of each layer
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_kv_dtype(
+    config: EngineConfig, dtype: torch.dtype, int8_layers: bool, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype for `config.cache.kv_cache_dtype` under activations of `dtype`. "auto":
+    bf16 where the layers run on our int8 kernels (float32 activations): half the memory and half
+    the bytes decode attention reads, widened exactly as they are read; else `dtype`. Besides
+    `dtype` itself, only bf16 under float32 on the CPU (the kernels and torch ops of engine/model.py
+    convert on write and read)."""
+    setting = config.cache.kv_cache_dtype
+    if setting == "auto":
+        return torch.bfloat16 if int8_layers and dtype == torch.float32 and device.type == "cpu" else dtype
+    kv = _DTYPES[setting]
+    if kv != dtype and not (kv == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu"):
+        raise ValueError(
+            f"kv_cache_dtype {setting} needs the engine's dtype to be {setting} (or float32 on the CPU "
+            f"for bfloat16), got {str(dtype).removeprefix('torch.')} on {device.type}"
+        )
+    return kv
+
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
     return (

@@ -116,7 +116,7 @@ class LLMEngine:
         )
         ranks = config.parallel.tensor_parallel_size
         logger.info(
-            "engine ready: %s, %s on %s%s%s, KV cache %.0f MiB (%d blocks of %d tokens, %s), "
+            "engine ready: %s, %s on %s%s%s, KV cache %.0f MiB (%s, %d blocks of %d tokens, %s), "
             "max_model_len %d, prefix caching %s",
             self.model_name,
             dtype,
@@ -124,6 +124,7 @@ class LLMEngine:
             f" x {ranks} ranks" if ranks > 1 else "",
             weight_format.describe(),
             self.runner.kv_cache_bytes / 2**20,
+            self.runner.kv_caches[0][0].dtype,
             num_blocks,
             config.cache.block_size,
             "committed now, in the process's RSS" if device.type == "cpu" else "device memory",

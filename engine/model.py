@@ -372,13 +372,14 @@ class LlamaModel:
         v: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        """Each new token's K/V [T, kv_heads, head_dim] into its slot of every KV head."""
+        """Each new token's K/V [T, kv_heads, head_dim] into its slot of every KV head (rounded to
+        the cache's dtype where it is narrower, engine/kv_cache.py)."""
         if self.kernels is not None:
             self.kernels.write_kv_(k_cache, v_cache, k, v, slots)
             return
         num_kv, head_dim = self.spec.num_kv_heads, self.spec.head_dim
-        k_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        k_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
     @staticmethod
     def _decode_gather_plan(batch: ForwardBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -419,8 +420,8 @@ class LlamaModel:
             blocks, bias = gathered
             ctx = bias.shape[-1]
             by_block = (num_kv, k_cache.shape[1], -1)
-            keys = k_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim)
-            values = v_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim)
+            keys = k_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim).to(q.dtype)
+            values = v_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim).to(q.dtype)
             qg = q[:d].view(d, num_kv, group, head_dim).transpose(0, 1)  # [kv, D, g, hd]
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [kv, D, g, L]
             scores = scores.mul_(self.scale).add_(bias)
@@ -432,13 +433,16 @@ class LlamaModel:
             q_len, ctx = p.end - p.start, p.slots.shape[0]
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
             if ctx == q_len:
-                # No earlier context: the chunk's own K/V are all there is, no need to read the cache.
+                # No earlier context: the chunk's own K/V are all there is, no need to read the cache
+                # (rounded as the cache holds them, so a chunked prefill attends to the same values).
                 keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, kv, q, hd]
                 values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                if k_cache.dtype != q.dtype:
+                    keys, values = keys.to(k_cache.dtype).to(q.dtype), values.to(v_cache.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
             else:
-                keys = k_flat.index_select(1, p.slots).unsqueeze(0)  # [1, kv, ctx, hd]
-                values = v_flat.index_select(1, p.slots).unsqueeze(0)
+                keys = k_flat.index_select(1, p.slots).unsqueeze(0).to(q.dtype)  # [1, kv, ctx, hd]
+                values = v_flat.index_select(1, p.slots).unsqueeze(0).to(q.dtype)
                 # Query i (absolute position ctx - q_len + i) sees context slots j <= that position.
                 rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (ctx - q_len)
                 mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows

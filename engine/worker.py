@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, triton_decode_attention
-from engine.kv_cache import allocate_kv_caches, num_kv_blocks
+from engine.kv_cache import allocate_kv_caches, num_kv_blocks, resolve_kv_dtype
 from engine.loader import LoadedModel, ModelSpec, load_model
 from engine.model import LlamaModel
 from engine.native import qmatmul_available, resolve_kernels
@@ -81,7 +81,8 @@ def build_engine_runner(
 ) -> ModelRunner:
     """Rank 0's runner: the KV cache sized to its memory, the model's context bounded by the cache,
     and on a tensor-parallel replica the other ranks started first (the runner sends them each step)."""
-    num_blocks = num_kv_blocks(config, model, dtype, device)
+    kv_dtype = resolve_kv_dtype(config, dtype, bool(weight_format and weight_format.layers), device)
+    num_blocks = num_kv_blocks(config, model, kv_dtype, device)
     max_len = min(
         config.cache.max_model_len or model.spec.max_position_embeddings, num_blocks * config.cache.block_size
     )
@@ -146,7 +147,8 @@ def build_runner(
         max_loras=config.model.max_loras,
     )
     # With graphs, one block more than the block manager hands out: padding rows write there.
-    kv_caches = allocate_kv_caches(spec, num_blocks + int(use_graphs), block_size, dtype, device)
+    kv_dtype = resolve_kv_dtype(config, dtype, bool(weight_format and weight_format.layers), device)
+    kv_caches = allocate_kv_caches(spec, num_blocks + int(use_graphs), block_size, kv_dtype, device)
     graphs = None
     if use_graphs:
         graphs = DecodeGraphs(

@@ -162,6 +162,7 @@ class Settings:
     max_num_batched_tokens: int = _engine("max_num_batched_tokens")
     max_model_len: int | None = _engine("max_model_len")
     kv_cache_memory_fraction: float = _engine("kv_cache_memory_fraction")
+    kv_cache_dtype: str = _engine("kv_cache_dtype")
     queue_deadline_s: float | None = _engine("default_queue_deadline_s")
     engine_stall_timeout_s: float = _opt(
         60.0,

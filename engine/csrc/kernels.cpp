@@ -1,7 +1,8 @@
 // The engine's CPU kernels (engine/native.py builds and loads them):
 //
 // - paged_decode_attention: decode attention straight from the paged KV cache;
-// - write_kv_: a step's new K/V into their cache slots, both in one pass;
+// - write_kv_: a step's new K/V into their cache slots, both in one pass (fp32 rounded to a bf16
+//   cache where the engine keeps one);
 // - rms_norm, add_rms_norm, rope_: the elementwise parts of a layer, fused. Each replaces 5-10
 //   torch ops (and as many dispatches) and rounds exactly where the torch ops they replace round,
 //   so results match the torch path (bitwise for bf16, except for the order of the sum of squares
@@ -17,7 +18,7 @@
 // `group` query heads share one pass over that head's keys and values. Softmax and sums in fp32.
 //
 // q:            [D, num_heads, head_dim]                      (bf16 / fp16 / fp32)
-// k/v_cache:    [num_kv_heads, num_blocks, block_size, head_dim] (same dtype as q)
+// k/v_cache:    [num_kv_heads, num_blocks, block_size, head_dim] (q's dtype, or bf16 under fp32 q)
 // block_tables: [D, max_blocks] int64, context_lens: [D] int64
 // returns:      [D, num_heads, head_dim]
 
@@ -105,11 +106,13 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// A decode batch's tensors as raw pointers and sizes, shared by the attention kernels below.
-template <typename T>
+// A decode batch's tensors as raw pointers and sizes, shared by the attention kernels below:
+// queries and outputs of type T, the caches of type C (T, or bf16 under float32 queries).
+template <typename T, typename C = T>
 struct PagedBatch {
   int64_t num_seqs, num_heads, head_dim, num_kv, group, num_blocks, block_size, max_blocks;
-  const T *q, *k, *v;
+  const T* q;
+  const C *k, *v;
   const int64_t *tables, *lens;
   T* out;
 
@@ -117,8 +120,8 @@ struct PagedBatch {
              const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out_)
       : num_seqs(q_.size(0)), num_heads(q_.size(1)), head_dim(q_.size(2)), num_kv(k_cache.size(0)),
         group(q_.size(1) / k_cache.size(0)), num_blocks(k_cache.size(1)), block_size(k_cache.size(2)),
-        max_blocks(block_tables.size(1)), q(q_.data_ptr<T>()), k(k_cache.data_ptr<T>()),
-        v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int64_t>()),
+        max_blocks(block_tables.size(1)), q(q_.data_ptr<T>()), k(k_cache.data_ptr<C>()),
+        v(v_cache.data_ptr<C>()), tables(block_tables.data_ptr<int64_t>()),
         lens(context_lens.data_ptr<int64_t>()), out(out_.data_ptr<T>()) {}
 
   const T* query(int64_t s, int64_t head) const { return q + (s * num_heads + head) * head_dim; }
@@ -141,10 +144,10 @@ struct PagedBatch {
   // f(t0, rows, n) for each block of sequence s's context in KV head h of `cache` (k or v): the
   // block's first context position, its rows [n, head_dim], and how many of them are context.
   template <typename F>
-  void for_each_block(const T* cache, int64_t s, int64_t h, F&& f) const {
+  void for_each_block(const C* cache, int64_t s, int64_t h, F&& f) const {
     const int64_t ctx = lens[s];
     const int64_t* table = tables + s * max_blocks;
-    const T* head = cache + h * num_blocks * block_size * head_dim;
+    const C* head = cache + h * num_blocks * block_size * head_dim;
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size)
       f(t0, head + table[t0 / block_size] * block_size * head_dim, std::min(block_size, ctx - t0));
   }
@@ -285,29 +288,37 @@ inline void softmax_rows8(float* scores, int64_t rows, int64_t n) {
   }
 }
 
+// 8 cache values as floats: fp32 as they are, bf16 widened (exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
 // The fp32 fast path (AVX2 and FMA), for G query heads per KV head known at compile time and
-// head_dim a multiple of 32: each key row is loaded once for the G dot products, and the values
-// are summed in registers over the whole context, a slice of head_dim at a time.
-template <int G>
+// head_dim a multiple of 32, over an fp32 or a bf16 cache (C): each key row is loaded once for
+// the G dot products, and the values are summed in registers over the whole context, a slice of
+// head_dim at a time.
+template <int G, typename C>
 void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
                           at::Tensor& out) {
   constexpr int KA = G <= 4 ? 2 : 1;  // accumulators per query head for q . k
   constexpr int VW = G <= 3 ? 4 : 2;  // registers (of 8 floats) per query head for the values
-  const PagedBatch<float> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  const PagedBatch<float, C> b(q, k_cache, v_cache, block_tables, context_lens, out);
   const int64_t hd = b.head_dim;
   b.for_each_pair(G, [&](int64_t s, int64_t h, int64_t ctx, float* sc) {
     const float* qg[G];
     for (int g = 0; g < G; ++g) qg[g] = b.query(s, h * G + g);
-    b.for_each_block(b.k, s, h, [&](int64_t t0, const float* rows, int64_t n) {
+    b.for_each_block(b.k, s, h, [&](int64_t t0, const C* rows, int64_t n) {
       for (int64_t i = 0; i < n; ++i) {
-        const float* kr = rows + i * hd;
+        const C* kr = rows + i * hd;
         __m256 acc[G][KA];
         for (int g = 0; g < G; ++g)
           for (int a = 0; a < KA; ++a) acc[g][a] = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; d += 8 * KA)
           for (int a = 0; a < KA; ++a) {
-            const __m256 kv = _mm256_loadu_ps(kr + d + 8 * a);
+            const __m256 kv = load8(kr + d + 8 * a);
             for (int g = 0; g < G; ++g)
               acc[g][a] = _mm256_fmadd_ps(_mm256_loadu_ps(qg[g] + d + 8 * a), kv, acc[g][a]);
           }
@@ -323,10 +334,10 @@ void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const 
       __m256 acc[G][VW];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_setzero_ps();
-      b.for_each_block(b.v, s, h, [&](int64_t t0, const float* rows, int64_t n) {
+      b.for_each_block(b.v, s, h, [&](int64_t t0, const C* rows, int64_t n) {
         for (int64_t i = 0; i < n; ++i) {
           __m256 v[VW];
-          for (int j = 0; j < VW; ++j) v[j] = _mm256_loadu_ps(rows + i * hd + d0 + 8 * j);
+          for (int j = 0; j < VW; ++j) v[j] = load8(rows + i * hd + d0 + 8 * j);
           for (int g = 0; g < G; ++g) {
             const __m256 p = _mm256_set1_ps(sc[g * ctx + t0 + i]);
             for (int j = 0; j < VW; ++j) acc[g][j] = _mm256_fmadd_ps(p, v[j], acc[g][j]);
@@ -339,15 +350,16 @@ void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const 
   });
 }
 
+template <typename C>
 bool decode_attention_f32_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out) {
   switch (group) {
-    case 1: decode_attention_f32<1>(q, k, v, tables, lens, scale, out); return true;
-    case 2: decode_attention_f32<2>(q, k, v, tables, lens, scale, out); return true;
-    case 3: decode_attention_f32<3>(q, k, v, tables, lens, scale, out); return true;
-    case 4: decode_attention_f32<4>(q, k, v, tables, lens, scale, out); return true;
-    case 6: decode_attention_f32<6>(q, k, v, tables, lens, scale, out); return true;
-    case 8: decode_attention_f32<8>(q, k, v, tables, lens, scale, out); return true;
+    case 1: decode_attention_f32<1, C>(q, k, v, tables, lens, scale, out); return true;
+    case 2: decode_attention_f32<2, C>(q, k, v, tables, lens, scale, out); return true;
+    case 3: decode_attention_f32<3, C>(q, k, v, tables, lens, scale, out); return true;
+    case 4: decode_attention_f32<4, C>(q, k, v, tables, lens, scale, out); return true;
+    case 6: decode_attention_f32<6, C>(q, k, v, tables, lens, scale, out); return true;
+    case 8: decode_attention_f32<8, C>(q, k, v, tables, lens, scale, out); return true;
     default: return false;
   }
 }
@@ -366,18 +378,20 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k, const at::T
 #endif
 #ifdef BATCHGATE_AVX2_FMA
   if (q.scalar_type() == at::kFloat && q.size(2) % 32 == 0)
-    return decode_attention_f32_group(group, q, k, v, tables, lens, fscale, out);
+    return k.scalar_type() == at::kFloat
+               ? decode_attention_f32_group<float>(group, q, k, v, tables, lens, fscale, out)
+               : decode_attention_f32_group<c10::BFloat16>(group, q, k, v, tables, lens, fscale, out);
 #endif
   (void)group, (void)fscale;
   (void)q, (void)k, (void)v, (void)tables, (void)lens, (void)scale, (void)out;
   return false;
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                       at::Tensor& out) {
-  const PagedBatch<T> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  const PagedBatch<T, C> b(q, k_cache, v_cache, block_tables, context_lens, out);
   const int64_t group = b.group, head_dim = b.head_dim;
   const float fscale = static_cast<float>(scale);
 
@@ -390,8 +404,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       for (int64_t g = 0; g < group; ++g) load_row(b.query(s, h * group + g), qf.data() + g * head_dim, head_dim);
       // Visits the context's rows of one head's cache in order, converted to fp32 in `row`:
       // f(t, row) for t in [0, ctx).
-      auto for_each_row = [&](const T* cache, auto&& f) {
-        b.for_each_block(cache, s, h, [&](int64_t t0, const T* rows, int64_t n) {
+      auto for_each_row = [&](const C* cache, auto&& f) {
+        b.for_each_block(cache, s, h, [&](int64_t t0, const C* rows, int64_t n) {
           for (int64_t i = 0; i < n; ++i) {
             load_row(rows + i * head_dim, row.data(), head_dim);
             f(t0 + i, row.data());
@@ -428,8 +442,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "the caches must share q's dtype, or be bf16 under float32 q");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
@@ -449,6 +465,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   auto out = at::empty_like(qc);
   if (decode_attention_fast(qc, kc, vc, tables, lens, scale, out)) return out;
+  if (q.scalar_type() != k_cache.scalar_type()) {
+    decode_attention<float, c10::BFloat16>(qc, kc, vc, tables, lens, scale, out);
+    return out;
+  }
   switch (q.scalar_type()) {
     case at::kBFloat16: decode_attention<c10::BFloat16>(qc, kc, vc, tables, lens, scale, out); break;
     case at::kHalf: decode_attention<c10::Half>(qc, kc, vc, tables, lens, scale, out); break;
@@ -637,14 +657,36 @@ void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, cons
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3),
               "write_kv_: bad k/v shapes");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv_: head_dim must be contiguous");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
-              "write_kv_: dtypes");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k.scalar_type() == k_cache.scalar_type() ||
+                   (k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "write_kv_: the caches must share k's dtype, or be bf16 under float32 k");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == k.size(0), "write_kv_: slots");
   auto slots = slot_mapping.contiguous();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t tokens = k.size(0), num_kv = k.size(1), head_dim = k.size(2);
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "write_kv_: slot out of range");
+  if (k.scalar_type() != k_cache.scalar_type()) {  // float32 rows into a bf16 cache, rounded to nearest even
+    auto* kc = k_cache.data_ptr<c10::BFloat16>();
+    auto* vc = v_cache.data_ptr<c10::BFloat16>();
+    const float* ks = k.data_ptr<float>();
+    const float* vs = v.data_ptr<float>();
+    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < num_kv; ++h) {
+          const int64_t dst = ((h * num_slots) + sl[t]) * head_dim;
+          const float* kr = ks + t * k.stride(0) + h * k.stride(1);
+          const float* vr = vs + t * v.stride(0) + h * v.stride(1);
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kc[dst + d] = round_to<c10::BFloat16>(kr[d]);
+            vc[dst + d] = round_to<c10::BFloat16>(vr[d]);
+          }
+        }
+    });
+    return;
+  }
   const int64_t elt = k.element_size(), row_bytes = head_dim * elt;
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());

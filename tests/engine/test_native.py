@@ -159,23 +159,50 @@ def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype) -> None:
         native_kernels().rope_(qkv, torch.tensor([0, 0, 0, 0, 0, 50]), cos, sin, h + kv, d)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_write_kv_matches_index_copy(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Rows of the cache's dtype are copied; float32 rows into a bf16 cache round as torch's `.to`."""
     kernels = native_kernels()
     torch.manual_seed(0)
     num_kv, num_blocks, block_size, head_dim, tokens = 3, 10, 4, 16, 7
     qkv = torch.randn(tokens, (2 + 2 * num_kv) * head_dim).to(dtype)
+    qkv[0, :4] = torch.tensor([float("nan"), float("inf"), 1 + 2**-8, 1 + 3 * 2**-8])  # ties to even
     heads = qkv.view(tokens, 2 + 2 * num_kv, head_dim)
     k, v = heads[:, 2 : 2 + num_kv], heads[:, 2 + num_kv :]  # strided views, as the model passes
     slots = torch.randperm(num_blocks * block_size)[:tokens]
-    caches = [torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype) for _ in range(2)]
+    caches = [torch.randn(num_kv, num_blocks, block_size, head_dim).to(cache_dtype) for _ in range(2)]
     want = [c.clone() for c in caches]
-    want[0].view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-    want[1].view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+    want[0].view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(cache_dtype))
+    want[1].view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(cache_dtype))
     kernels.write_kv_(caches[0], caches[1], k, v, slots)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv_(caches[0], caches[1], k, v, slots + num_blocks * block_size)
+    if dtype != cache_dtype:  # the other way round is refused
+        with pytest.raises(RuntimeError, match="bf16 under float32"):
+            kernels.write_kv_(caches[0].float(), caches[1].float(), k.bfloat16(), v.bfloat16(), slots)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv", "head_dim"), [(9, 3, 64), (10, 2, 64), (4, 2, 48)])
+def test_a_bf16_cache_under_float32_queries_is_read_widened(
+    num_heads: int, num_kv: int, head_dim: int
+) -> None:
+    """The fast path (SmolLM2's shape) and the portable kernel (a group of 5, head_dim 48) give
+    exactly what they give over the same cache widened to float32, and a float32 output."""
+    op = native_kernels().paged_decode_attention
+    torch.manual_seed(1)
+    k_cache = torch.randn(num_kv, 12, 4, head_dim).bfloat16()
+    v_cache = torch.randn(num_kv, 12, 4, head_dim).bfloat16()
+    tables, lens = torch.randperm(12)[:9].view(3, 3), torch.tensor([1, 7, 12])
+    q = torch.randn(3, num_heads, head_dim)
+    got = op(q, k_cache, v_cache, tables, lens, 0.125)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, op(q, k_cache.float(), v_cache.float(), tables, lens, 0.125))
+    with pytest.raises(RuntimeError, match="bf16 under float32"):
+        op(q.bfloat16(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
 
 
 @pytest.mark.parametrize(("rows", "n"), [(1, 48), (5, 1536), (32, 1536), (100, 64)])
@@ -233,9 +260,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_start(tmp_path) -> None: 
     (copy / "lock").touch()  # what a killed build leaves
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext" / copy.parent.name))
     probe = "from engine.native import native_kernels; print(native_kernels().has_qmatmul is not None)"
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
     assert not (copy / "lock").exists()
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine import quant
 from engine import step as step_module
 from engine.config import EngineConfig
+from engine.kv_cache import resolve_kv_dtype
 from engine.llm_engine import LLMEngine
 from engine.loader import gguf_tensor_infos, is_q4_1_gguf
 from engine.model import LlamaModel
@@ -187,6 +188,59 @@ def test_weight_format_per_setting_dtype_and_cpu(tiny_model_dir: Path) -> None:
     assert resolve_engine_dtype(EngineConfig.of(quantization="none"), CPU, bf16, True) == bf16
     assert resolve_engine_dtype(EngineConfig.of(model=str(tiny_model_dir)), CPU, bf16, True) == bf16
     assert resolve_engine_dtype(EngineConfig.of(tensor_parallel_size=2), CPU, bf16, True) == bf16
+
+
+def test_kv_cache_dtype_per_setting_and_device() -> None:
+    """auto: bf16 under float32 activations on our int8 kernels (CPU), else the engine's dtype; an
+    explicit dtype only where the kernels and torch ops of engine/model.py read it."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    cuda = torch.device("cuda")
+    auto = EngineConfig()
+    assert resolve_kv_dtype(auto, f32, True, CPU) == bf16
+    assert resolve_kv_dtype(auto, f32, False, CPU) == f32  # the float32 parity mode stays exact
+    assert resolve_kv_dtype(auto, bf16, False, CPU) == bf16
+    assert resolve_kv_dtype(auto, f32, True, cuda) == f32
+    assert resolve_kv_dtype(EngineConfig.of(kv_cache_dtype="float32"), f32, True, CPU) == f32
+    assert resolve_kv_dtype(EngineConfig.of(kv_cache_dtype="bfloat16"), f32, False, CPU) == bf16
+    for setting, dtype, device in (("float32", bf16, CPU), ("float16", f32, CPU), ("bfloat16", f32, cuda)):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype {setting} needs"):
+            resolve_kv_dtype(EngineConfig.of(kv_cache_dtype=setting), dtype, True, device)
+    assert resolve_kv_dtype(EngineConfig.of(kv_cache_dtype="float16"), f16, False, CPU) == f16
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        EngineConfig.of(kv_cache_dtype="fp8")
+
+
+@needs_qmatmul
+def test_a_bf16_cache_holds_twice_the_blocks_and_serves_alike_on_the_kernels_and_torch_ops(
+    tmp_path: Path, real_model_dir: Path
+) -> None:
+    """On the int8 kernels the cache is bf16 by default (twice the blocks in the same memory); a bf16
+    cache under float32 activations gives the same tokens and logprobs through the native kernels
+    as through the torch ops, prefilled whole or in chunks."""
+    q4 = make_tiny_model(tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256)
+    memory = 1 << 20
+    native = tiny_engine(q4, quantization="int4", kv_cache_memory_bytes=memory)
+    wide = tiny_engine(q4, quantization="int4", kv_cache_memory_bytes=memory, kv_cache_dtype="float32")
+    assert native.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert wide.runner.kv_caches[0][0].dtype == torch.float32
+    assert native.block_manager.num_blocks == 2 * wide.block_manager.num_blocks
+    dense = make_tiny_model(tmp_path / "dense", real_model_dir)
+    sampling = greedy(10, logprobs=True, top_logprobs=2)
+    requests = [
+        GenerationRequest("a", list(range(200, 237)), sampling),
+        GenerationRequest("b", [5, 6], sampling),
+    ]
+    got = {}
+    for backend in ("native", "torch"):
+        engine = tiny_engine(dense, kv_cache_dtype="bfloat16", kernels=backend, max_num_batched_tokens=8)
+        assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+        got[backend] = {
+            key: [lp for o in outs for lp in o.logprobs] for key, outs in run_all(engine, requests).items()
+        }
+    for key, lps in got["native"].items():
+        assert [lp.token_id for lp in lps] == [lp.token_id for lp in got["torch"][key]]
+        for mine, theirs in zip(lps, got["torch"][key], strict=True):
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
 
 
 def _write_gguf(path: Path, layer_type: str) -> Path:

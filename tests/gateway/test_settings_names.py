@@ -23,6 +23,7 @@ NAMES = [
     ("max_num_batched_tokens", "--max-num-batched-tokens", "BATCHGATE_MAX_NUM_BATCHED_TOKENS"),
     ("max_model_len", "--max-model-len", "BATCHGATE_MAX_MODEL_LEN"),
     ("kv_cache_memory_fraction", "--kv-cache-memory-fraction", "BATCHGATE_KV_CACHE_MEMORY_FRACTION"),
+    ("kv_cache_dtype", "--kv-cache-dtype", "BATCHGATE_KV_CACHE_DTYPE"),  # added after that snapshot
     ("queue_deadline_s", "--queue-deadline", "BATCHGATE_QUEUE_DEADLINE"),
     ("engine_stall_timeout_s", "--engine-stall-timeout", "BATCHGATE_ENGINE_STALL_TIMEOUT"),
     ("num_threads", "--num-threads", "BATCHGATE_NUM_THREADS"),
@@ -84,6 +85,7 @@ MODEL_FILE_KEYS = (
     "max_num_batched_tokens",
     "max_model_len",
     "kv_cache_memory_fraction",
+    "kv_cache_dtype",
     "queue_deadline_s",
     "num_threads",
     "quantization",
