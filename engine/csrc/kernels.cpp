@@ -143,13 +143,21 @@ struct PagedBatch {
 
   // f(t0, rows, n) for each block of sequence s's context in KV head h of `cache` (k or v): the
   // block's first context position, its rows [n, head_dim], and how many of them are context.
+  // The next block's lines are asked for while f runs: blocks are scattered, each its own run
+  // of memory that the hardware prefetcher would find only after the first misses.
   template <typename F>
   void for_each_block(const C* cache, int64_t s, int64_t h, F&& f) const {
     const int64_t ctx = lens[s];
     const int64_t* table = tables + s * max_blocks;
     const C* head = cache + h * num_blocks * block_size * head_dim;
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size)
+    const int64_t block_bytes = block_size * head_dim * static_cast<int64_t>(sizeof(C));
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+      if (t0 + block_size < ctx) {
+        const char* next = reinterpret_cast<const char*>(head + table[t0 / block_size + 1] * block_size * head_dim);
+        for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(next + line);
+      }
       f(t0, head + table[t0 / block_size] * block_size * head_dim, std::min(block_size, ctx - t0));
+    }
   }
 };
 
