@@ -12,7 +12,8 @@ answer is timed from the request to its last body byte; a stream to its `data: [
 openai SDK stops reading) and to the end of the response. Settlement happens in each gateway as
 its code does it (main: the answer waits for the settlement's round trip; since issue 24's
 last lever: the settlement is sent before the answer's last byte and not waited for), so the
-difference of the medians is what the round trip cost a request. Afterwards each tenant's ledger
+difference (of the medians, and the median of the differences of requests paired by turn) is what
+the round trip cost a request. Afterwards each tenant's ledger
 (read on its own gateway) must count every request and every token the answers reported.
 
 Prints a JSON summary (`--out` writes it too), with the machine's busy share from other work.
@@ -192,6 +193,15 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def difference(ours: list[float], theirs: list[float]) -> dict[str, float]:
+    """The difference of the medians, and the median of the differences of requests paired by
+    turn (the same i-th request of each checkout, sent one after the other)."""
+    return {
+        "of_medians": round(statistics.median(ours) - statistics.median(theirs), 4),
+        "paired": round(statistics.median([a - b for a, b in zip(ours, theirs, strict=True)]), 4),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -248,9 +258,7 @@ def main() -> int:
             base = gateways[0]
             for g in gateways[1:]:
                 out[f"{base.name}_minus_{g.name}_ms"] = {
-                    kind: round(
-                        statistics.median(getattr(base, kind)) - statistics.median(getattr(g, kind)), 4
-                    )
+                    kind: difference(getattr(base, kind), getattr(g, kind))
                     for kind in ("whole_ms", "done_ms", "stream_end_ms")
                 }
         finally:
