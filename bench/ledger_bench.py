@@ -10,11 +10,17 @@ adds to a request.
    `GET /v1/usage?bucket_width=1h&group_by=model` over the last 30 days for one tenant, through a
    real gateway (uvicorn on loopback, the tenant's own key): median and p95 of `--queries`
    calls, and the ledger read alone (the store's sums by hour and model for that tenant and window).
-2. **Settlement.** Per request, in one run and in interleaved rounds: admit alone ("settlement
-   off"; the lease is then dropped untimed, so holds do not pile up) against admit then settle
-   with a money budget and the ledger (what every request pays when it ends), against a real
-   redis-server and the SQLite store. The difference of the medians is settlement's added cost.
-   Then settlement alone at each `--settle-concurrency` (requests in flight at once): a round's
+2. **Settlement.** Per request, in one run and in interleaved rounds, against a real
+   redis-server and the SQLite store, with a money budget and the ledger: admit alone
+   ("settlement off"; the lease is then dropped untimed, so holds do not pile up) against admit
+   then what a request's answer waits for since issue 24's last change: the settlement sent
+   (`settle_nowait`: queued on the connection that carries admissions, in order, its reply not
+   waited for), back to back, so each admission queues behind the settlement before it (the
+   worst case for a sequential client); and against admit then the whole settlement round trip
+   (`settle`, what every request waited for before). The differences of the medians are
+   settlement's added cost (`settlement_added_ms`) and the round trip's
+   (`round_trip_added_ms`); `send_ms` is the median time of `settle_nowait` alone. Then
+   settlement alone at each `--settle-concurrency` (requests in flight at once): a round's
    admissions first, untimed, then its settlements, timed together; their wall time per request
    is what settling costs the gateway and Redis per request at that load (on Redis, with the
    settle script's own time in Redis from INFO commandstats: the part no client change removes).
@@ -235,34 +241,42 @@ def charge() -> Charge:
 async def settle_bench(
     limiter: Any, rounds: int, requests: int, release: Callable[[Any], Awaitable[Any]]
 ) -> dict[str, Any]:
-    """Per request, the median of admit alone against admit + settle; `release` drops an
-    unsettled lease and its hold, untimed."""
+    """Per request, the medians of admit alone, admit + the settlement sent, and admit + the
+    settlement's round trip; `release` drops an unsettled lease and its hold, untimed."""
     plan = SETTLE_PLAN
-    off: list[float] = []
-    on: list[float] = []
+    times: dict[str, list[float]] = {"off": [], "sent": [], "round_trip": []}
+    send: list[float] = []
     n = 0
-    for _ in range(rounds):  # interleaved rounds: off, on, off, on ...
-        for mode in ("off", "on"):
+    for _ in range(rounds):  # interleaved rounds: off, sent, round trip, off ...
+        for mode, samples in times.items():
             for _ in range(requests):
                 n += 1
                 t0 = time.perf_counter()
                 decision = await limiter.admit("bench", plan, 150, f"r{n}", charge())
-                if mode == "on":
-                    await limiter.settle(decision.lease, 100, 20, cached_tokens=25)
-                elapsed = time.perf_counter() - t0
+                if mode == "sent":
+                    t1 = time.perf_counter()
+                    limiter.settle_nowait(decision.lease, 100, 20, cached_tokens=25)
+                    send.append(time.perf_counter() - t1)
+                elif mode == "round_trip":
+                    assert await limiter.settle(decision.lease, 100, 20, cached_tokens=25)
+                samples.append(time.perf_counter() - t0)
                 assert decision.admitted
-                (on if mode == "on" else off).append(elapsed)
                 if mode == "off":  # not timed: the hold must not pile up under the next admissions
                     await release(decision.lease)
-    off_ms, on_ms = statistics.median(off) * 1000, statistics.median(on) * 1000
-    on_ordered = sorted(on)
+            if mode == "sent":  # untimed: every settlement sent this round has landed
+                await limiter.settled()
+    off, sent, round_trip = (statistics.median(times[m]) * 1000 for m in ("off", "sent", "round_trip"))
+    ordered = sorted(times["sent"])
     return {
         "requests_per_round": requests,
         "rounds": rounds,
-        "admit_only_ms": round(off_ms, 4),
-        "admit_and_settle_ms": round(on_ms, 4),
-        "admit_and_settle_p95_ms": round(on_ordered[int(0.95 * (len(on_ordered) - 1))] * 1000, 4),
-        "settlement_added_ms": round(on_ms - off_ms, 4),
+        "admit_only_ms": round(off, 4),
+        "admit_and_send_ms": round(sent, 4),
+        "admit_and_send_p95_ms": round(ordered[int(0.95 * (len(ordered) - 1))] * 1000, 4),
+        "settlement_added_ms": round(sent - off, 4),
+        "send_ms": round(statistics.median(send) * 1000, 4),
+        "admit_and_round_trip_ms": round(round_trip, 4),
+        "round_trip_added_ms": round(round_trip - off, 4),
     }
 
 

@@ -179,10 +179,14 @@ class Admission:
             return 0
         return self._holder.cost(num_prompt_tokens, num_cached_tokens, num_completion_tokens)
 
+    def settle(self) -> None:
+        """Send the settlement with the usage recorded (once; not waited for: whatever this
+        gateway admits or reads afterwards sees it, see tenancy.redis_limiter)."""
+        if self._holder is not None:
+            self._holder.settle()
+
     async def close(self) -> None:
-        holder, self._holder = self._holder, None
-        if holder is not None:
-            await holder.close()
+        self.settle()
 
 
 def _tenancy_errors() -> tuple[type[BaseException], type[BaseException]]:

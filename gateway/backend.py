@@ -125,13 +125,16 @@ class Usage:
     """What a request used, as its backend learns it; settled once when the call closes.
 
     `served`: the backend produced an answer (a 200); only then are tokens charged: a request
-    refused or failed before that is refunded whole."""
+    refused or failed before that is refunded whole. `final`: the counts are exact as they
+    stand (a relayed stream's are an estimate until the replica's usage comes, and its release
+    may still correct them), so a stream can settle at its `[DONE]`."""
 
     num_prompt_tokens: int
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
     served: bool = False
     response_id: str | None = None
+    final: bool = True
 
 
 @dataclass

@@ -13,6 +13,10 @@ pipeline owns the request's lifetime: `_Lifetime.close()` runs once on every pat
 response, an error, a client gone before or during the answer, a backend failing before the
 first byte or mid-stream), and releases everything: the backend's resources first, then the
 tenant's hold, settled with the tokens used (none when no answer was produced).
+
+The settlement is sent, not waited for (tenancy.redis_limiter): a whole answer's bytes and a
+stream's `[DONE]` go out after it is on its way, so whatever this gateway admits or reads after
+the client has its answer sees it (docs/OPERATIONS.md, "Settlement and what a client sees").
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ class Pipeline:
                 keep_alive_s=self.settings.keep_alive_s,
                 headers=headers,
                 on_close=lifetime.close,
+                before_done=lifetime.settle_if_final,
                 keep_alive_first=not reply.ready,
                 stop=self.drain,
                 stop_frame=reply.stop_frame or deadline_frame(),
@@ -207,6 +212,7 @@ class _Lifetime:
         self.span = span
         self._batch = http is None
         self._held: admission.Admission | None = None
+        self._settled: tuple[int, int, int] | None = None  # (prompt, completion, cached) settled
         self._closed = False
         self._started_at = time.time()
         self.headers: dict[str, str] = {}
@@ -241,19 +247,15 @@ class _Lifetime:
     def call_plan(self) -> Awaitable[Reply]:
         return self.plan.execute(self.call)
 
-    async def close(self) -> None:
-        """Release everything, once: the backend's resources, then the hold settled with the
-        tokens used (all refunded when nothing was served), the token metrics and the span."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self.call.release()
+    def settle(self) -> tuple[int, int, int]:
+        """Send the hold's settlement with the tokens used as they stand (all refunded when
+        nothing was served), once; the (prompt, completion, cached) tokens settled."""
+        if self._settled is None:
             usage = self.call.usage
-            caller = self.call.work.caller
             num_prompt = usage.num_prompt_tokens if usage.served else 0
             num_completion = usage.num_completion_tokens if usage.served else 0
             num_cached = min(usage.num_cached_tokens, num_prompt) if usage.served else 0
+            self._settled = (num_prompt, num_completion, num_cached)
             if self._held is not None:
                 if usage.served:
                     self._held.record(
@@ -261,8 +263,28 @@ class _Lifetime:
                         num_completion_tokens=num_completion,
                         num_cached_tokens=num_cached,
                     )
-                cost = self._held.cost(num_prompt, num_cached, num_completion)  # before close lets go
-                await self._held.close()
+                self._held.settle()
+        return self._settled
+
+    def settle_if_final(self) -> None:
+        """At a stream's `[DONE]`: settle now if the usage is final (else `close` settles, after
+        the backend's release has corrected it)."""
+        if self.call.usage.final:
+            self.settle()
+
+    async def close(self) -> None:
+        """Release everything, once: the backend's resources, then the hold settled (if
+        `settle` has not been already: a stream's `[DONE]`), the token metrics and the span."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.call.release()
+            num_prompt, num_completion, num_cached = self.settle()
+            usage = self.call.usage
+            caller = self.call.work.caller
+            if self._held is not None:
+                cost = self._held.cost(num_prompt, num_cached, num_completion)
                 self._pipeline.metrics.count_spend(caller.plan, cost)
                 if self._pipeline.events is not None and caller.tenant is not None:
                     self._pipeline.events.write(

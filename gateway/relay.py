@@ -512,8 +512,13 @@ class _Observer:
     def __init__(self, usage: Usage, span: ChatSpan) -> None:
         self.usage = usage
         self.span = span
-        self.reported = False  # the replica's usage chunk came: the counts are exact
+        usage.final = False  # until the replica's usage comes: the counts are exact then
         self.usage_only = False  # the last frame observed carried usage and no choices
+
+    @property
+    def reported(self) -> bool:
+        """The replica's usage came: the counts are exact."""
+        return self.usage.final
 
     def observe_body(self, payload: bytes) -> None:
         self.usage.served = True
@@ -553,7 +558,7 @@ class _Observer:
             self.usage.num_completion_tokens = int(
                 u.get("completion_tokens", self.usage.num_completion_tokens)
             )
-            self.reported = True
+            self.usage.final = True
             details = u.get("prompt_tokens_details")
             if isinstance(details, dict) and details.get("cached_tokens") is not None:
                 self.usage.num_cached_tokens = int(details["cached_tokens"])
@@ -594,7 +599,7 @@ class _Observer:
             u = response.get("usage")
             if isinstance(u, dict):
                 self._response_usage(u)
-                self.reported = True
+                self.usage.final = True
         except (ValueError, KeyError, TypeError, IndexError):
             pass
         return False

@@ -59,7 +59,8 @@ def _with_status(record: StoredResponse, status: str, error: str | None = None) 
 @dataclass(frozen=True)
 class Job:
     """What a background run does: `execute` the request, `finish` (store) its answer, `close`
-    (release everything, once, whatever the end)."""
+    (release everything, whatever the end; idempotent: a run that answers closes before it
+    stores the answer, and again at its end)."""
 
     execute: Callable[[], Awaitable[Reply]]
     finish: Callable[[dict[str, Any]], Awaitable[None]]
@@ -132,6 +133,9 @@ class BackgroundRuns:
             with self.drain.on_stop(lambda: self._stop(tenant, record.response_id, DRAINED)):
                 reply = await job.execute()
             await _ended(renewing, stop)
+            # Settled (sent) before the answer is stored: whoever reads it done on this gateway
+            # and then its usage sees the settlement (docs/OPERATIONS.md).
+            await asyncio.shield(job.close())
             if isinstance(reply, Body) and reply.status == 200:
                 payload = reply.payload
                 response = orjson.loads(payload) if isinstance(payload, bytes) else dict(payload)

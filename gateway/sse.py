@@ -55,9 +55,11 @@ class EventStreamResponse(Response):
     Contract: `events` is an async generator the response owns. It is closed (`aclose()`, shielded)
     when it is exhausted, when the client disconnects, or when sending fails, so its `finally`
     blocks always run; `on_close` (if given) runs after that. The caller is responsible for
-    putting `data: [DONE]` (and any error event) into `events`. When `stop` fires (the server's
-    drain deadline) before the stream ends, `events` is closed (the engine aborts) and the stream
-    ends with `stop_frame` (an error event) and `data: [DONE]` instead of a cut connection.
+    putting `data: [DONE]` (and any error event) into `events`; `before_done` (if given) is
+    called just before `[DONE]` is sent, where a client (the openai SDK) stops reading. When
+    `stop` fires (the server's drain deadline) before the stream ends, `events` is closed (the
+    engine aborts) and the stream ends with `stop_frame` (an error event) and `data: [DONE]`
+    instead of a cut connection.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class EventStreamResponse(Response):
         keep_alive_s: float,
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        before_done: Callable[[], None] | None = None,
         keep_alive_first: bool = False,
         stop: StopSignal | None = None,
         stop_frame: bytes | Callable[[], bytes] = b"",
@@ -84,6 +87,7 @@ class EventStreamResponse(Response):
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in all_headers.items()
         ]
         self.on_close = on_close
+        self.before_done = before_done
         self.keep_alive_first = keep_alive_first  # the caller already waited keep_alive_s for a first event
         self.stop = stop
         self.stop_frame = stop_frame
@@ -133,6 +137,8 @@ class EventStreamResponse(Response):
                                     frame = await receive_frames.receive()
                                 except anyio.EndOfStream:
                                     break
+                            if frame == DONE:
+                                self._done_comes()
                             await send({"type": "http.response.body", "body": frame, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     ended = True
@@ -143,6 +149,7 @@ class EventStreamResponse(Response):
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 last = self.stop_frame() if callable(self.stop_frame) else self.stop_frame
+                self._done_comes()
                 for frame in (last, DONE):
                     if frame:
                         await send({"type": "http.response.body", "body": frame, "more_body": True})
@@ -152,6 +159,11 @@ class EventStreamResponse(Response):
             self.disconnected = True
         finally:
             await self._close_events()
+
+    def _done_comes(self) -> None:
+        before_done, self.before_done = self.before_done, None
+        if before_done is not None:
+            before_done()
 
     async def _close_events(self) -> None:
         with anyio.CancelScope(shield=True):

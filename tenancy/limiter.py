@@ -14,6 +14,7 @@ lease. ``tenancy.service.LeaseHolder`` does the renew/settle part for the gatewa
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import time
@@ -257,6 +258,18 @@ class Limiter(Protocol):
         self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> bool: ...
 
+    def settle_nowait(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> asyncio.Future[bool]:
+        """``settle``, on its way when this returns: every ``admit`` and ``budgets`` of this
+        limiter made after it sees it, and ``usage``/``ledger``/``usage_sums`` made after it wait
+        for it; the future gives ``settle``'s answer (and never raises for an unreachable store)."""
+        ...
+
+    async def settled(self) -> None:
+        """Return once every settlement sent so far has been answered (or kept for a retry)."""
+        ...
+
     async def renew(self, lease: Lease) -> bool: ...
 
     async def usage(self) -> dict[str, TenantUsage]: ...
@@ -407,6 +420,20 @@ class MemoryLimiter:
     async def settle(
         self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> bool:
+        return self._settle(lease, prompt_tokens, completion_tokens, cached_tokens)
+
+    def settle_nowait(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> asyncio.Future[bool]:
+        """Settled before this returns (in this process, in the store's file)."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        done.set_result(self._settle(lease, prompt_tokens, completion_tokens, cached_tokens))
+        return done
+
+    async def settled(self) -> None:
+        """At once: each settlement is made before `settle_nowait` returns."""
+
+    def _settle(self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bool:
         now = self._now()
         wall = self._wall()
         state = self._tenants.get(lease.tenant)

@@ -10,15 +10,24 @@ Redis unreachable (refused, timed out): ``admit`` answers by the configured
 reconnects on the next call, and ``EVALSHA`` reloads a script a restarted Redis has forgotten,
 so service resumes by itself when Redis returns.
 
-A settlement (lease release, token refund, budget charge, ledger: one script) is awaited by its
-request, so the ledger is up to date when the response ends; settlements made at the same time
-share round trips on a connection of their own (``tenancy.batcher``). One that fails while Redis is
-away is not lost: it waits in a bounded in-process queue and is retried with backoff by a
-background task, and at once after the next call that reaches Redis. A persistent Redis keeps
-the leases across its restart, so without the retry a tenant would stay locked out until the
-leases' TTL. Each settlement is idempotent on its request id (a marker kept ``settle_keep_s``),
-so a retry of an attempt that did run (its answer lost) changes nothing; an entry older than
-``settle_keep_s`` is dropped, and logged (its usage is then lost).
+Admissions, settlements and budget reads go through one pipelined connection of their own
+(``tenancy.batcher``), which Redis serves in the order they were written. A settlement (lease
+release, token refund, budget charge, ledger: one script) is queued on it by
+:meth:`settle_nowait`, written at the end of that turn of the event loop (after what the caller
+sends meanwhile: its request's answer), and its request does not wait for the reply. So, on one
+limiter (one gateway process): **whatever is admitted, or read, after ``settle_nowait`` returned
+sees that settlement** (an admission or ``budgets`` by the connection's order; ``usage``,
+``ledger`` and ``usage_sums``, which read through redis-py, by first waiting for the settlements
+in flight). Another gateway's admission can come before it by about one round trip; the
+request's hold stands until then, so a budget is never overshot (a hold may refuse a request
+that the settlement would have let in, within that window).
+
+A settlement that fails while Redis is away is not lost: it waits in a bounded in-process queue
+and is retried with backoff by a background task, and at once after the next call that reaches
+Redis. A persistent Redis keeps the leases across its restart, so without the retry a tenant
+would stay locked out until the leases' TTL. Each settlement is idempotent on its request id (a
+marker kept ``settle_keep_s``), so a retry of an attempt that did run (its answer lost) changes
+nothing; an entry older than ``settle_keep_s`` is dropped, and logged (its usage is then lost).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from tenancy.batcher import ScriptBatcher
+from tenancy.batcher import Call, ScriptBatcher
 from tenancy.billing import NO_CHARGE, Budget, BudgetRefusal, BudgetState, Charge, window_code
 from tenancy.bucket import CONCURRENCY_RETRY_S, Limits, Reason, Step
 from tenancy.config import Plan
@@ -134,7 +143,7 @@ class RedisLimiter:
         self._settle = client.register_script(SETTLE_SCRIPT)
         self._renew = client.register_script(RENEW_SCRIPT)
         self._budgets = client.register_script(BUDGETS_SCRIPT)
-        self._batcher = ScriptBatcher(client, call_deadline_s)  # settlements' shared round trips
+        self._batcher = ScriptBatcher(client, call_deadline_s)  # admit, settle, budgets: in order
         self.settle_keep_s = settle_keep_s
         self.retention_s = retention_s
         self.on_soft_limit: Callable[[str, Budget], None] = lambda tenant, budget: None
@@ -142,6 +151,7 @@ class RedisLimiter:
         self._contacted = False  # whether any call has reached (or failed to reach) Redis yet
         self._pending: deque[_PendingSettle] = deque()
         self._retrier: asyncio.Task[None] | None = None
+        self._settling: set[asyncio.Task[bool]] = set()  # sent, their replies not yet in
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisLimiter:
@@ -203,13 +213,20 @@ class RedisLimiter:
         self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any], *, batched: bool = False
     ) -> Any:
         """Run a script within the call deadline; LimiterUnavailableError if Redis is away.
-        ``batched``: pipelined on the batcher's connection (idempotent calls only)."""
+        ``batched``: pipelined on the batcher's connection, in order (idempotent calls only; the
+        batcher bounds the call and drops a connection that overran it)."""
+        if batched:
+            return await self._reply(what, self._batcher.call(script, keys, args))
+        return await self._reply(what, self._direct(script, keys, args))
+
+    async def _direct(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        async with asyncio.timeout(self._deadline_s):
+            return await script(keys=list(keys), args=list(args))
+
+    async def _reply(self, what: str, reply: Awaitable[_T]) -> _T:
+        """``reply`` awaited; LimiterUnavailableError if Redis is away (noted for the policy)."""
         try:
-            if batched:  # the batcher bounds the call (and drops a connection that overran it)
-                result = await self._batcher.call(script, keys, args)
-            else:
-                async with asyncio.timeout(self._deadline_s):
-                    result = await script(keys=list(keys), args=list(args))
+            result = await reply
         except UNAVAILABLE_ERRORS as exc:
             self._went_down(what, exc)
             raise LimiterUnavailableError(f"Redis unavailable during {what}: {exc!r}") from exc
@@ -245,7 +262,7 @@ class RedisLimiter:
         for budget, amount in zip(charge.budgets, charge.reserved, strict=True):
             args += [budget.limit, window_code(budget.window), amount]
         try:
-            raw = await self._call("admit", self._admit, keys, args)
+            raw = await self._call("admit", self._admit, keys, args, batched=True)
         except LimiterUnavailableError:
             return self._unavailable(tenant, tokens, request_id, charge)
         step, now = _parse_step(raw)
@@ -275,31 +292,70 @@ class RedisLimiter:
     ) -> bool:
         """Release the lease, refund, charge budgets and the ledger; False if the lease had
         expired, if this request was already settled, or if Redis is away (the settlement is
-        then kept and retried when Redis answers again)."""
+        then kept and retried when Redis answers again). :meth:`settle_nowait`, waited for."""
+        settled = self.settle_nowait(lease, prompt_tokens, completion_tokens, cached_tokens)
+        return await asyncio.shield(settled)
+
+    def settle_nowait(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> asyncio.Future[bool]:
+        """Queue the settlement on the ordered connection, ahead of every admission and budget read
+        made after this returns, and write it at the end of this turn of the event loop (module
+        docstring). The future gives :meth:`settle`'s answer; it never raises for Redis away."""
+        keys, args = self._settle_call(lease, prompt_tokens, completion_tokens, cached_tokens)
+        usage = (prompt_tokens, completion_tokens, cached_tokens)
+        sent: Call | None = None
         try:
-            return await self._settle_now(lease, prompt_tokens, completion_tokens, cached_tokens)
+            sent = self._batcher.submit(self._settle, keys, args, defer=True)  # after the answer
+        except UNAVAILABLE_ERRORS as exc:  # the limiter is closed
+            self._went_down("settle", exc)
+        task = asyncio.get_running_loop().create_task(
+            self._settled(lease, usage, keys, args, sent), name=f"settle-{lease.request_id}"
+        )
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
+
+    async def _settled(
+        self,
+        lease: Lease,
+        usage: tuple[int, int, int],
+        keys: list[str],
+        args: list[Any],
+        sent: Call | None,
+    ) -> bool:
+        """The answer to a settlement sent (``sent``; None: it could not be), kept for the retry
+        if Redis is away."""
+        try:
+            if sent is None:
+                raise LimiterUnavailableError("the limiter is closed")
+            raw = await self._reply("settle", self._batcher.wait(sent))
+            return await self._settle_reply(lease, keys, args, raw)
         except LimiterUnavailableError as exc:
             logger.warning(
                 "tenancy: could not settle %s (%s); retrying when Redis returns", lease.request_id, exc
             )
-            self._keep(
-                _PendingSettle(
-                    lease,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                    time.monotonic() + self.settle_keep_s,
-                )
-            )
+            self._keep(_PendingSettle(lease, *usage, time.monotonic() + self.settle_keep_s))
             return False
 
     async def _settle_now(
         self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
     ) -> bool:
+        """One settlement, waited for; LimiterUnavailableError when Redis is away (the retry's)."""
+        keys, args = self._settle_call(lease, prompt_tokens, completion_tokens, cached_tokens)
+        raw = await self._call("settle", self._settle, keys, args, batched=True)
+        return await self._settle_reply(lease, keys, args, raw)
+
+    def _settle_call(
+        self, lease: Lease, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> tuple[list[str], list[Any]]:
+        """The settle script's keys and arguments, for the hour (and the hours either side) that
+        Redis's clock is expected to be in."""
         limits: Limits | None = lease.limits
         tenant = lease.tenant
         charge = lease.charge
         cached = min(max(cached_tokens, 0), prompt_tokens)
+        now = float(self._clock()) if self._clock else time.time() + self._skew_s
         keys = [
             tokens_key(tenant, charge.batch),
             leases_key(tenant, charge.batch),
@@ -307,7 +363,7 @@ class RedisLimiter:
             held_key(tenant),
             settled_key(tenant, lease.request_id),
             ledger_hours_key(tenant),
-            "",  # the hour's ledger hash, below
+            *_ledger_hours(tenant, int(now // 3600)),
         ]
         keys += [budget_key(tenant, b.name) for b in charge.budgets]
         unused = lease.reserved_tokens - (prompt_tokens + completion_tokens) if limits else 0
@@ -330,20 +386,28 @@ class RedisLimiter:
         for budget, amount in zip(charge.budgets, amounts, strict=True):
             soft = soft_threshold(budget)
             args += [budget.limit, window_code(budget.window), amount, "" if soft is None else soft]
-        now = float(self._clock()) if self._clock else time.time() + self._skew_s
-        hour = int(now // 3600)
-        for _ in range(3):  # the script names the hour when ours is not Redis's (see tenancy.scripts)
-            keys[6] = ledger_prefix(tenant) + str(hour)
-            raw = await self._call("settle", self._settle, keys, args, batched=True)
+        return keys, args
+
+    async def _settle_reply(self, lease: Lease, keys: list[str], args: list[Any], raw: Any) -> bool:
+        """Whether the lease was live, from the settle script's reply (sent again with the hour
+        Redis names when our clock was off by over an hour; at most twice more)."""
+        for _ in range(2):
             if _text(raw[0]) != "hour":
                 break
-            hour = int(float(_text(raw[1])))
-        else:
+            keys[6:9] = _ledger_hours(lease.tenant, int(float(_text(raw[1]))))
+            raw = await self._call("settle", self._settle, keys, args, batched=True)
+        if _text(raw[0]) == "hour":
             raise LimiterUnavailableError(f"settling {lease.request_id}: Redis's hour keeps moving")
         live, _duplicate, *crossed = (_text(v) for v in raw)
         for index in crossed:
-            self.on_soft_limit(tenant, charge.budgets[int(index) - 1])
+            self.on_soft_limit(lease.tenant, lease.charge.budgets[int(index) - 1])
         return live == "1"
+
+    async def settled(self) -> None:
+        """Return once the settlements sent so far have been answered (or kept for the retry):
+        what a read through another connection waits for, to see them."""
+        if self._settling:
+            await asyncio.wait(set(self._settling))
 
     def _keep(self, pending: _PendingSettle) -> None:
         if len(self._pending) >= MAX_PENDING_SETTLES:
@@ -399,6 +463,7 @@ class RedisLimiter:
 
     async def usage(self) -> dict[str, TenantUsage]:
         """Every tenant's usage; raises LimiterUnavailableError when Redis is away."""
+        await self.settled()
         try:
             async with asyncio.timeout(self._deadline_s * 4):
                 return await read_redis_usage(self._client)
@@ -412,7 +477,8 @@ class RedisLimiter:
         keys = [budget_key(tenant, b.name) for b in budgets]
         keys += [held_key(tenant), leases_key(tenant), leases_key(tenant, batch=True)]
         args = [self._now_arg(), *(window_code(b.window) for b in budgets)]
-        raw = [int(float(_text(v))) for v in await self._call("budgets", self._budgets, keys, args)]
+        reply = await self._call("budgets", self._budgets, keys, args, batched=True)  # after settlements
+        raw = [int(float(_text(v))) for v in reply]
         return [BudgetState(b, raw[1 + 3 * i], raw[2 + 3 * i], raw[3 + 3 * i]) for i, b in enumerate(budgets)]
 
     async def ledger(self, tenants: list[str], start_hour: int, end_hour: int) -> list[LedgerRow]:
@@ -424,6 +490,7 @@ class RedisLimiter:
         return await self._read_ledger(read_redis_sums(self._client, tenants, query))
 
     async def _read_ledger(self, read: Awaitable[_T]) -> _T:
+        await self.settled()
         try:
             async with asyncio.timeout(self._deadline_s * 4):
                 return await read
@@ -433,6 +500,7 @@ class RedisLimiter:
     async def num_leases(self, tenant: str, batch: bool = False) -> int:
         """Leases of ``tenant``'s interactive (or batch) lane not yet expired by Redis's clock (for
         tests and metrics)."""
+        await self.settled()
         now = float(self._clock()) if self._clock else await self._redis_time()
         return int(await self._client.zcount(leases_key(tenant, batch), f"({now!r}", "+inf"))
 
@@ -441,6 +509,8 @@ class RedisLimiter:
         return seconds + micros / 1_000_000
 
     async def aclose(self) -> None:
+        """Close, once the settlements in flight are answered (or kept, then dropped: logged)."""
+        await self.settled()
         if self._retrier is not None:
             self._retrier.cancel()
             await asyncio.gather(self._retrier, return_exceptions=True)
@@ -452,6 +522,12 @@ class RedisLimiter:
             self._pending.clear()
         await self._batcher.aclose()
         await self._client.aclose()
+
+
+def _ledger_hours(tenant: str, hour: int) -> list[str]:
+    """The ledger hashes of ``hour`` and the hours either side (the settle script's KEYS[7..9])."""
+    prefix = ledger_prefix(tenant)
+    return [prefix + str(hour - 1), prefix + str(hour), prefix + str(hour + 1)]
 
 
 def _text(value: Any) -> str:

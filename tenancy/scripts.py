@@ -9,8 +9,12 @@ sum of the holds of live leases, computed at each admission. A lease that expire
 died) is pruned with its hold, so a crashed holder can never leave a phantom reservation behind.
 Every key a script touches is declared in KEYS (Redis Cluster routes on them). The ledger's
 hourly hash depends on Redis's clock, which the caller cannot read in the same step: it names the
-hash of the hour it expects, and the script, finding another hour (the call crossed an hour
-boundary, or the gateway's clock is off), writes nothing and answers that hour for a retry.
+hashes of the hour it expects and of the hours either side (a call that crosses an hour boundary
+uses the next), and the script, finding none of them (the gateway's clock is off by more than an
+hour), writes nothing and answers that hour for a retry.
+
+An admission is idempotent on its lease id and a settlement on its request id, so either may be
+sent again after a connection broke under it (``tenancy.batcher``) without counting twice.
 """
 
 from __future__ import annotations
@@ -92,6 +96,10 @@ end
 local num_leases = redis.call('ZCARD', KEYS[3])
 local tok = refilled(KEYS[1], now, tok_cap, tok_rate)
 local req = refilled(KEYS[2], now, req_cap, req_rate)
+-- Sent again (its connection broke after Redis ran it): its lease is there; nothing taken twice.
+if redis.call('ZSCORE', KEYS[3], lease_id) then
+  return {'1', 'ok', '0', fmt(tok), fmt(req), fmt(now)}
+end
 
 -- Budgets first: a request that does not fit is refused whatever the rate limits say.
 local n = tonumber(ARGV[9])
@@ -147,15 +155,16 @@ return {'1', 'ok', '0', fmt(tok), fmt(req), fmt(now)}
 """
 )
 
-# KEYS: tokens, leases, usage, held, settled marker, ledger hours index, ledger hash of the hour
-#       (ledger key prefix .. hour index), budget_1 .. budget_n
+# KEYS: tokens, leases, usage, held, settled marker, ledger hours index, the ledger hashes of the
+#       hour before, of the hour and of the hour after (ledger key prefix .. hour index),
+#       budget_1 .. budget_n
 # ARGV: lease_id ('' for an untracked lease), unused_tokens (reserved - used; may be < 0),
 #       tokens_per_minute, prompt_tokens, completion_tokens, now_override, cached_tokens,
 #       cost (micro-dollars), ledger field prefix ("model\tkey\tbatch\t"), ledger key prefix
 #       ("{tenant:x}:ledger:"), ledger retention s, marker ttl s, n, then per budget: limit,
 #       window code, amount, soft threshold ('' for none)
 # -> {live '0'|'1', duplicate '0'|'1', index of each budget whose soft threshold this crossed...},
-#    or {'hour', hour index} when KEYS[7] is not this hour's ledger hash (nothing written)
+#    or {'hour', hour index} when none of KEYS[7..9] is this hour's ledger hash (nothing written)
 # The marker makes a settlement idempotent on its request id: a retry of an attempt that ran
 # (it timed out on the way back) finds it and changes nothing.
 SETTLE_SCRIPT = (
@@ -164,7 +173,7 @@ SETTLE_SCRIPT = (
 local now = clock(ARGV[6])
 local hour = math.floor(now / 3600)
 local ledger = ARGV[10] .. fmt(hour)
-if ledger ~= KEYS[7] then return {'hour', fmt(hour)} end
+if ledger ~= KEYS[8] and ledger ~= KEYS[7] and ledger ~= KEYS[9] then return {'hour', fmt(hour)} end
 if not redis.call('SET', KEYS[5], '1', 'NX', 'EX', ARGV[12]) then
   return {'0', '1'}
 end
@@ -194,7 +203,7 @@ if held then
 end
 local out = {tostring(live), '0'}
 for i = 1, n do
-  local key = KEYS[7 + i]
+  local key = KEYS[9 + i]
   local kind, amount, soft = ARGV[11 + 4 * i], tonumber(ARGV[12 + 4 * i]), ARGV[13 + 4 * i]
   local w = fmt(window_index(kind, now))
   if admitted_in[key] == nil or admitted_in[key] == w then

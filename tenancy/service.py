@@ -66,7 +66,9 @@ class LeaseHolder:
     Use as ``async with``: on entry a background task renews the lease every ``ttl / 3``; on
     exit (normal, error or cancellation) renewal stops and the lease is settled with what
     :meth:`record` last received. Nothing recorded means nothing used: the whole reservation
-    is refunded. A settle interrupted by cancellation still completes in the background.
+    is refunded. The settlement is on its way when :meth:`settle` (or :meth:`close`) returns,
+    and answered in the background (``Limiter.settle_nowait``): whatever this process admits or
+    reads after it sees it; ``Tenancy.aclose`` waits for those still in flight.
     """
 
     def __init__(self, limiter: Limiter, lease: Lease, *, sleep: Sleep = asyncio.sleep) -> None:
@@ -112,7 +114,12 @@ class LeaseHolder:
         await self.close()
 
     async def close(self) -> None:
-        """Stop renewing and settle (idempotent)."""
+        """:meth:`settle` (the context manager's exit)."""
+        self.settle()
+
+    def settle(self) -> None:
+        """Stop renewing and send the settlement with what :meth:`record` last received
+        (idempotent); its answer is not waited for."""
         if self._settled:
             return
         self._settled = True
@@ -120,13 +127,11 @@ class LeaseHolder:
             # No need to wait for it: a renew that lands after the settle finds no lease.
             self._renewer.cancel()
             _keep_until_done(self._renewer)
-        settle = asyncio.ensure_future(
-            self._limiter.settle(
+        _keep_until_done(
+            self._limiter.settle_nowait(
                 self.lease, self._prompt_tokens, self._completion_tokens, self._cached_tokens
             )
         )
-        _keep_until_done(settle)
-        await asyncio.shield(settle)
 
     async def _renew_forever(self) -> None:
         interval = self.lease.ttl_s / 3

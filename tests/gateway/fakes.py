@@ -263,6 +263,7 @@ class FakeHolder:
     def __init__(self, tenancy: FakeTenancy, lease: Any) -> None:
         self.tenancy, self.lease = tenancy, lease
         self.prompt_tokens = self.completion_tokens = 0
+        self.settled = False
 
     async def __aenter__(self) -> FakeHolder:
         return self
@@ -282,8 +283,13 @@ class FakeHolder:
     def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
         return 0
 
+    def settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.tenancy.settled.append((self.lease, self.prompt_tokens, self.completion_tokens))
+
     async def close(self) -> None:
-        self.tenancy.settled.append((self.lease, self.prompt_tokens, self.completion_tokens))
+        self.settle()
 
 
 class FakeTenancy:

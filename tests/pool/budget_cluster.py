@@ -77,7 +77,13 @@ class BudgetCluster:
         return key
 
     def budget_state(self, tenant: str) -> list[dict[str, Any]]:
-        return list(self.admin("GET", f"/admin/tenants/{tenant}").json()["budgets"])
+        """The tenant's budgets once every gateway's answers so far are settled: a gateway's read
+        comes after the settlements it sent before it (docs/OPERATIONS.md), so the last of one
+        read on each gateway sees them all."""
+        for g in range(len(self.gateways)):
+            state = self.admin("GET", f"/admin/tenants/{tenant}", gateway=g)
+            assert state.status_code == 200, state.text
+        return list(state.json()["budgets"])
 
     def exact_prompt(self, body: dict[str, Any], path: str = "/v1/chat/completions") -> int:
         """The replica's own count of a request's prompt (what a hard budget holds)."""

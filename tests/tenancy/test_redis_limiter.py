@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 
 from tenancy.batcher import ScriptBatcher, pack_command
+from tenancy.billing import Budget, Charge
 from tenancy.bucket import Reason
 from tenancy.keyspace import UNAVAILABLE_ERRORS, leases_key, open_async, requests_key, tokens_key, usage_key
 from tenancy.limiter import FailurePolicy, Lease
@@ -375,3 +376,85 @@ async def test_an_error_reply_of_the_connection_kind_fails_the_call_and_keeps_th
         await batcher.aclose()
         await client.aclose()
         server.close()
+
+
+def _tokens_charge(budget: Budget, prompt: int, max_tokens: int) -> Charge:
+    return Charge.worst_case((budget,), num_prompt_tokens=prompt, max_tokens=max_tokens, model="m")
+
+
+async def test_what_is_admitted_or_read_after_a_settlement_was_sent_sees_it(redis_url: str) -> None:
+    """A settlement is sent, not waited for; what the same limiter admits or reads after that runs
+    after it (one ordered connection; the ledger and usage reads wait for it). A token budget
+    with room for one request's worst case (60) and nine requests' real use (10 each): each
+    admission right after the previous settlement was sent finds that hold released (with it
+    still there, 60 + 60 would not fit), and each read finds the use charged and nothing held."""
+    limiter = RedisLimiter.from_url(redis_url)
+    budget = Budget("tokens", 60 + 9 * 10, "monthly")
+    plan = make_plan(tokens_per_minute=100_000, requests_per_minute=100_000)
+    try:
+        for i in range(10):
+            decision = await limiter.admit("acme", plan, 60, f"r{i}", _tokens_charge(budget, 10, 50))
+            assert decision.admitted and decision.lease is not None, (i, decision.message())
+            sent = limiter.settle_nowait(decision.lease, 10, 0)
+            assert not sent.done()  # on its way: nobody waits for its reply
+            (state,) = await limiter.budgets("acme", (budget,))
+            assert (state.used, state.reserved) == (10 * (i + 1), 0)
+        last = limiter.settle_nowait(decision.lease, 10, 0)  # sent again: a no-op (its request id)
+        refused = await limiter.admit("acme", plan, 60, "r10", _tokens_charge(budget, 10, 50))
+        assert refused.reason is Reason.BUDGET  # 100 used + 60 > 150: truly full, not held
+        usage = (await limiter.usage())["acme"]
+        assert (usage.num_requests, usage.prompt_tokens) == (10, 100)
+        hour = int(time.time() // 3600)
+        (row,) = await limiter.ledger(["acme"], hour - 1, hour + 2)
+        assert (row.requests, row.input) == (10, 100)
+        assert last.done() and not last.result()
+    finally:
+        await limiter.aclose()
+
+
+async def test_the_order_holds_when_a_restarted_redis_has_forgotten_the_scripts(
+    persistent_redis_process: RedisProcess,
+) -> None:
+    """After a restart Redis knows no script, and another gateway's admission loads the admit
+    script first. This limiter's settlement, then its admission, still run in that order: the
+    first call of each script on a new connection is an EVAL (a NOSCRIPT answer, sent again,
+    would run the settlement after the admission, which would find the hold still there)."""
+    url = persistent_redis_process.url
+    limiter = RedisLimiter(open_async(url), lease_ttl_s=600.0)
+    other = RedisLimiter(open_async(url))
+    budget = Budget("tokens", 100, "monthly")
+    plan = make_plan(tokens_per_minute=100_000)
+    try:
+        first = await limiter.admit("acme", plan, 60, "r1", _tokens_charge(budget, 10, 50))
+        assert first.lease is not None
+        persistent_redis_process.restart()  # the hold kept (append-only file), the scripts gone
+        assert (await other.admit("globex", plan, 10, "g1")).admitted
+        settled = limiter.settle_nowait(first.lease, 10, 0)
+        second = await limiter.admit("acme", plan, 60, "r2", _tokens_charge(budget, 10, 50))
+        assert second.admitted, second.message()  # 10 used + 60 fits; 60 held + 60 would not
+        assert await settled
+    finally:
+        await other.aclose()
+        await limiter.aclose()
+
+
+async def test_an_admission_sent_again_takes_nothing_twice(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batcher sends a call again when its connection broke after Redis had answered others:
+    an admission that did run (its reply lost) finds its lease and takes nothing more."""
+    monkeypatch.setattr("tenancy.redis_limiter.new_lease_id", lambda: "lease-1")
+    limiter = RedisLimiter.from_url(redis_url)
+    budget = Budget("tokens", 1000, "monthly")
+    plan = make_plan(tokens_per_minute=600, requests_per_minute=600, max_concurrent_requests=5)
+    try:
+        first = await limiter.admit("acme", plan, 100, "r1", _tokens_charge(budget, 10, 90))
+        again = await limiter.admit("acme", plan, 100, "r1", _tokens_charge(budget, 10, 90))
+        assert first.admitted and again.admitted
+        assert first.remaining_tokens == again.remaining_tokens == 500
+        assert first.remaining_requests == again.remaining_requests == 599
+        assert await limiter.num_leases("acme") == 1
+        (state,) = await limiter.budgets("acme", (budget,))
+        assert state.reserved == 100
+    finally:
+        await limiter.aclose()
