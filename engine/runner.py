@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
@@ -12,6 +14,21 @@ from engine.parallel import LoraSlotChange, ParallelExecutor
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.step import ForwardBatch, SchedulerOutput, StepInputs, StepResult, forward_batch, pack
+
+# Steps of at most this many tokens run on the engine thread alone where the engine's threads take
+# every CPU the process may use: the server's event loop and its clients then share those CPUs,
+# and a parallel region whose partner thread is descheduled waits a scheduler tick. Served on a
+# 2-core Zen 4, 1 stream went from 61 to 93 tokens/s and 4 streams from 136-157 to 184-195;
+# 8 streams and more were unchanged (docs/BENCHMARKS.md).
+SERIAL_STEP_MAX_TOKENS = 4
+
+
+def _all_cpus_taken(threads: int) -> bool:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return threads >= cpus
 
 
 class ModelRunner:
@@ -41,6 +58,10 @@ class ModelRunner:
         self.eos_token_ids = model.spec.eos_token_ids
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for kv in kv_caches for t in kv)
         self.argmax = None if model.kernels is None else model.kernels.argmax_rows
+        # The engine thread's OpenMP threads per step (SERIAL_STEP_MAX_TOKENS), on one CPU rank.
+        self.num_threads = torch.get_num_threads()
+        serial = model.kernels is not None and executor is None and self.num_threads > 1
+        self.serial_max_tokens = SERIAL_STEP_MAX_TOKENS if serial and _all_cpus_taken(self.num_threads) else 0
 
     @property
     def failure(self) -> str | None:
@@ -79,6 +100,9 @@ class ModelRunner:
         On a tensor-parallel replica any failure is fatal (EngineDeadError): the ranks' collectives
         would no longer pair up."""
         inputs = pack(out)
+        if self.serial_max_tokens:  # the step's sampling runs at the same count
+            serial = out.num_batched_tokens <= self.serial_max_tokens
+            self.model.kernels.set_caller_threads(1 if serial else self.num_threads)
         if self.executor is not None:
             return self.executor.run(self.forward_inputs, inputs)
         if self.graphs is not None and not inputs.lora_slots and self.graphs.can_run(inputs):

@@ -9,7 +9,8 @@
 //   in rms_norm);
 // - silu_mul: SiLU-and-multiply in one pass, bf16 with AVX-512 only (a portable version with an
 //   auto-vectorized exp lost to torch's two ops, so elsewhere the model keeps those);
-// - argmax_rows: greedy sampling's argmax over each row of the logits.
+// - argmax_rows: greedy sampling's argmax over each row of the logits;
+// - set_caller_threads: the engine thread's OpenMP threads for one step.
 //
 // Decode attention:
 // One query token per sequence attends to its whole context, read block by block through its
@@ -26,6 +27,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -754,6 +757,13 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
+// The OpenMP threads of the calling thread's parallel regions (torch's ops and ours), leaving every
+// other thread's and torch's own setting (which threads started later copy) as they are.
+void set_caller_threads(int64_t n) {
+  TORCH_CHECK(n >= 1, "set_caller_threads: n must be >= 1");
+  omp_set_num_threads(static_cast<int>(n));
+}
+
 // argmax(dim=-1) of float32 logits [S, V] -> int64 [S].
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "argmax_rows: logits must be [S, V] float32");
@@ -781,6 +791,7 @@ TORCH_LIBRARY(batchgate, m) {
   m.def("has_fast_silu_mul() -> bool", &has_fast_silu_mul);  // no tensors: a catch-all kernel
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("set_caller_threads(int n) -> ()", &set_caller_threads);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from engine import kv_cache
@@ -59,3 +61,40 @@ def test_serving_unique_prompts_grows_no_kv_memory_and_keeps_no_request_state(ti
         assert engine._seqs == {} and engine._detok == {}
         assert engine.block_manager.num_cached_blocks <= engine.block_manager.num_blocks
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_small_steps_run_on_the_engine_thread_alone_where_its_threads_take_every_cpu(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step sets the engine thread's OpenMP threads: one for a step of at most
+    SERIAL_STEP_MAX_TOKENS tokens, all of them for a larger one; nothing where CPUs are spare."""
+    from engine import runner as runner_module
+    from engine.native import native_kernels
+    from engine.types import GenerationRequest
+    from tests.engine.helpers import greedy, run_all, tiny_engine
+
+    calls: list[int] = []
+
+    class Recording:  # the native kernels, with set_caller_threads recorded
+        def __getattr__(self, name: str) -> Any:
+            return getattr(native_kernels(), name)
+
+        def set_caller_threads(self, n: int) -> None:
+            calls.append(n)
+            native_kernels().set_caller_threads(n)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(runner_module, "_all_cpus_taken", lambda n: False)
+        assert tiny_engine(tiny_model_dir, kernels="native").runner.serial_max_tokens == 0
+        monkeypatch.setattr(runner_module, "_all_cpus_taken", lambda n: True)
+        assert tiny_engine(tiny_model_dir, kernels="torch").runner.serial_max_tokens == 0
+        engine = tiny_engine(tiny_model_dir, kernels="native")
+        assert engine.runner.serial_max_tokens == runner_module.SERIAL_STEP_MAX_TOKENS
+        engine.runner.model.kernels = Recording()
+        run_all(engine, [GenerationRequest("a", list(range(100, 120)), greedy(5))])
+    finally:
+        torch.set_num_threads(threads)
+        native_kernels().set_caller_threads(threads)
+    assert calls == [2, 1, 1, 1, 1]  # the 20-token prefill, then one decode token a step
