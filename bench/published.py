@@ -45,7 +45,7 @@ def throughput(plt: Any, name: str) -> Any:
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    left.legend()
+    left.legend(fontsize=8, loc="best")
     fig.suptitle(f"{data['title']}\n{_caption(data)}", fontsize=9)
     return fig
 
@@ -106,6 +106,8 @@ def main() -> None:
     figures = {
         "throughput_concurrency": throughput(plt, "throughput_concurrency"),
         "throughput_avx2": throughput(plt, "throughput_avx2"),
+        "throughput_zen4": throughput(plt, "throughput_zen4"),
+        "throughput_zen4_avx2_profile": throughput(plt, "throughput_zen4_avx2_profile"),
         "long_mix": long_mix(plt),
         "embeddings_latency": embeddings(plt),
     }

@@ -9,6 +9,13 @@
 bundled model, bf16 where the CPU has it), overridable with --set FIELD=VALUE (EngineConfig fields,
 e.g. --set kernels=torch --set quantization=none). `--adapters N` spreads the rows round-robin over N
 random LoRA adapters of rank `--rank` on all seven projections (bench/lora.py makes them).
+
+    python -m bench.step_time --batch 32 --against dtype=bfloat16 --against kv_cache_dtype=float32
+
+`--against` (repeatable; FIELD=VALUE[,FIELD=VALUE...] over the --set ones) builds one more engine
+per value and steps them all in turns, one step each: on a shared machine the steps of a round
+see the same load, and the median of the per-round ratios says how much faster each is than the
+first (the --set engine).
 """
 
 from __future__ import annotations
@@ -39,7 +46,13 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters the rows use (0: none)")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--against", action="append", default=[], metavar="FIELD=VALUE[,...]")
     args = parser.parse_args()
+    if args.against:
+        if args.adapters or args.profile:
+            parser.error("--against takes neither --adapters nor --profile")
+        compare(args)
+        return
 
     import tempfile
     from pathlib import Path
@@ -84,6 +97,40 @@ def main() -> None:
             for _ in range(10):
                 engine.step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Engines of the --set settings and of each --against, stepped in turns (see the docstring)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.types import GenerationRequest, SamplingParams
+
+    base = dict(item.split("=", 1) for item in args.set)
+    labels = ["(--set)"] + args.against
+    engines = []
+    for label in labels:
+        extra = dict(i.split("=", 1) for i in label.split(",")) if label != "(--set)" else {}
+        overrides = {k: _value(v) for k, v in {**base, **extra}.items()}
+        config = EngineConfig.of(max_num_seqs=max(args.batch, 1), num_threads=args.threads, **overrides)
+        engine = LLMEngine(config)
+        params = SamplingParams(max_tokens=10 + 8 * args.windows + 20, ignore_eos=True, temperature=0.0)
+        for i in range(args.batch):
+            engine.add_request(GenerationRequest(f"r{i}", list(range(100, 140)), params))
+        for _ in range(10):
+            engine.step()
+        engines.append(engine)
+    times: list[list[float]] = [[] for _ in engines]
+    for _ in range(8 * args.windows):
+        for engine, spent in zip(engines, times, strict=True):
+            start = time.perf_counter()
+            engine.step()
+            spent.append((time.perf_counter() - start) * 1000)
+    for label, spent in zip(labels, times, strict=True):
+        speed = statistics.median(a / b for a, b in zip(times[0], spent, strict=True))
+        print(
+            f"batch {args.batch}, {label}: decode step {statistics.median(spent):.1f} ms median, "
+            f"{min(spent):.1f} ms best; {speed:.3f}x the first's speed (median of per-round ratios)"
+        )
 
 
 if __name__ == "__main__":
