@@ -25,7 +25,6 @@ DEFAULT_TARGET_ITL_MS = 120.0
 
 # The allowed values of the string settings; the gateway's flags offer the same choices.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("auto", "none", "int4", "int8")
 KERNELS = ("auto", "native", "torch")
 BATCHING_MODES = ("continuous", "static")
@@ -82,7 +81,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_num_batched_tokens": (lambda v: v >= 1, "max_num_batched_tokens must be >= 1, got {v}"),
     "dtype": (lambda v: v in DTYPES, "dtype must be auto, bfloat16, float16 or float32, got {v!r}"),
     "kv_cache_dtype": (
-        lambda v: v in KV_CACHE_DTYPES,
+        lambda v: v in DTYPES,
         "kv_cache_dtype must be auto, bfloat16, float16 or float32, got {v!r}",
     ),
     "kv_cache_memory_fraction": (lambda v: 0.0 < v <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]"),
@@ -193,7 +192,7 @@ class CacheConfig:
         "auto",
         "KV-cache dtype: auto (bfloat16 on the CPU's int8 kernels, else --dtype's), bfloat16, float16 or "
         "float32 (only --dtype's, or bfloat16 under float32)",
-        choices=KV_CACHE_DTYPES,
+        choices=DTYPES,
     )
     # Automatic prefix caching (engine/block_manager.py): full KV blocks shared by content between
     # requests of the same cache salt. The server chooses the salt's scope (a tenant's, or one).

@@ -9,12 +9,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import LoadedModel, ModelSpec
-from engine.platform import available_memory
+from engine.platform import available_memory, resolve_dtype
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # (K, V) of each layer
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def resolve_kv_dtype(
     config: EngineConfig, dtype: torch.dtype, int8_layers: bool, device: torch.device
@@ -27,7 +24,7 @@ def resolve_kv_dtype(
     setting = config.cache.kv_cache_dtype
     if setting == "auto":
         return torch.bfloat16 if int8_layers and dtype == torch.float32 and device.type == "cpu" else dtype
-    kv = _DTYPES[setting]
+    kv = resolve_dtype(setting, device)  # a name, not "auto": its dtype
     if kv != dtype and not (kv == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu"):
         raise ValueError(
             f"kv_cache_dtype {setting} needs the engine's dtype to be {setting} (or float32 on the CPU "
