@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -174,12 +174,17 @@ class LlamaModel:
             quants = [lin.quant for lin in linears if lin.quant is not None and lin.bias is None]
             if len(quants) != len(linears):
                 return None
-            qkv, o, gate_up, down = (q.packed for q in quants)
-            weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
             kinds += [0 if q.kind == "q4" else 1 for q in quants]
             sizes += [q.n for q in quants]
             ratios.update(lin.outlier_ratio for lin in linears)
-        return (weights, kinds, sizes, ratios.pop()) if len(ratios) == 1 else None
+        if len(ratios) != 1:
+            return None
+        order = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in self.layers]
+        _contiguous([lin for chain in order for lin in chain] + [self.lm_head])
+        for layer, chain in zip(self.layers, order, strict=True):
+            qkv, o, gate_up, down = (lin.quant.packed for lin in chain if lin.quant is not None)
+            weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
+        return weights, kinds, sizes, ratios.pop()
 
     def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Put `adapter`'s weights into `slot` (None empties it; on a tensor-parallel rank, its
@@ -449,3 +454,17 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], num_heads * head_dim)
+
+
+def _contiguous(linears: list[Linear]) -> None:
+    """Move the quantized weights of `linears` (those with one) into one buffer, in this order:
+    the order a decode step reads them, so the kernels' prefetches and the hardware's run on from
+    one weight into the next (1-row steps' matmuls ~6% faster on a Zen 3, docs/BENCHMARKS.md)."""
+    quants = [(lin, lin.quant) for lin in linears if lin.quant is not None]
+    buffer = torch.empty(sum(q.packed.numel() for _, q in quants), dtype=torch.uint8)
+    offset = 0
+    for lin, q in quants:
+        view = buffer[offset : offset + q.packed.numel()].view(q.packed.shape)
+        view.copy_(q.packed)
+        lin.quant = replace(q, packed=view)
+        offset += q.packed.numel()

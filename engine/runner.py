@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import torch
 
@@ -15,12 +17,53 @@ from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.step import ForwardBatch, SchedulerOutput, StepInputs, StepResult, forward_batch, pack
 
-# Steps of at most this many tokens run on the engine thread alone where the engine's threads take
-# every CPU the process may use: the server's event loop and its clients then share those CPUs,
-# and a parallel region whose partner thread is descheduled waits a scheduler tick. Served on a
-# 2-core Zen 4, 1 stream went from 61 to 93 tokens/s and 4 streams from 136-157 to 184-195;
-# 8 streams and more were unchanged (docs/BENCHMARKS.md).
+# Steps of at most this many tokens may run on the engine thread alone where the engine's threads
+# take every CPU the process may use: the server's event loop and its clients then share those
+# CPUs, and a parallel region whose partner thread is descheduled waits a scheduler tick. Whether
+# one thread or all is faster for such a step depends on the machine and its load (served on a
+# 2-core Zen 4, 1 stream went from 61 to 93 tokens/s on one thread; on a 2-core Zen 3 all threads
+# were ~7% faster), so SmallStepThreads measures both while serving (docs/BENCHMARKS.md).
 SERIAL_STEP_MAX_TOKENS = 4
+
+
+class SmallStepThreads:
+    """The thread count for small steps, chosen by measurement: a trial times `TRIAL_STEPS` steps on
+    each candidate in turn, each from its start to the next step's (so what a step's thread count
+    costs the server around it counts too), and keeps the one with the lower median; the next
+    trial comes after `KEEP_STEPS` more small steps, as load and machine change. A trial's cost is
+    bounded: at most TRIAL_STEPS of every KEEP_STEPS + 2 * TRIAL_STEPS small steps run on the
+    slower count."""
+
+    TRIAL_STEPS = 16
+    KEEP_STEPS = 2048
+
+    def __init__(self, candidates: tuple[int, ...]) -> None:
+        self.candidates = candidates
+        self.chosen = candidates[0]
+        self._trial: list[list[float]] = [[] for _ in candidates]  # empty lists: no trial running
+        self._kept = self.KEEP_STEPS  # a trial starts with the first small step
+
+    def threads(self) -> int:
+        """The count the next small step runs on."""
+        if self._kept < self.KEEP_STEPS:
+            return self.chosen
+        for candidate, times in zip(self.candidates, self._trial, strict=True):
+            if len(times) < self.TRIAL_STEPS:
+                return candidate
+        return self.chosen  # unreachable: a complete trial is closed in record()
+
+    def record(self, threads: int, seconds: float) -> None:
+        """A small step's time on `threads` threads, from its start to the next step's."""
+        if self._kept < self.KEEP_STEPS:
+            self._kept += 1
+            return
+        times = self._trial[self.candidates.index(threads)]
+        times.append(seconds)
+        if all(len(t) >= self.TRIAL_STEPS for t in self._trial):
+            medians = [statistics.median(t) for t in self._trial]
+            self.chosen = self.candidates[medians.index(min(medians))]
+            self._trial = [[] for _ in self.candidates]
+            self._kept = 0
 
 
 def _all_cpus_taken(threads: int) -> bool:
@@ -62,6 +105,8 @@ class ModelRunner:
         self.num_threads = torch.get_num_threads()
         serial = model.kernels is not None and executor is None and self.num_threads > 1
         self.serial_max_tokens = SERIAL_STEP_MAX_TOKENS if serial and _all_cpus_taken(self.num_threads) else 0
+        self.small_step_threads = SmallStepThreads((1, self.num_threads))
+        self._small_step: tuple[int, float] | None = None  # the last step's threads and start, if small
 
     @property
     def failure(self) -> str | None:
@@ -100,13 +145,20 @@ class ModelRunner:
         On a tensor-parallel replica any failure is fatal (EngineDeadError): the ranks' collectives
         would no longer pair up."""
         inputs = pack(out)
-        if self.serial_max_tokens:  # the step's sampling runs at the same count
-            serial = out.num_batched_tokens <= self.serial_max_tokens
-            self.model.kernels.set_caller_threads(1 if serial else self.num_threads)
         if self.executor is not None:
             return self.executor.run(self.forward_inputs, inputs)
         if self.graphs is not None and not inputs.lora_slots and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
+        if not self.serial_max_tokens:
+            return self.model.forward(self.forward_batch(inputs), self.kv_caches)
+        now = time.perf_counter()
+        if self._small_step is not None:
+            threads, start = self._small_step
+            self.small_step_threads.record(threads, now - start)
+        small = out.num_batched_tokens <= self.serial_max_tokens
+        threads = self.small_step_threads.threads() if small else self.num_threads
+        self._small_step = (threads, now) if small else None
+        self.model.kernels.set_caller_threads(threads)  # the step's sampling runs at the same count
         return self.model.forward(self.forward_batch(inputs), self.kv_caches)
 
     @torch.inference_mode()

@@ -98,3 +98,30 @@ def test_small_steps_run_on_the_engine_thread_alone_where_its_threads_take_every
         torch.set_num_threads(threads)
         native_kernels().set_caller_threads(threads)
     assert calls == [2, 1, 1, 1, 1]  # the 20-token prefill, then one decode token a step
+
+
+def test_small_steps_take_the_thread_count_that_measured_faster_and_try_again_later() -> None:
+    """A trial times TRIAL_STEPS small steps on each count in turn and keeps the faster (by median,
+    so one stalled step does not decide); after KEEP_STEPS steps on it, the next trial."""
+    from engine.runner import SmallStepThreads
+
+    chooser = SmallStepThreads((1, 2))
+    trial, keep = chooser.TRIAL_STEPS, chooser.KEEP_STEPS
+
+    def run(steps: int, seconds: dict[int, float], stall_every: int = 0) -> list[int]:
+        used = []
+        for i in range(steps):
+            threads = chooser.threads()
+            used.append(threads)
+            stalled = stall_every and i % stall_every == 0
+            chooser.record(threads, 1.0 if stalled else seconds[threads])
+        return used
+
+    # The first trial: each count in turn; two threads faster (a stalled step now and then).
+    assert run(2 * trial, {1: 0.012, 2: 0.009}, stall_every=5) == [1] * trial + [2] * trial
+    assert chooser.chosen == 2
+    assert run(keep, {1: 0.012, 2: 0.009}) == [2] * keep
+    # The machine's load changed: one thread is faster now, and the next trial finds it.
+    assert run(2 * trial, {1: 0.010, 2: 0.016}) == [1] * trial + [2] * trial
+    assert chooser.chosen == 1
+    assert set(run(keep, {1: 0.010, 2: 0.016})) == {1}
