@@ -294,6 +294,8 @@ class LLMEngine:
             self.scheduler.update(out)
             stage = StepStage.OUTPUT
             outputs.extend(self._process(result))
+            if not self.scheduler.has_unfinished():
+                self.runner.idle()
         except EngineDeadError:
             raise  # a tensor-parallel rank is gone (engine/parallel.py): this engine cannot go on
         except Exception as exc:  # noqa: BLE001 - a failed stage fails what it concerns, not the engine

@@ -21,8 +21,8 @@ from engine.step import ForwardBatch, SchedulerOutput, StepInputs, StepResult, f
 # take every CPU the process may use: the server's event loop and its clients then share those
 # CPUs, and a parallel region whose partner thread is descheduled waits a scheduler tick. Whether
 # one thread or all is faster for such a step depends on the machine and its load (served on a
-# 2-core Zen 4, 1 stream went from 61 to 93 tokens/s on one thread; on a 2-core Zen 3 all threads
-# were ~7% faster), so SmallStepThreads measures both while serving (docs/BENCHMARKS.md).
+# 2-core Zen 4, 1 stream went from 61 to 93 tokens/s on one thread; on a 2-core Zen 3 two threads
+# were as fast or up to ~10% faster), so SmallStepThreads measures both while serving.
 SERIAL_STEP_MAX_TOKENS = 4
 
 
@@ -107,6 +107,11 @@ class ModelRunner:
         self.serial_max_tokens = SERIAL_STEP_MAX_TOKENS if serial and _all_cpus_taken(self.num_threads) else 0
         self.small_step_threads = SmallStepThreads((1, self.num_threads))
         self._small_step: tuple[int, float] | None = None  # the last step's threads and start, if small
+
+    def idle(self) -> None:
+        """The engine has nothing left to run: the next step comes after a pause, which no small
+        step's time may span."""
+        self._small_step = None
 
     @property
     def failure(self) -> str | None:

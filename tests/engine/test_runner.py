@@ -125,3 +125,30 @@ def test_small_steps_take_the_thread_count_that_measured_faster_and_try_again_la
     assert run(2 * trial, {1: 0.010, 2: 0.016}) == [1] * trial + [2] * trial
     assert chooser.chosen == 1
     assert set(run(keep, {1: 0.010, 2: 0.016})) == {1}
+
+
+def test_a_small_step_is_timed_to_the_next_step_but_not_across_an_idle_engine(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each small step's time runs to the next step's start, except the last one before the engine
+    has nothing left to run: the pause until the next request is not a step's cost."""
+    from engine import runner as runner_module
+    from engine.types import GenerationRequest
+    from tests.engine.helpers import greedy, run_all, tiny_engine
+
+    monkeypatch.setattr(runner_module, "_all_cpus_taken", lambda n: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = tiny_engine(tiny_model_dir, kernels="native")
+        recorded: list[float] = []
+        monkeypatch.setattr(engine.runner.small_step_threads, "record", lambda n, s: recorded.append(s))
+        run_all(engine, [GenerationRequest("a", list(range(100, 120)), greedy(5))])
+        assert len(recorded) == 3  # 4 decode steps: the first three, each to the next one's start
+        run_all(engine, [GenerationRequest("b", list(range(200, 220)), greedy(5))])
+    finally:
+        torch.set_num_threads(threads)
+        from engine.native import native_kernels
+
+        native_kernels().set_caller_threads(threads)
+    assert len(recorded) == 6  # nothing from a's last step to b's prefill
