@@ -51,9 +51,10 @@ serve: install
 	$(BIN)/batchgate serve --host $(HOST) --port $(PORT) --storage-dir $(STATE)
 
 # The second pass only where the profile changes something: on a CPU that is at most AVX2 the
-# first pass already ran at that level.
+# first pass already ran at that level. faulthandler stays on past pytest's own session, so a crash
+# while the interpreter exits prints where it happened (one such exit crash was seen once).
 test: install $(HELM) $(CODEX)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -X faulthandler -m pytest -q --durations=15
 	@if $(BIN)/python -c "$$ABOVE_AVX2"; then \
 	    echo "$(AVX2_PROFILE) pytest $(CPU_PATH_TESTS)"; \
 	    $(AVX2_PROFILE) $(BIN)/python -m pytest -q -p no:cacheprovider $(CPU_PATH_TESTS); \
