@@ -47,10 +47,8 @@ class SmallStepThreads:
         """The count the next small step runs on."""
         if self._kept < self.KEEP_STEPS:
             return self.chosen
-        for candidate, times in zip(self.candidates, self._trial, strict=True):
-            if len(times) < self.TRIAL_STEPS:
-                return candidate
-        return self.chosen  # unreachable: a complete trial is closed in record()
+        # A trial's first unfinished count (a complete trial was closed by record()).
+        return next(c for c, t in zip(self.candidates, self._trial, strict=True) if len(t) < self.TRIAL_STEPS)
 
     def record(self, threads: int, seconds: float) -> None:
         """A small step's time on `threads` threads, from its start to the next step's."""

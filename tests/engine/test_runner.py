@@ -133,6 +133,7 @@ def test_a_small_step_is_timed_to_the_next_step_but_not_across_an_idle_engine(
     """Each small step's time runs to the next step's start, except the last one before the engine
     has nothing left to run: the pause until the next request is not a step's cost."""
     from engine import runner as runner_module
+    from engine.native import native_kernels
     from engine.types import GenerationRequest
     from tests.engine.helpers import greedy, run_all, tiny_engine
 
@@ -148,7 +149,5 @@ def test_a_small_step_is_timed_to_the_next_step_but_not_across_an_idle_engine(
         run_all(engine, [GenerationRequest("b", list(range(200, 220)), greedy(5))])
     finally:
         torch.set_num_threads(threads)
-        from engine.native import native_kernels
-
         native_kernels().set_caller_threads(threads)
     assert len(recorded) == 6  # nothing from a's last step to b's prefill
