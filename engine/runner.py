@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Hashable
+from typing import NamedTuple
 
 import torch
 
@@ -17,41 +19,50 @@ from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
 from engine.step import ForwardBatch, SchedulerOutput, StepInputs, StepResult, forward_batch, pack
 
-# Steps of at most this many tokens may run on the engine thread alone where the engine's threads
-# take every CPU the process may use: the server's event loop and its clients then share those
-# CPUs, and a parallel region whose partner thread is descheduled waits a scheduler tick. Whether
-# one thread or all is faster for such a step depends on the machine and its load (served on a
-# 2-core Zen 4, 1 stream went from 61 to 93 tokens/s on one thread; on a 2-core Zen 3 two threads
-# were as fast or up to ~10% faster), so SmallStepThreads measures both while serving.
+# Steps of at most this many tokens may run differently where the engine's threads take every CPU
+# the process may use: the server's event loop and its clients then share those CPUs, and a
+# parallel region whose partner thread is descheduled waits a scheduler tick. Such a step runs on
+# the engine thread alone, on all threads through OpenMP, or with the matmuls on the engine thread
+# and helpers whose work it takes back when they are descheduled (engine/csrc/steal_pool.h); which
+# is fastest depends on the machine and its load (served on a 2-core Zen 4, 1 stream went from 61
+# to 93 tokens/s on one thread; on a 2-core Zen 3 two threads were as fast or up to ~10% faster),
+# so SmallStepThreads measures them while serving. At most the pool's rows (qmatmul_x86.cpp).
 SERIAL_STEP_MAX_TOKENS = 4
 
 
+class StepThreads(NamedTuple):
+    """How a small step runs: the engine thread's OpenMP threads, and its matmul helpers."""
+
+    openmp: int
+    helpers: int = 0
+
+
 class SmallStepThreads:
-    """The thread count for small steps, chosen by measurement: a trial times `TRIAL_STEPS` steps on
-    each candidate in turn, each from its start to the next step's (so what a step's thread count
-    costs the server around it counts too), and keeps the one with the lower median; the next
+    """The threads for small steps, chosen by measurement: a trial times `TRIAL_STEPS` steps on
+    each candidate in turn, each from its start to the next step's (so what a step's threads
+    cost the server around it counts too), and keeps the one with the lower median; the next
     trial comes after `KEEP_STEPS` more small steps, as load and machine change. A trial's cost is
-    bounded: at most TRIAL_STEPS of every KEEP_STEPS + 2 * TRIAL_STEPS small steps run on the
-    slower count."""
+    bounded: at most (candidates - 1) * TRIAL_STEPS of every KEEP_STEPS + candidates * TRIAL_STEPS
+    small steps run on a slower candidate."""
 
     TRIAL_STEPS = 16
     KEEP_STEPS = 2048
 
-    def __init__(self, candidates: tuple[int, ...]) -> None:
+    def __init__(self, candidates: tuple[Hashable, ...]) -> None:
         self.candidates = candidates
         self.chosen = candidates[0]
         self._trial: list[list[float]] = [[] for _ in candidates]  # empty lists: no trial running
         self._kept = self.KEEP_STEPS  # a trial starts with the first small step
 
-    def threads(self) -> int:
-        """The count the next small step runs on."""
+    def threads(self) -> Hashable:
+        """The candidate the next small step runs on."""
         if self._kept < self.KEEP_STEPS:
             return self.chosen
-        # A trial's first unfinished count (a complete trial was closed by record()).
+        # A trial's first unfinished candidate (a complete trial was closed by record()).
         return next(c for c, t in zip(self.candidates, self._trial, strict=True) if len(t) < self.TRIAL_STEPS)
 
-    def record(self, threads: int, seconds: float) -> None:
-        """A small step's time on `threads` threads, from its start to the next step's."""
+    def record(self, threads: Hashable, seconds: float) -> None:
+        """A small step's time on candidate `threads`, from its start to the next step's."""
         if self._kept < self.KEEP_STEPS:
             self._kept += 1
             return
@@ -103,8 +114,9 @@ class ModelRunner:
         self.num_threads = torch.get_num_threads()
         serial = model.kernels is not None and executor is None and self.num_threads > 1
         self.serial_max_tokens = SERIAL_STEP_MAX_TOKENS if serial and _all_cpus_taken(self.num_threads) else 0
-        self.small_step_threads = SmallStepThreads((1, self.num_threads))
-        self._small_step: tuple[int, float] | None = None  # the last step's threads and start, if small
+        n = self.num_threads
+        self.small_step_threads = SmallStepThreads((StepThreads(1), StepThreads(n), StepThreads(1, n - 1)))
+        self._small_step: tuple[Hashable, float] | None = None  # the last step's threads and start, if small
 
     def idle(self) -> None:
         """The engine has nothing left to run: the next step comes after a pause, which no small
@@ -159,9 +171,11 @@ class ModelRunner:
             threads, start = self._small_step
             self.small_step_threads.record(threads, now - start)
         small = out.num_batched_tokens <= self.serial_max_tokens
-        threads = self.small_step_threads.threads() if small else self.num_threads
+        threads = self.small_step_threads.threads() if small else StepThreads(self.num_threads)
+        assert isinstance(threads, StepThreads)
         self._small_step = (threads, now) if small else None
-        self.model.kernels.set_caller_threads(threads)  # the step's sampling runs at the same count
+        self.model.kernels.set_caller_threads(threads.openmp)  # the step's sampling runs at the same count
+        self.model.kernels.set_matmul_helpers(threads.helpers)
         return self.model.forward(self.forward_batch(inputs), self.kv_caches)
 
     @torch.inference_mode()

@@ -36,6 +36,7 @@
 #include <immintrin.h>
 
 #include "simd_avx2.h"
+#include "steal_pool.h"
 #define BATCHGATE_QMATMUL_AVX2 1
 // AVX-512 VNNI on 256-bit registers (with AVX-512 VL): vpdpbusd in place of vpmaddubsw + vpmaddwd.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -471,6 +472,39 @@ constexpr Kernel kQ4 = {kQ4GroupBytes, {q4_tile<1>, q4_tile<2>, q4_tile<3>}, {}}
 constexpr Kernel kQ8 = {kQ8GroupBytes, {q8_tile<1>, q8_tile<2>, q8_tile<3>}, {}};
 #endif
 
+// Small steps (at most kPoolRows rows) on the calling thread and its helpers, where it has them
+// (set_matmul_helpers; engine/runner.py chooses by measurement): items are blocks of 8 output rows,
+// which a helper that was descheduled hands back (steal_pool.h), so no step waits for one.
+constexpr int64_t kPoolRows = 4;
+static_assert(kPoolRows * kBlockRows <= batchgate_pool::kItemFloats, "an item's result must fit");
+
+struct PoolJob {
+  const Kernel* kernel;
+  const uint8_t* w;
+  Activations acts;
+  int64_t m, block_bytes, padded;
+  float* out;
+};
+
+void pool_compute(const PoolJob& job, int64_t block, float* local) {
+  const uint8_t* wb = job.w + block * job.block_bytes;
+  for (int64_t r = 0; r < job.m; r += kTileRows)
+    job.kernel->tiles[std::min<int64_t>(kTileRows, job.m - r) - 1](wb, job.acts, r, local + r * kBlockRows, kBlockRows);
+}
+
+void pool_store(const PoolJob& job, int64_t block, const float* local) {
+  for (int64_t r = 0; r < job.m; ++r)
+    std::memcpy(job.out + r * job.padded + block * kBlockRows, local + r * kBlockRows, kBlockRows * sizeof(float));
+}
+
+using Pool = batchgate_pool::StealPool<PoolJob>;
+
+// The calling thread's pool (each engine thread has its own; helpers end with the thread).
+Pool& caller_pool() {
+  thread_local Pool pool;
+  return pool;
+}
+
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
                    double outlier_ratio, const Kernel& kernel) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be [M, K] float32");
@@ -480,21 +514,40 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup, blocks = w.size(0);
   TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, "qlinear: K must match the packed weight");
   TORCH_CHECK(n > (blocks - 1) * kBlockRows && n <= blocks * kBlockRows, "qlinear: n must match w");
-  at::Tensor bytes = at::empty({2 * m * k + m * groups}, xc.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({2, m, groups}, xc.options());
-  at::Tensor sums = at::empty({m, groups}, xc.options().dtype(at::kInt));
-  int8_t* qp = bytes.data_ptr<int8_t>();
+  Pool& pool = caller_pool();
+  const bool pooled = m <= kPoolRows && pool.helpers() > 0;
+  // Quantized activations: in the pool's scratch on its path (a late helper may still read them).
+  at::Tensor bytes, scales, sums;
+  int8_t* qp;
+  float* dp;
+  int32_t* qs;
+  if (pooled) {
+    const int64_t floats = 3 * m * groups;  // d, s, then the sums (int32, same size)
+    float* base = static_cast<float*>(pool.scratch(floats * sizeof(float) + 2 * m * k + m * groups));
+    dp = base;
+    qs = reinterpret_cast<int32_t*>(base + 2 * m * groups);
+    qp = reinterpret_cast<int8_t*>(base + floats);
+  } else {
+    bytes = at::empty({2 * m * k + m * groups}, xc.options().dtype(at::kChar));
+    scales = at::empty({2, m, groups}, xc.options());
+    sums = at::empty({m, groups}, xc.options().dtype(at::kInt));
+    qp = bytes.data_ptr<int8_t>();
+    dp = scales.data_ptr<float>();
+    qs = sums.data_ptr<int32_t>();
+  }
   uint8_t* flags = reinterpret_cast<uint8_t*>(qp + 2 * m * k);
-  float* dp = scales.data_ptr<float>();
   float* sp = dp + m * groups;
-  int32_t* qs = sums.data_ptr<int32_t>();
   const float* xp = xc.data_ptr<float>();
   const float ratio = static_cast<float>(outlier_ratio);
-  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+  auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       quantize_group(xp + i * kGroup, qp + i * kGroup, qp + m * k + i * kGroup, dp + i, sp + i, qs + i, flags + i,
                      ratio);
-  });
+  };
+  if (pooled)
+    quantize(0, m * groups);
+  else
+    at::parallel_for(0, m * groups, 256, quantize);
   const Activations acts{qp, m * k, dp, sp, qs, flags, k, groups};
   const int64_t padded = blocks * kBlockRows;
   at::Tensor out = at::empty({m, padded}, xc.options());
@@ -508,6 +561,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   const int64_t span = kernel.pair_tiles[0] != nullptr && m >= kPairMinRows ? 2 : 1;
   const int64_t spans = (blocks + span - 1) / span;
   const int64_t block_bytes = groups * kernel.group_bytes;
+  if (pooled) {
+    pool.run(PoolJob{&kernel, wp, acts, m, block_bytes, padded, op}, {pool_compute, pool_store}, blocks);
+  } else {
   at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = (i % spans) * span, first = (i / spans) * kChunkRows;
@@ -523,6 +579,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
       }
     }
   });
+  }
   if (padded != n) out = out.narrow(1, 0, n).contiguous();
   if (bias.has_value()) out.add_(*bias);
   return out;
@@ -533,12 +590,28 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const 
   return qlinear(x, w, n, bias, outlier_ratio, kQ4);
 }
 
+// The calling thread's matmul helpers for steps of at most kPoolRows rows (0: OpenMP as for any).
+void set_matmul_helpers(int64_t n) {
+  TORCH_CHECK(n >= 0 && n < 1024, "set_matmul_helpers: n must be in 0..1023");
+  caller_pool().set_helpers(static_cast<int>(n));
+}
+
+// Tests: the calling thread's helpers hold each item they compute until released, so that the
+// caller must take it back; returns how many items the caller took back so far.
+int64_t hold_matmul_helpers(bool hold) {
+  caller_pool().hold_helpers(hold);
+  return caller_pool().taken_back();
+}
+
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
                      double outlier_ratio) {
   return qlinear(x, w, n, bias, outlier_ratio, kQ8);
 }
 
 #else  // no AVX2: the ops exist (so the library loads) but refuse; the engine never calls them
+
+void set_matmul_helpers(int64_t) {}
+int64_t hold_matmul_helpers(bool) { return 0; }
 
 at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&, double) {
   TORCH_CHECK(false, "q4_linear: needs AVX2, FMA and F16C");
@@ -556,6 +629,8 @@ TORCH_LIBRARY_FRAGMENT(batchgate, m) {
   m.def("q8_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
   m.def("has_qmatmul() -> bool", &has_qmatmul);
   m.def("qmatmul_isa() -> str", &qmatmul_isa);
+  m.def("set_matmul_helpers(int n) -> ()", &set_matmul_helpers);  // no tensors: catch-all kernels
+  m.def("hold_matmul_helpers(bool hold) -> int", &hold_matmul_helpers);
 }
 
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {

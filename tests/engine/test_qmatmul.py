@@ -107,6 +107,50 @@ def test_a_row_does_not_depend_on_its_batch(ratio: float) -> None:
     assert torch.equal(layer(x[3:9]), together[3:9])
 
 
+@needs_qmatmul
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_matmul_helpers_give_the_same_results_also_when_work_is_taken_back(kind: str) -> None:
+    """With helpers (engine/csrc/steal_pool.h) a step of 1-4 rows gets the OpenMP path's results
+    bit for bit; so it does when every helper holds the work it took (as a descheduled one would)
+    and the calling thread takes it back, which then happened. Larger steps keep OpenMP."""
+    ops = native_kernels()
+    torch.manual_seed(0)
+    raw = torch.randn(2000, 576) * 0.05  # 250 blocks of 8 rows: runs of several blocks
+    w = (pack_q4 if kind == "q4" else pack_q8)(raw).packed
+    op = ops.q4_linear if kind == "q4" else ops.q8_linear
+    try:
+        for m in (1, 2, 3, 4, 5):
+            x = torch.randn(m, 576)
+            x[:, 40] *= 30  # outlier groups: the 15-bit path too
+            ops.set_matmul_helpers(0)
+            expected = op(x, w, 2000, None, quant.OUTLIER_RATIO)
+            ops.set_matmul_helpers(1)
+            assert torch.equal(op(x, w, 2000, None, quant.OUTLIER_RATIO), expected)
+            before = ops.hold_matmul_helpers(True)
+            try:
+                held = op(x, w, 2000, None, quant.OUTLIER_RATIO)
+            finally:
+                taken_back = ops.hold_matmul_helpers(False) - before
+            assert torch.equal(held, expected)
+            # The helper may not have woken before the caller claimed everything; when it took a run,
+            # the caller took it back. Over several calls it wakes (it spins between a step's matmuls).
+            if m <= 4:
+                for _ in range(20):
+                    if taken_back:
+                        break
+                    before = ops.hold_matmul_helpers(True)
+                    try:
+                        assert torch.equal(op(x, w, 2000, None, quant.OUTLIER_RATIO), expected)
+                    finally:
+                        taken_back = ops.hold_matmul_helpers(False) - before
+                assert taken_back > 0
+            else:
+                assert taken_back == 0  # 5 rows: OpenMP, no helper involved
+    finally:
+        ops.hold_matmul_helpers(False)
+        ops.set_matmul_helpers(0)
+
+
 _AVX2_PROBE = """
 import sys, torch
 from engine.native import native_kernels
@@ -305,6 +349,39 @@ def test_engine_on_the_int8_kernels_serves_frees_and_keeps_prefill_consistent(
     # real model's agreement is measured by bench/quant_parity.py.
     ref = tokens_of(run_all(dense, [GenerationRequest("a", prompt, greedy(12))])[("a", 0)])
     assert whole[0] == ref[0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@needs_qmatmul
+def test_small_steps_on_each_candidate_give_the_same_tokens(
+    tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ways a small step may run where the engine's threads take every CPU (engine/runner.py:
+    one thread, OpenMP on all, the engine thread with matmul helpers) change only who computes:
+    the same greedy tokens on each."""
+    from engine import runner as runner_module
+    from engine.runner import StepThreads
+
+    model = make_tiny_model(
+        tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
+    )
+    monkeypatch.setattr(runner_module, "_all_cpus_taken", lambda n: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = tiny_engine(model, quantization="int4", kernels="native")
+        candidates = engine.runner.small_step_threads.candidates
+        assert candidates == (StepThreads(1), StepThreads(2), StepThreads(1, 1))
+        answers = []
+        for i, candidate in enumerate(candidates):
+            monkeypatch.setattr(engine.runner.small_step_threads, "threads", lambda c=candidate: c)
+            outs = run_all(engine, [GenerationRequest(f"r{i}", list(range(200, 237)), greedy(12))])
+            answers.append(tokens_of(outs[(f"r{i}", 0)]))
+    finally:
+        torch.set_num_threads(threads)
+        native_kernels().set_caller_threads(threads)
+        native_kernels().set_matmul_helpers(0)
+    assert answers[0] == answers[1] == answers[2]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
