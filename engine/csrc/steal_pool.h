@@ -119,6 +119,11 @@ class StealPool {
       wake_.notify_all();
     }
     const uint64_t tag = job << 2;
+    // Tests (hold_helpers): let a helper take a run first, so that there is one to take back.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (hold_.load(std::memory_order_acquire) && threads_.size() > 0 && runs > 1 &&
+           (claim_.load(std::memory_order_acquire) & 0xffffffffu) == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
     int64_t own = 0;
     const auto start = std::chrono::steady_clock::now();
     for (int64_t r; (r = claim(job, runs)) >= 0; ++own) compute_run(payload, ops, r, per_run, n);
@@ -150,7 +155,8 @@ class StealPool {
   // Items the caller took back from helpers so far (tests).
   int64_t taken_back() const { return taken_back_; }
 
-  // Tests: make helpers hold each claimed item until released (so the caller must take it back).
+  // Tests: make helpers hold each run they computed until released, and the caller start only
+  // after a helper claimed one (so that it must take that run back).
   void hold_helpers(bool hold) { hold_.store(hold, std::memory_order_release); }
 
  private:
