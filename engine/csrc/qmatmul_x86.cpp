@@ -564,21 +564,21 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   if (pooled) {
     pool.run(PoolJob{&kernel, wp, acts, m, block_bytes, padded, op}, {pool_compute, pool_store}, blocks);
   } else {
-  at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = (i % spans) * span, first = (i / spans) * kChunkRows;
-      const int64_t last = std::min(m, first + kChunkRows);
-      const uint8_t* wb = wp + b * block_bytes;
-      for (int64_t r = first; r < last; r += kTileRows) {
-        const int64_t rows = std::min<int64_t>(kTileRows, last - r);
-        float* o = op + r * padded + b * kBlockRows;
-        if (span == 2 && b + 1 < blocks)
-          kernel.pair_tiles[rows - 1](wb, wb + block_bytes, acts, r, o, padded);
-        else
-          kernel.tiles[rows - 1](wb, acts, r, o, padded);
+    at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = (i % spans) * span, first = (i / spans) * kChunkRows;
+        const int64_t last = std::min(m, first + kChunkRows);
+        const uint8_t* wb = wp + b * block_bytes;
+        for (int64_t r = first; r < last; r += kTileRows) {
+          const int64_t rows = std::min<int64_t>(kTileRows, last - r);
+          float* o = op + r * padded + b * kBlockRows;
+          if (span == 2 && b + 1 < blocks)
+            kernel.pair_tiles[rows - 1](wb, wb + block_bytes, acts, r, o, padded);
+          else
+            kernel.tiles[rows - 1](wb, acts, r, o, padded);
+        }
       }
-    }
-  });
+    });
   }
   if (padded != n) out = out.narrow(1, 0, n).contiguous();
   if (bias.has_value()) out.add_(*bias);
@@ -596,8 +596,8 @@ void set_matmul_helpers(int64_t n) {
   caller_pool().set_helpers(static_cast<int>(n));
 }
 
-// Tests: the calling thread's helpers hold each item they compute until released, so that the
-// caller must take it back; returns how many items the caller took back so far.
+// Tests: the calling thread's helpers hold each run they compute until released, so that the
+// caller must take it back; returns how many runs the caller took back so far.
 int64_t hold_matmul_helpers(bool hold) {
   caller_pool().hold_helpers(hold);
   return caller_pool().taken_back();
