@@ -66,7 +66,9 @@ class StealPool {
     enabled_ = n > 0;
     if (n == 0 || n == static_cast<int>(threads_.size())) return;
     stop_helpers();
-    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { helper(); });
+    // The jobs so far are over: a helper that starts late still takes the next one.
+    const uint64_t seen = seq_.load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this, seen] { helper(seen); });
   }
 
   void stop_helpers() {
@@ -119,8 +121,8 @@ class StealPool {
     }
     const uint64_t tag = job << 2;
     // Tests (hold_helpers): let a helper take a run first, so that there is one to take back.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (hold_.load(std::memory_order_acquire) && threads_.size() > 0 && runs > 1 &&
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((hold_.load(std::memory_order_acquire) & 1) && threads_.size() > 0 && runs > 1 &&
            (claim_.load(std::memory_order_acquire) & 0xffffffffu) == 0 && std::chrono::steady_clock::now() < deadline)
       std::this_thread::yield();
     int64_t own = 0;
@@ -155,8 +157,12 @@ class StealPool {
   int64_t taken_back() const { return taken_back_; }
 
   // Tests: make helpers hold each run they computed until released, and the caller start only
-  // after a helper claimed one (so that it must take that run back).
-  void hold_helpers(bool hold) { hold_.store(hold, std::memory_order_release); }
+  // after a helper claimed one (so that it must take that run back). Odd: holding; each hold and
+  // release is a new number, so a helper still holding from an earlier hold is released by it.
+  void hold_helpers(bool hold) {
+    const uint64_t h = hold_.load(std::memory_order_relaxed);
+    if (static_cast<bool>(h & 1) != hold) hold_.store(h + 1, std::memory_order_release);
+  }
 
  private:
   enum : uint64_t { kTaken = 1, kStoring = 2, kMine = 3 };
@@ -197,8 +203,7 @@ class StealPool {
     while (inside_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
   }
 
-  void helper() {
-    uint64_t seen = seq_.load(std::memory_order_acquire);
+  void helper(uint64_t seen) {
     std::vector<float> buffer(kMaxRun * kItemFloats);
     float* local = buffer.data();
     for (;;) {
@@ -234,10 +239,11 @@ class StealPool {
         for (int64_t r; (r = claim(job, runs)) >= 0;) {
           uint64_t state = states_[r].v.load(std::memory_order_acquire);
           if ((state >> 2) == job || !states_[r].v.compare_exchange_strong(state, tag | kTaken)) continue;
+          const uint64_t held = hold_.load(std::memory_order_acquire);  // tests: the hold of its claim
           // The run into local buffers first: a late helper must not write where the caller went on.
           const int64_t first = r * per_run, count = std::min(n, first + per_run) - first;
           for (int64_t i = 0; i < count; ++i) ops.compute(payload, first + i, local + i * kItemFloats);
-          while (hold_.load(std::memory_order_acquire)) BATCHGATE_CPU_RELAX();
+          while ((held & 1) && hold_.load(std::memory_order_acquire) == held) BATCHGATE_CPU_RELAX();
           uint64_t taken = tag | kTaken;
           if (!states_[r].v.compare_exchange_strong(taken, tag | kStoring, std::memory_order_acq_rel)) continue;
           for (int64_t i = 0; i < count; ++i) ops.store(payload, first + i, local + i * kItemFloats);
@@ -255,7 +261,7 @@ class StealPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<bool> stop_{false};
-  std::atomic<bool> hold_{false};
+  std::atomic<uint64_t> hold_{0};
   std::atomic<int> sleeping_{0};
   std::atomic<int> inside_{0};
   std::atomic<uint64_t> seq_{0};    // the current job's number (even), odd while it is written
