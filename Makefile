@@ -51,8 +51,8 @@ serve: install
 	$(BIN)/batchgate serve --host $(HOST) --port $(PORT) --storage-dir $(STATE)
 
 # The second pass only where the profile changes something: on a CPU that is at most AVX2 the
-# first pass already ran at that level. faulthandler stays on past pytest's own session, so a crash
-# while the interpreter exits prints where it happened (one such exit crash was seen once).
+# first pass already ran at that level. faulthandler: a native crash during a test prints where it
+# happened (the test process ends without finalization, see tests/conftest.py).
 test: install $(HELM) $(CODEX)
 	$(BIN)/python -X faulthandler -m pytest -q --durations=15
 	@if $(BIN)/python -c "$$ABOVE_AVX2"; then \

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Pat
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), real_model_dir)
 
 
-
 # The test process ends without the interpreter's finalization, once pytest has reported. Twice, a
 # run whose every test had passed segfaulted after it (3167888, and CI on 242bbc5), past the point
 # where faulthandler can say where; daemon threads of the in-process servers the tests start
@@ -56,9 +57,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    import os
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_exit_status)
