@@ -38,40 +38,44 @@ class StepThreads(NamedTuple):
 
 
 class SmallStepThreads:
-    """The threads for small steps, chosen by measurement: a trial times `TRIAL_STEPS` steps on
-    each candidate in turn, each from its start to the next step's (so what a step's threads
-    cost the server around it counts too), and keeps the one with the lower median; the next
-    trial comes after `KEEP_STEPS` more small steps, as load and machine change. A trial's cost is
-    bounded: at most (candidates - 1) * TRIAL_STEPS of every KEEP_STEPS + candidates * TRIAL_STEPS
-    small steps run on a slower candidate."""
+    """The threads for small steps, chosen by measurement: a trial times small steps on the
+    candidates in turns, one step each (so a change of load during the trial weighs on all alike),
+    each from its start to the next step's (so what a step's threads cost the server around it
+    counts too), `TRIAL_ROUNDS` rounds, and keeps the one with the lower median. The next trial
+    comes after `keep` more small steps on it, doubling from `FIRST_KEEP_STEPS` to `KEEP_STEPS`: the
+    first choice is made while the server warms up and must not hold for long. A trial's cost is
+    bounded: (candidates - 1) * TRIAL_ROUNDS of every KEEP_STEPS + candidates * TRIAL_ROUNDS small
+    steps, once the interval has grown, run on a slower candidate."""
 
-    TRIAL_STEPS = 16
+    TRIAL_ROUNDS = 16
+    FIRST_KEEP_STEPS = 128
     KEEP_STEPS = 2048
 
     def __init__(self, candidates: tuple[Hashable, ...]) -> None:
         self.candidates = candidates
         self.chosen = candidates[0]
-        self._trial: list[list[float]] = [[] for _ in candidates]  # empty lists: no trial running
-        self._kept = self.KEEP_STEPS  # a trial starts with the first small step
+        self._trial: list[list[float]] = [[] for _ in candidates]
+        self._keep = self.FIRST_KEEP_STEPS // 2  # doubled when a trial ends
+        self._kept = self._keep  # a trial starts with the first small step
 
     def threads(self) -> Hashable:
-        """The candidate the next small step runs on."""
-        if self._kept < self.KEEP_STEPS:
+        """The candidate the next small step runs on: in a trial, the one timed least so far."""
+        if self._kept < self._keep:
             return self.chosen
-        # A trial's first unfinished candidate (a complete trial was closed by record()).
-        return next(c for c, t in zip(self.candidates, self._trial, strict=True) if len(t) < self.TRIAL_STEPS)
+        timed = [len(t) for t in self._trial]
+        return self.candidates[timed.index(min(timed))]
 
     def record(self, threads: Hashable, seconds: float) -> None:
         """A small step's time on candidate `threads`, from its start to the next step's."""
-        if self._kept < self.KEEP_STEPS:
+        if self._kept < self._keep:
             self._kept += 1
             return
-        times = self._trial[self.candidates.index(threads)]
-        times.append(seconds)
-        if all(len(t) >= self.TRIAL_STEPS for t in self._trial):
+        self._trial[self.candidates.index(threads)].append(seconds)
+        if all(len(t) >= self.TRIAL_ROUNDS for t in self._trial):
             medians = [statistics.median(t) for t in self._trial]
             self.chosen = self.candidates[medians.index(min(medians))]
             self._trial = [[] for _ in self.candidates]
+            self._keep = min(2 * self._keep, self.KEEP_STEPS)
             self._kept = 0
 
 

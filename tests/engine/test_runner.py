@@ -66,8 +66,9 @@ def test_serving_unique_prompts_grows_no_kv_memory_and_keeps_no_request_state(ti
 def test_small_steps_run_on_the_engine_thread_alone_where_its_threads_take_every_cpu(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each step sets the engine thread's OpenMP threads: one for a step of at most
-    SERIAL_STEP_MAX_TOKENS tokens, all of them for a larger one; nothing where CPUs are spare."""
+    """Each step sets the engine thread's OpenMP threads: all of them for a step of more than
+    SERIAL_STEP_MAX_TOKENS tokens, the small-step candidate's count for a smaller one (the first
+    trial takes them in turns); nothing where CPUs are spare."""
     from engine import runner as runner_module
     from engine.native import native_kernels
     from engine.types import GenerationRequest
@@ -97,16 +98,19 @@ def test_small_steps_run_on_the_engine_thread_alone_where_its_threads_take_every
     finally:
         torch.set_num_threads(threads)
         native_kernels().set_caller_threads(threads)
-    assert calls == [2, 1, 1, 1, 1]  # the 20-token prefill, then one decode token a step
+    # The 20-token prefill on both, then a decode token a step on the candidates in turns: the
+    # engine thread alone, both through OpenMP, the engine thread with a helper, alone again.
+    assert calls == [2, 1, 2, 1, 1]
 
 
 def test_small_steps_take_the_thread_count_that_measured_faster_and_try_again_later() -> None:
-    """A trial times TRIAL_STEPS small steps on each count in turn and keeps the faster (by median,
-    so one stalled step does not decide); after KEEP_STEPS steps on it, the next trial."""
+    """A trial times TRIAL_ROUNDS small steps on each count, in turns, and keeps the faster (by
+    median, so one stalled step does not decide); the next trial comes after FIRST_KEEP_STEPS steps
+    on it, then after twice as many each time, up to KEEP_STEPS."""
     from engine.runner import SmallStepThreads
 
     chooser = SmallStepThreads((1, 2))
-    trial, keep = chooser.TRIAL_STEPS, chooser.KEEP_STEPS
+    rounds = chooser.TRIAL_ROUNDS
 
     def run(steps: int, seconds: dict[int, float], stall_every: int = 0) -> list[int]:
         used = []
@@ -117,14 +121,33 @@ def test_small_steps_take_the_thread_count_that_measured_faster_and_try_again_la
             chooser.record(threads, 1.0 if stalled else seconds[threads])
         return used
 
-    # The first trial: each count in turn; two threads faster (a stalled step now and then).
-    assert run(2 * trial, {1: 0.012, 2: 0.009}, stall_every=5) == [1] * trial + [2] * trial
+    # The first trial: the counts in turns; two threads faster (a stalled step now and then).
+    assert run(2 * rounds, {1: 0.012, 2: 0.009}, stall_every=5) == [1, 2] * rounds
     assert chooser.chosen == 2
-    assert run(keep, {1: 0.012, 2: 0.009}) == [2] * keep
+    keep = chooser.FIRST_KEEP_STEPS
+    while keep < chooser.KEEP_STEPS:  # each trial finds the same, and the next one comes later
+        assert run(keep, {1: 0.012, 2: 0.009}) == [2] * keep
+        assert run(2 * rounds, {1: 0.012, 2: 0.009}) == [1, 2] * rounds
+        keep *= 2
+    assert run(chooser.KEEP_STEPS, {1: 0.012, 2: 0.009}) == [2] * chooser.KEEP_STEPS
     # The machine's load changed: one thread is faster now, and the next trial finds it.
-    assert run(2 * trial, {1: 0.010, 2: 0.016}) == [1] * trial + [2] * trial
+    assert run(2 * rounds, {1: 0.010, 2: 0.016}) == [1, 2] * rounds
     assert chooser.chosen == 1
-    assert set(run(keep, {1: 0.010, 2: 0.016})) == {1}
+    assert set(run(chooser.KEEP_STEPS, {1: 0.010, 2: 0.016})) == {1}
+
+
+def test_a_load_that_changes_during_a_trial_weighs_on_every_candidate_alike() -> None:
+    """Two threads are faster throughout, but the machine gets twice as slow halfway through the
+    trial (the server warming up, a neighbour starting): timed in turns, two threads still win,
+    where timing one count's steps and then the other's would pick the one timed first."""
+    from engine.runner import SmallStepThreads
+
+    chooser = SmallStepThreads((1, 2))
+    for i in range(2 * chooser.TRIAL_ROUNDS):
+        threads = chooser.threads()
+        slowdown = 1.0 if i < chooser.TRIAL_ROUNDS else 2.0
+        chooser.record(threads, slowdown * {1: 0.012, 2: 0.009}[threads])
+    assert chooser.chosen == 2
 
 
 def test_a_small_step_is_timed_to_the_next_step_but_not_across_an_idle_engine(
