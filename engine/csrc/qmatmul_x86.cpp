@@ -514,6 +514,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup, blocks = w.size(0);
   TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, "qlinear: K must match the packed weight");
   TORCH_CHECK(n > (blocks - 1) * kBlockRows && n <= blocks * kBlockRows, "qlinear: n must match w");
+  if (m == 0) return at::empty({0, n}, xc.options());  // a step whose chunks complete no sequence
   Pool& pool = caller_pool();
   const bool pooled = m <= kPoolRows && pool.helpers() > 0;
   // Quantized activations: in the pool's scratch on its path (a late helper may still read them).

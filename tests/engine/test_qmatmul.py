@@ -110,6 +110,8 @@ def test_a_row_does_not_depend_on_its_batch(ratio: float) -> None:
     many = torch.randn(100, 576)
     many[::3, 7] *= 30
     assert torch.equal(layer(many)[[0, 37, 38, 71, 72, 99]], layer(many[[0, 37, 38, 71, 72, 99]]))
+    # No rows (the LM head of a step whose prefill chunks complete no sequence): no result.
+    assert layer(many[:0]).shape == (0, 72)
 
 
 @needs_qmatmul
