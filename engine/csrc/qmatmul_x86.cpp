@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -514,7 +515,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup, blocks = w.size(0);
   TORCH_CHECK(k % kGroup == 0 && w.size(1) == groups, "qlinear: K must match the packed weight");
   TORCH_CHECK(n > (blocks - 1) * kBlockRows && n <= blocks * kBlockRows, "qlinear: n must match w");
-  if (m == 0) return at::empty({0, n}, xc.options());  // a step whose chunks complete no sequence
+  if (m == 0) return at::empty({0, n}, xc.options());  // the LM head of a step that samples nothing
   Pool& pool = caller_pool();
   const bool pooled = m <= kPoolRows && pool.helpers() > 0;
   // Quantized activations: in the pool's scratch on its path (a late helper may still read them).
@@ -555,25 +556,24 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c1
   float* op = out.data_ptr<float>();
   const at::Tensor wc = w.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
-  // Work items: (chunk of at most kChunkRows activation rows, span of 1 or 2 blocks of 8 output
-  // rows), chunk-major, so a thread's range runs each chunk's rows (kept in L2) against one span of
-  // weight blocks after another. An odd last block goes alone. The chunks are as even as the tiles
-  // allow: threads get equal numbers of items, and a short last chunk left one of two threads with
-  // a third of the work at 64 rows (2x slower than 48).
-  static_assert(kChunkRows % kTileRows == 0, "a chunk is whole tiles");
-  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
-  const int64_t chunks = (tiles * kTileRows + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows = (tiles + chunks - 1) / chunks * kTileRows;
+  // Work items: (chunk of kChunkRows activation rows, span of 1 or 2 blocks of 8 output rows),
+  // chunk-major, so a thread's items run each chunk's rows (kept in L2) against one span of weight
+  // blocks after another. An odd last block goes alone.
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   const int64_t span = kernel.pair_tiles[0] != nullptr && m >= kPairMinRows ? 2 : 1;
   const int64_t spans = (blocks + span - 1) / span;
   const int64_t block_bytes = groups * kernel.group_bytes;
   if (pooled) {
     pool.run(PoolJob{&kernel, wp, acts, m, block_bytes, padded, op}, {pool_compute, pool_store}, blocks);
   } else {
-    at::parallel_for(0, chunks * spans, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = (i % spans) * span, first = (i / spans) * chunk_rows;
-        const int64_t last = std::min(m, first + chunk_rows);
+    // Threads take items from a counter, not equal ranges: where one is descheduled or slowed (the
+    // server and its clients share the cores), the others take on its items instead of waiting.
+    const int64_t items = chunks * spans;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+        const int64_t b = (i % spans) * span, first = (i / spans) * kChunkRows;
+        const int64_t last = std::min(m, first + kChunkRows);
         const uint8_t* wb = wp + b * block_bytes;
         for (int64_t r = first; r < last; r += kTileRows) {
           const int64_t rows = std::min<int64_t>(kTileRows, last - r);

@@ -105,8 +105,8 @@ def test_a_row_does_not_depend_on_its_batch(ratio: float) -> None:
     for i in range(20):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
     assert torch.equal(layer(x[3:9]), together[3:9])
-    # Past 48 rows a batch is cut into chunks of rows (as even as the tiles allow): 100 rows run as
-    # three, and each row still gets its own result.
+    # Past 48 rows a batch runs in chunks of rows, items that threads take from a counter: 100 rows
+    # run as 48, 48 and 4, and each row still gets its own result.
     many = torch.randn(100, 576)
     many[::3, 7] *= 30
     assert torch.equal(layer(many)[[0, 37, 38, 71, 72, 99]], layer(many[[0, 37, 38, 71, 72, 99]]))
