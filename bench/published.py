@@ -108,6 +108,7 @@ def main() -> None:
         "throughput_avx2": throughput(plt, "throughput_avx2"),
         "throughput_zen4": throughput(plt, "throughput_zen4"),
         "throughput_zen4_avx2_profile": throughput(plt, "throughput_zen4_avx2_profile"),
+        "throughput_xeon_avx2_profile": throughput(plt, "throughput_xeon_avx2_profile"),
         "long_mix": long_mix(plt),
         "embeddings_latency": embeddings(plt),
     }
