@@ -8,6 +8,7 @@ BATCHGATE_PORT=9000 batchgate serve      # every flag has a BATCHGATE_* variable
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -149,6 +150,9 @@ def serve(settings: Settings, tenancy: Tenancy | None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A native crash (a kernel's SIGSEGV, SIGFPE, SIGILL) prints every thread's Python stack to
+    # stderr before the process dies, instead of leaving an empty log.
+    faulthandler.enable()
     telemetry.setup()  # only when OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER ask for traces
     app = create_app(settings, tenancy=tenancy, owns_tenancy=True, engine_factory=engine_factory)
     config = uvicorn.Config(

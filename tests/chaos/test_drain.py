@@ -164,3 +164,19 @@ def test_drain_through_a_proxy_gateway(tmp_path: Path, tiny_model_dir: Path, red
             p.proc.send_signal(signal.SIGCONT)
             p.kill()
         observer.close()
+
+
+def test_a_native_crash_leaves_every_thread_s_stack_in_the_log(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A server killed by a fatal signal (as a kernel's SIGSEGV or SIGFPE would) says where each
+    thread was, rather than ending with an empty log."""
+    server = start("crashed", replica_args(tiny_model_dir), tmp_path)
+    try:
+        wait_ready([server])
+        server.proc.send_signal(signal.SIGSEGV)
+        assert server.proc.wait(timeout=30) == -signal.SIGSEGV
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    log = server.log.read_text()
+    assert "Fatal Python error: Segmentation fault" in log
+    assert "gateway/cli.py" in log and "engine/async_engine.py" in log  # the main and engine threads
