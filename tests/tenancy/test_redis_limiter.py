@@ -14,12 +14,12 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 
-from tenancy.batcher import ScriptBatcher, pack_command
 from tenancy.billing import Budget, Charge
 from tenancy.bucket import Reason
 from tenancy.keyspace import UNAVAILABLE_ERRORS, leases_key, open_async, requests_key, tokens_key, usage_key
 from tenancy.limiter import FailurePolicy, Lease
 from tenancy.redis_limiter import RedisLimiter
+from tenancy.script_batcher import ScriptBatcher, pack_command
 from tests.conftest_redis import RedisProcess
 from tests.tenancy.conftest import make_plan
 
@@ -349,29 +349,77 @@ def test_a_connection_closed_under_the_batcher_is_replaced_at_once_on_uvloop(red
     uvloop.run(_settle_across_a_connection_closed_under_the_batcher(redis_url))
 
 
-async def test_an_error_reply_of_the_connection_kind_fails_the_call_and_keeps_the_settlement() -> None:
+def _hello_reply(command: list[bytes], protocol: int) -> tuple[bytes, int]:
+    """What a real Redis (7.x) answers to ``HELLO [protover ...]`` on a connection speaking
+    `protocol`, and the protocol the connection speaks after it: the server's properties as a map
+    in RESP3 (``%``), as a flat array of names and values in RESP2, and ``-NOPROTO`` for a version
+    it does not speak (the connection keeps its protocol)."""
+    if len(command) > 1:
+        try:
+            protocol_asked = int(command[1])
+        except ValueError:
+            return b"-ERR Protocol version is not an integer or out of range\r\n", protocol
+        if protocol_asked not in (2, 3):
+            return b"-NOPROTO unsupported protocol version\r\n", protocol
+        protocol = protocol_asked
+    properties: list[tuple[bytes, bytes | int | list[bytes]]] = [
+        (b"server", b"redis"), (b"version", b"7.2.4"), (b"proto", protocol), (b"id", 1),
+        (b"mode", b"standalone"), (b"role", b"master"), (b"modules", []),
+    ]
+
+    def encode(value: bytes | int | list[bytes]) -> bytes:
+        if isinstance(value, int):
+            return b":%d\r\n" % value
+        if isinstance(value, list):
+            return b"*%d\r\n" % len(value) + b"".join(map(encode, value))
+        return b"$%d\r\n%s\r\n" % (len(value), value)
+
+    head = b"%%%d\r\n" % len(properties) if protocol == 3 else b"*%d\r\n" % (2 * len(properties))
+    return head + b"".join(encode(name) + encode(value) for name, value in properties), protocol
+
+
+# None: the client's default protocol (RESP2 before redis-py 8, RESP3 from 8 on, which sends
+# HELLO 3 on connect); 2 and 3: asked for explicitly.
+@pytest.mark.parametrize("protocol", [None, 2, 3])
+async def test_an_error_reply_of_the_connection_kind_fails_the_call_and_keeps_the_settlement(
+    protocol: int | None,
+) -> None:
     """A Redis still loading its data after a restart answers `-LOADING` (redis-py parses it as
     a ConnectionError, not a ResponseError): the call raises it, so the limiter keeps the
-    settlement for its retry instead of reading the error as a reply."""
+    settlement for its retry instead of reading the error as a reply. The fake server answers
+    the connection's handshake (HELLO) as Redis does, in the protocol the client asks for."""
     import hiredis
+
+    received: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = hiredis.Reader()
+        speaking = 2  # a new connection speaks RESP2 until HELLO 3
         while data := await reader.read(65536):
             parser.feed(data)
             while (command := parser.gets()) is not False:
-                loading = command[0].upper() in (b"EVALSHA", b"EVAL")
-                writer.write(b"-LOADING Redis is loading the dataset\r\n" if loading else b"+OK\r\n")
+                name = command[0].upper()
+                received.append(name)
+                if name == b"HELLO":
+                    reply, speaking = _hello_reply(command, speaking)
+                elif name in (b"EVALSHA", b"EVAL"):
+                    reply = b"-LOADING Redis is loading the dataset\r\n"
+                else:  # SELECT, CLIENT SETINFO, ...
+                    reply = b"+OK\r\n"
+                writer.write(reply)
         writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    options = {} if protocol is None else {"protocol": protocol}
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0", **options)
     batcher = ScriptBatcher(client, deadline_s=2.0)
     try:
         with pytest.raises(redis.exceptions.BusyLoadingError):
             await batcher.call(client.register_script("return 1"), [], [])
         assert isinstance(redis.exceptions.BusyLoadingError(), UNAVAILABLE_ERRORS)
+        if protocol == 3:  # the handshake that asked for RESP3 was answered, and in it
+            assert b"HELLO" in received
     finally:
         await batcher.aclose()
         await client.aclose()
