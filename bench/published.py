@@ -1,9 +1,9 @@
 """The plots of docs/BENCHMARKS.md's first page, drawn from the result files committed beside them.
 
-    python -m bench.published            # bench/results/published/*.json -> docs/figures/*.png
+    python -m bench.published            # docs/figures/data/*.json -> docs/figures/*.png
 
 Each result file holds one figure's numbers with its command, date, code revision and CPU
-(copied from the run's section in docs/BENCHMARKS_HISTORY.md). Needs matplotlib (the `bench` extra).
+(copied from the run's dated result file in docs/results/). Needs matplotlib (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "published"
 FIGURES = Path(__file__).parent.parent / "docs" / "figures"
+RESULTS = FIGURES / "data"
 
 
 def _load(name: str) -> dict[str, Any]:

@@ -6,4 +6,4 @@ def fp32(self, *a, **k):
     init(self, *a[:5], compact=False, **k)
 lora.LoraWeights.__init__ = fp32
 sys.argv = ["ab", *sys.argv[1:]]
-runpy.run_path("bench/results/issue26/lora_cpu_ab.py", run_name="__main__")
+runpy.run_path(__file__.replace("_fp32", ""), run_name="__main__")  # lora_cpu_ab.py beside it
