@@ -4,7 +4,7 @@
 
 For the 8 parity prompts (tests/engine/test_parity_real.py), runs transformers' fp32 `generate`
 (the reference), our engine in fp32, in bf16, and in bf16 with int4 decode steps (the served
-default for the bundled Q4_1 model: engine/quant.py), and reports per prompt the first token where
+default for the bundled Q4_1 model: engine/device/quant.py), and reports per prompt the first token where
 each departs from the reference, with the reference's top-2 logit gap at that step: bf16 keeps ~8
 bits of mantissa, so a departure where the gap is small is rounding, not a bug.
 """

@@ -39,10 +39,12 @@ if str(ROOT) not in sys.path:  # `python bench/gpu_check.py` puts bench/, not th
 import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.device.loader import LoadedModel  # noqa: E402
+from engine.device.worker import EngineWorker  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import LoadedModel, ModelSpec  # noqa: E402
+from engine.model_spec import ModelSpec  # noqa: E402
+from engine.resolve import resolve  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams  # noqa: E402
-from engine.worker import EngineWorker  # noqa: E402
 
 # Hugging Face configs of the shapes (weights are random).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -182,7 +184,7 @@ def make_engine(
         quantization="none",
     )
     model = LoadedModel(Path("."), name, spec, {}, NullTokenizer(), dict(weights))
-    return LLMEngine(config, worker=EngineWorker.start(config, model))
+    return LLMEngine(config, worker=EngineWorker.start(resolve(config, in_memory_model=True), model))
 
 
 def params(max_tokens: int) -> SamplingParams:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from engine.config import EngineConfig
-    from engine.loader import resolve_model_dir
+    from engine.resolve import resolve_model_dir
 
     hf = AutoTokenizer.from_pretrained(resolve_model_dir(None, EngineConfig().model.cache_dir))
     backend = LLGuidanceBackend(hf, 49152, (2,))

@@ -84,7 +84,7 @@ def linear_rows(pad: bool, num_cycles: int = 3) -> None:
     9..512, `num_cycles` times, with the engine's row padding or without it."""
     import torch
 
-    from engine import quant
+    from engine.device import quant
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -211,7 +211,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def tiny_model_dir() -> str:
     """A random-weight 2-layer Llama with the bundled model's tokenizer (as the tests use)."""
-    from engine.loader import resolve_model_dir
+    from engine.resolve import resolve_model_dir
     from tests.tiny_model import make_tiny_model
 
     target = Path(tempfile.gettempdir()) / "batchgate-bench" / "tiny-llama"

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import quant
-from engine.native import native_kernels
+from engine.device import quant
+from engine.device.native import native_kernels
 
 SHAPES = (
     ("qkv", 960, 576),

@@ -25,7 +25,7 @@ import httpx
 
 from bench.cpu import CpuMeter
 from gateway.app import create_app
-from gateway.response_store import SQLITE_FILE, SQLiteStore
+from gateway.responses.store import SQLITE_FILE, SQLiteStore
 from gateway.settings import Settings
 from tests.gateway.conftest import LiveServer
 from tests.gateway.fakes import FakeEngine

@@ -1,5 +1,5 @@
 """What resolving stored state adds to a request: the time of `ResponsesState.prepare` and `wrap`
-(gateway/responses_state.py), the functions the pipeline runs before its backend, each call timed
+(gateway/responses/state.py), the functions the pipeline runs before its backend, each call timed
 by a monotonic span, for a `previous_response_id` and a `conversation` of 10-50 turns, on the
 SQLite store and on Redis (a real redis-server on a free port), built as the server builds them,
 on the server's event loop (uvloop).
@@ -44,13 +44,13 @@ import redis.asyncio as aioredis
 from bench.cpu import CpuMeter
 from gateway.admission import Caller
 from gateway.backend import Body, Call, Plan, Reply, Work
-from gateway.conversations import Conversations
 from gateway.drain import Drain
 from gateway.endpoints import RESPONSES
 from gateway.metrics import Metrics
-from gateway.response_store import StoredConversation, StoredResponse
-from gateway.responses_background import BackgroundRuns
-from gateway.responses_state import ResponsesState, build_store
+from gateway.responses.background import BackgroundRuns
+from gateway.responses.conversations import Conversations
+from gateway.responses.state import ResponsesState, build_store
+from gateway.responses.store import StoredConversation, StoredResponse
 from gateway.settings import Settings
 
 WORDS = "the quick brown fox jumps over the lazy dog " * 2

@@ -360,7 +360,7 @@ class Soak:
 def kv_cache_rss(pid: int, budget: int) -> int:
     """Resident bytes of the server's KV cache on the CPU: the mappings of one size whose count
     times size is within 10% under `budget` (one key and one value tensor per layer, each its own
-    mapping; see engine/kv_cache.py `zeroed_cache`). 0 if no such group is found."""
+    mapping; see engine/device/kv_cache.py `zeroed_cache`). 0 if no such group is found."""
     sizes: dict[int, list[int]] = {}
     size = rss = -1
     with open(f"/proc/{pid}/smaps") as f:

@@ -7,7 +7,7 @@ Stats are published as a snapshot after every step, so `stats()` never touches l
 
 Queue deadlines at arrival: `submit()` estimates the request's wait from the latest published load
 snapshot plus the requests accepted since (`PendingWork`), under the same lock that enqueues it, and
-raises EngineOverloadedError at once when it could not start in time (see engine/admission.py).
+raises EngineOverloadedError at once when it could not start in time (see engine/deadlines.py).
 
 Liveness: a fault in a step is contained by the engine (engine/llm_engine.py); anything else that
 escapes the loop ends it, fails every pending request, and `health()` then says the engine is
@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.admission import PendingWork
 from engine.config import EngineConfig
+from engine.deadlines import PendingWork
 from engine.grammar import CompiledGrammar
 from engine.llm_engine import LLMEngine
 from engine.loop_thread import LoopThread

@@ -6,6 +6,9 @@ its check (`_CHECKS`, run when the section is built), and (in its metadata, `set
 server exposes it: its help, and where the server's name or value type differs from the field's
 (`--kv-cache-memory`, `--queue-deadline`, `--prefix-caching tenant|global|off`). The gateway's
 flags, variables and models-file keys are generated from these (gateway/settings.py).
+
+What the "auto" settings become on this machine and model is a `ResolvedConfig`, decided once by
+engine/resolve.py when the engine starts; the device side (engine/device/) reads only that.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_type_hints
 
 if TYPE_CHECKING:
+    import torch
     from _typeshed import DataclassInstance
 
 # The inter-token latency the scheduler aims at while long prompts prefill (`--target-itl-ms`; 0 turns
@@ -135,10 +139,10 @@ class ModelConfig:
         None, "the model id clients send and /v1/models lists", per_model=False
     )
     # "auto": bf16 on CUDA and on CPUs with native bf16, else fp32; fp32 activations wherever a Q4_1
-    # GGUF runs on our int8 kernels (engine/quant.py).
+    # GGUF runs on our int8 kernels (engine/device/quant.py).
     dtype: str = setting("auto", "weights and KV dtype", choices=DTYPES)
     device: str = setting("auto", "auto, cpu or cuda[:N]")
-    # Weight format of the layers' projections (engine/quant.py): "none" (dtype only); "int4" /
+    # Weight format of the layers' projections (engine/device/quant.py): "none" (dtype only); "int4" /
     # "int8" (Q4_1 / Q8_0 groups on our int8 kernels); "auto" (a Q4_1 GGUF's weights as it holds them).
     quantization: str = setting(
         "auto",
@@ -146,7 +150,7 @@ class ModelConfig:
         choices=QUANTIZATIONS,
     )
     int4_max_batch: int = setting(8, "largest step (tokens) that runs on the int4 weights")
-    # "native": engine/native.py's C++ kernels (CPU only, compiled on first use); "torch": plain ops.
+    # "native": engine/device/native.py's C++ kernels (CPU only, compiled on first use); "torch": plain ops.
     kernels: str = setting(
         "auto",
         "native (C++ kernels: paged decode attention, fused norms; CPU), torch, or auto",
@@ -172,7 +176,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache (engine/kv_cache.py, engine/block_manager.py)."""
+    """The paged KV cache (engine/device/kv_cache.py, engine/block_manager.py)."""
 
     block_size: int = setting(16, "tokens per KV-cache block (a power of two)")
     # KV memory: this when set, else `kv_cache_memory_fraction` of free memory (on the CPU, within
@@ -187,7 +191,7 @@ class CacheConfig:
         0.3, "KV-cache size as a fraction of free memory, when --kv-cache-memory is not given"
     )
     max_model_len: int | None = setting(None, "context length (default: the model's, capped by KV memory)")
-    # "auto": bf16 under fp32 activations on our int8 kernels (engine/kv_cache.py), else the dtype.
+    # "auto": bf16 under fp32 activations on our int8 kernels (engine/device/kv_cache.py), else the dtype.
     kv_cache_dtype: str = setting(
         "auto",
         "KV-cache dtype: auto (bfloat16 on the CPU's int8 kernels, else --dtype's), bfloat16, float16 or "
@@ -212,7 +216,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Scheduling (engine/scheduler.py, engine/policy.py, engine/admission.py)."""
+    """Scheduling (engine/scheduler/, engine/deadlines.py)."""
 
     max_num_seqs: int = setting(64, "most sequences in one batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step")
@@ -272,7 +276,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism (engine/parallel.py)."""
+    """Tensor parallelism (engine/device/parallel.py)."""
 
     # Ranks one model copy is split over, one process each (rank 0 is this process and schedules).
     tensor_parallel_size: int = setting(
@@ -323,3 +327,44 @@ SETTING_FIELDS: dict[str, tuple[str, Field[Any]]] = {
     f.name: (name, f) for name, section in SECTIONS.items() for f in fields(section)
 }
 assert len(SETTING_FIELDS) == sum(len(fields(s)) for s in SECTIONS.values()), "a field name twice"
+
+
+# ---- what the settings become on this machine (engine/resolve.py) -------------------------------
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the layers' projections and the LM head are stored (engine/device/quant.py)."""
+
+    layers: str | None = None  # "q4" or "q8": our kernels serve every step
+    head: str | None = None  # the LM head's kind for our kernels, or None: float
+    int4_max_rows: int = 0  # torch's int4 copy for decode steps of at most this many rows (bf16)
+
+    def describe(self) -> str:
+        if self.layers:
+            return f", {self.layers} layers and {self.head or 'float'} LM head on the int8 kernels"
+        return f", int4 weights for steps of <= {self.int4_max_rows} tokens" if self.int4_max_rows else ""
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An `EngineConfig` with every "auto" decided for this machine and model, once, by
+    engine/resolve.py. The device side (engine/device/) reads the concrete values here, never the
+    settings they came from; `config` keeps the rest (sizes, limits, sections)."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype  # activations, and the weights' float copies
+    weight_format: WeightFormat
+    kv_cache_dtype: torch.dtype
+    # "native": engine/device/native.py's C++ CPU kernels; "triton": the CUDA decode-attention
+    # kernel (engine/device/triton_attention.py), with CUDA graphs on one rank; "torch": plain ops.
+    kernels: str
+    # The Hugging Face folder the weights load from (a GGUF file converted into the cache); None
+    # where the caller hands the engine its model in memory (`EngineWorker.start(resolved, model)`).
+    model_dir: Path | None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The decode step replayed from CUDA graphs (engine/device/cuda_graphs.py)."""
+        return self.kernels == "triton" and self.config.parallel.tensor_parallel_size == 1

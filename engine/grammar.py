@@ -17,7 +17,7 @@ a known failure of other servers): JSON is compiled compact (`whitespace_flexibl
 whitespace is allowed between tokens at all; inside strings it is content the schema allows.
 Runaway digits likewise: a number or integer without bounds gets JSON's safe range, and a number
 without `multipleOf` at most NUMBER_DECIMALS decimals, an email's local part and a URI's scheme
-at most 64 characters (`bound_schema`).
+at most 64 characters (`engine.json_schema.bound_schema`).
 
 Running out of max_tokens inside the JSON (a free-form string the model will not end, a long list)
 would leave it unparseable: once a sequence's remaining budget is within `closing_reserve`, its row
@@ -43,15 +43,16 @@ import json
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy
 import torch
 
+from engine.json_schema import bound_schema
 from engine.types import GrammarError, GrammarSpec
 
 if TYPE_CHECKING:
-    # Imported lazily at run time (llguidance's tokenizer tables take ~0.5 s to build).
+    # Imported lazily at run time (llguidance's tokenizer tables are slow to build).
     from llguidance import LLMatcher, LLTokenizer
     from llguidance._lib import JsonCompileOptions
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -65,7 +66,6 @@ __all__ = [  # the records live in engine.types (they travel in SamplingParams a
     "GrammarSpec",
     "LLGuidanceBackend",
     "allocate_bitmask",
-    "bound_schema",
     "closing_reserve",
 ]
 
@@ -116,41 +116,6 @@ class GrammarBackend(Protocol):
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile `spec`, or raise GrammarError naming what is wrong with it."""
         ...
-
-
-# Bounds against runaway output (a small model runs an unbounded field to max_tokens): numbers
-# without a bound get JSON's interoperable range (RFC 8259: doubles are exact to 2**53 - 1) and
-# at most NUMBER_DECIMALS decimals without `multipleOf`; an email's local part gets RFC 5321's 64
-# octets and a URI's scheme 64 characters, the parts that may end only at a separator.
-MAX_SAFE_INTEGER = 2**53 - 1
-NUMBER_DECIMALS = 6
-FORMAT_PREFIXES = {"email": "^[^@]{1,64}@", "uri": "^[A-Za-z][A-Za-z0-9+.-]{0,63}:"}
-
-
-def bound_schema(schema: Any) -> Any:
-    """`schema` with `minimum`/`maximum` +-MAX_SAFE_INTEGER added to every integer or number
-    subschema that lacks them, `multipleOf` 10**-NUMBER_DECIMALS to every number subschema that
-    lacks one, and FORMAT_PREFIXES' bound as the `pattern` of every email or URI string without one
-    (a copy; everything else unchanged). An output of the bounded schema validates against the
-    original."""
-    if isinstance(schema, list):
-        return [bound_schema(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: bound_schema(value) for key, value in schema.items()}
-    prefix = FORMAT_PREFIXES.get(str(schema.get("format")))
-    if prefix is not None and "pattern" not in out:
-        out["pattern"] = prefix
-    kind = schema.get("type")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if "integer" in kinds or "number" in kinds:
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = MAX_SAFE_INTEGER
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -MAX_SAFE_INTEGER
-    if "number" in kinds and "multipleOf" not in out:
-        out["multipleOf"] = 10.0**-NUMBER_DECIMALS
-    return out
 
 
 # A sequence closes its output (Grammar.fill_bitmask(closing=True)) once at most this many of its
@@ -240,8 +205,8 @@ class ClosingTokens:
             allowed.copy_(narrowed)
 
 
-# A plan search (`shortest_completion`) gives up after this many parser states: ~20 ms each 100
-# on the bundled model's vocabulary; a closing Codex patch takes ~125.
+# A plan search (`shortest_completion`) gives up after this many parser states, so a closing step
+# stays short; a closing Codex patch needs far fewer.
 PLAN_STATES = 2000
 # States alike are searched at most this often: a bounded repetition (`[0-9]{4}`) looks alike at
 # each count, a free-text loop alike at every byte.
@@ -407,7 +372,7 @@ class LLGuidanceBackend:
     """llguidance over a Hugging Face tokenizer; `vocab_size` is the width of the model's logits.
 
     `eos_token_ids` are the tokens that may end an output once the grammar accepts. Building the
-    llguidance tokenizer takes ~0.5 s, so it happens on first use (on the compile thread).
+    llguidance tokenizer is slow, so it happens on first use (on the compile thread).
     """
 
     def __init__(

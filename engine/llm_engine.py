@@ -2,7 +2,7 @@
 
 Not thread-safe: AsyncEngine drives it from one thread. Every accepted request ends in exactly
 one finished output per choice (stop, length, abort or error), and every terminal path frees its
-blocks through `Scheduler.finish`.
+blocks through `SchedulerInterface.finish` (engine/scheduler/).
 
 Constrained requests (`SamplingParams.grammar`) wait in the scheduler (WAITING_FOR_GRAMMAR) until
 their grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-from engine.admission import (
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.deadlines import (
     DEADLINE_MARGIN,
     LoadSnapshot,
     PendingWork,
@@ -37,11 +39,13 @@ from engine.admission import (
     ServiceMeter,
     estimate_wait_s,
 )
-from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device.worker import EngineWorker
 from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend, MaskFiller, MaskRow, closing_due
 from engine.lora import LoraAdapter, LoraError, LoraRegistry, LoraSlots
-from engine.scheduler import Scheduler
+from engine.resolve import resolve
+from engine.scheduler import build_scheduler
+from engine.scheduler.interface import SchedulerInterface
 from engine.sequence import Sequence, SequenceStatus, compile_failure
 from engine.step import SchedulerOutput, StepResult
 from engine.types import (
@@ -62,7 +66,6 @@ from engine.types import (
     StepStage,
     TokenLogprob,
 )
-from engine.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +81,14 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         worker: EngineWorker | None = None,
     ) -> None:
-        """`worker`: one already started (`EngineWorker.start(config, model)`: bench/gpu_check.py
+        """`config`'s "auto" settings are decided here, once (engine/resolve.py). `worker`: one already
+        started (`EngineWorker.start(resolve(config, in_memory_model=True), model)`: bench/gpu_check.py
         starts one on a model with random weights), instead of loading `config.model.model`."""
         self.config = config
         self.clock = clock
         if config.model.num_threads:
             torch.set_num_threads(config.model.num_threads)
-        worker = worker if worker is not None else EngineWorker.start(config)
+        worker = worker if worker is not None else EngineWorker.start(resolve(config))
         device, dtype, weight_format = worker.device, worker.dtype, worker.weight_format
         self.model_name = config.model.served_model_name or worker.name
         self.tokenizer = worker.tokenizer
@@ -96,7 +100,8 @@ class LLMEngine:
         # LoRA adapters: every loaded version (CPU memory), and the slots a step may mix.
         self.loras = LoraRegistry(self.spec)
         self.lora_slots = LoraSlots(config.model.max_loras, self.runner.set_lora_slot)
-        self.scheduler = Scheduler.for_engine(config, num_blocks, clock, self.lora_slots)
+        blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler: SchedulerInterface = build_scheduler(config.scheduler, blocks, clock, self.lora_slots)
         self.block_manager = self.scheduler.blocks
         # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar.py).
         self.masks = MaskFiller(self.spec.vocab_size, overlap=device.type == "cuda")
@@ -297,7 +302,7 @@ class LLMEngine:
             if not self.scheduler.has_unfinished():
                 self.runner.idle()
         except EngineDeadError:
-            raise  # a tensor-parallel rank is gone (engine/parallel.py): this engine cannot go on
+            raise  # a tensor-parallel rank is gone (engine/device/parallel.py): this engine cannot go on
         except Exception as exc:  # noqa: BLE001 - a failed stage fails what it concerns, not the engine
             batch = None if out is None else [c.seq for c in out.chunks] + list(out.ended)
             return outputs + self._contain(stage, exc, batch)

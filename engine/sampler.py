@@ -128,7 +128,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     """One token from `probs` (non-negative, summing to about 1) by inverse transform: one uniform
     draw from the row's generator and a binary search of the cumulative sums (float64, so the
     tail's tokens keep their share). torch.multinomial on the CPU draws an exponential per token
-    instead, about 20x slower at a 49152-token vocabulary (docs/BENCHMARKS.md).
+    instead, far slower at a large vocabulary (docs/BENCHMARKS.md).
 
     A token without mass is never drawn: its cumulative sum equals its predecessor's. -1 when the
     row has no mass at all (every logit -inf or a NaN), which `sample` raises for, as multinomial

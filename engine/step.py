@@ -83,7 +83,7 @@ class SchedulerOutput:
 @dataclass
 class StepInputs:
     """One step's batch as plain lists: everything a forward pass needs, and what rank 0 sends the
-    other ranks of a tensor-parallel replica (engine/parallel.py). Rows: decodes, then prefills."""
+    other ranks of a tensor-parallel replica (engine/device/parallel.py). Rows: decodes, then prefills."""
 
     input_ids: list[int]
     positions: list[int]
@@ -116,7 +116,7 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
-    # Where the step's prefill may run in the one-call layers (engine/model.py; see
+    # Where the step's prefill may run in the one-call layers (engine/device/model.py; see
     # ONE_CALL_PREFILL_CONTEXT): every token as a row of its own, [T, B] its sequence's block ids
     # and [T] its context length (its position + 1), run exactly as a decode token. None: the step
     # only decodes, or its prefill runs in the Python layer loop.
@@ -133,8 +133,9 @@ class LoraDecodePlan:
     """The decode rows with an adapter, rows [lo, hi) in slot order (`SchedulerOutput.by_adapter`),
     as one batched matmul over slots 0..num_slots-1: `gather` [num_slots * width] takes each slot's
     rows into [num_slots, width] (padded with row lo, whose padded results are never read); row
-    lo + i is entry `j[i]` of slot `slot[i]` (engine/lora.py's LoraStack reads it). `dense`: every
-    slot has `width` rows, so the rows are that grid as they lie (no gather, no scatter)."""
+    lo + i is entry `j[i]` of slot `slot[i]` (engine/device/lora_weights.py's LoraStack reads
+    it). `dense`: every slot has `width` rows, so the rows are that grid as they lie (no gather, no
+    scatter)."""
 
     num_slots: int
     width: int
@@ -231,8 +232,8 @@ def lora_groups(inputs: StepInputs) -> list[tuple[int, slice]]:
 
 
 # The most attention work (the sum of the prefill tokens' context lengths) a step may have for its
-# prefill to run in the one-call layers. On AVX2 (1 thread) that was 4-20% faster for fresh prompts
-# of 13-512 tokens and 11-12% slower for 32-64 tokens after 1,000-2,000 of context (sums ~65K).
+# prefill to run in the one-call layers: they win on fresh prompts and lose on chunks deep into a
+# long context (bench/one_call_prefill.py, docs/BENCHMARKS.md).
 ONE_CALL_PREFILL_CONTEXT = 16384
 
 

@@ -16,7 +16,7 @@ class Priority(enum.IntEnum):
 
     PAID = 0
     FREE = 1
-    BATCH = 2  # Batch API lines: only the capacity paid and free leave (engine/scheduler.py)
+    BATCH = 2  # Batch API lines: only the capacity paid and free leave (engine/scheduler/)
 
 
 class FinishReason(enum.StrEnum):

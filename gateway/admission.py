@@ -5,8 +5,6 @@ Open mode (no tenancy object) admits everything as one anonymous caller at paid 
 its lease is held (renewed, then settled with the tokens really used) until the response ends:
 
     parse -> authenticate -> tokenize -> admit -> submit -> stream/gather -> settle (Admission.close)
-
-The tenancy package is imported lazily, so the gateway runs (in open mode) without it.
 """
 
 from __future__ import annotations
@@ -18,14 +16,15 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.types import Priority
 from gateway.errors import APIError, ErrorKind
-
-if TYPE_CHECKING:
-    from tenancy.config import Tenant
-    from tenancy.service import LeaseHolder, Tenancy
+from tenancy.admin import ConfigWatcher
+from tenancy.config import Tenant
+from tenancy.errors import AuthError, LimiterUnavailableError
+from tenancy.redis_limiter import RedisLimiter
+from tenancy.service import LeaseHolder, Tenancy
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -189,23 +188,16 @@ class Admission:
         self.settle()
 
 
-def _tenancy_errors() -> tuple[type[BaseException], type[BaseException]]:
-    from tenancy.errors import AuthError, LimiterUnavailableError
-
-    return AuthError, LimiterUnavailableError
-
-
 async def authenticate(tenancy: Tenancy | None, authorization: str | None, user: str | None) -> Caller:
     """The caller of a request; APIError 401 for a bad key, 503 when the key store is unreachable."""
     if tenancy is None:
         # Open mode: the OpenAI `user` field is the only identity there is; use it for fairness.
         return Caller(name=user or "")
-    auth_error, unavailable_error = _tenancy_errors()
     try:
         identity = await tenancy.identify(authorization)
-    except auth_error as exc:
+    except AuthError as exc:
         raise APIError(ErrorKind.INVALID_API_KEY, str(exc)) from None
-    except unavailable_error as exc:
+    except LimiterUnavailableError as exc:
         raise APIError(
             ErrorKind.UNAVAILABLE, f"Authentication is unavailable: {exc}", retry_after_s=1.0
         ) from None
@@ -293,8 +285,6 @@ async def watching(
     followers: list[asyncio.Future[None]] = []
     admin_store = tenancy.admin
     if admin_store is not None:
-        from tenancy.admin import ConfigWatcher
-
         watcher = ConfigWatcher(admin_store, tenancy.reconfigure)
         await watcher.check()
         followers.append(asyncio.ensure_future(watcher.run()))
@@ -317,6 +307,5 @@ async def watching(
 
 
 def _uses_redis(tenancy: Tenancy) -> bool:
-    from tenancy.redis_limiter import RedisLimiter
 
     return isinstance(getattr(tenancy, "limiter", None), RedisLimiter)

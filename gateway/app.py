@@ -1,6 +1,6 @@
 """The Starlette app: OpenAI's endpoints over the model registry's backends.
 
-    create_app(settings) -> backends (gateway/local.py, gateway/embeddings.py, gateway/relay.py)
+    create_app(settings) -> backends (in process: gateway/local/; replicas: gateway/pool/relay.py)
                          -> ModelRegistry (gateway/registry.py) -> Pipeline (gateway/pipeline.py)
                          -> routes: the model endpoints (gateway/endpoints.py), models, probes,
                             metrics, OpenAPI, the internal routes
@@ -24,23 +24,32 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, admission, endpoints, loras, responses, telemetry, usage
+from gateway import admission, endpoints, loras, telemetry
+from gateway.admin import api as admin
+from gateway.admin import usage_routes as usage
+from gateway.admin.webhooks import BudgetWebhook
 from gateway.backend import Backend, Endpoint, Task
-from gateway.batches import build_batches
-from gateway.conversations import Conversations
+from gateway.batches.api import build_batches
 from gateway.drain import Drain, DrainMiddleware
-from gateway.embeddings import EmbeddingBackend, EmbeddingService
+from gateway.endpoints import LOCAL_ROUTES
 from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
-from gateway.local import EngineBackend, EngineFactory, default_engine_factory, freeze_startup_heap
+from gateway.local.embedding_backend import EmbeddingBackend, EmbeddingService
+from gateway.local.engine_backend import (
+    EngineBackend,
+    EngineFactory,
+    default_engine_factory,
+    freeze_startup_heap,
+)
 from gateway.metrics import BudgetUse, Metrics, MetricsMiddleware
-from gateway.openapi import build_openapi
+from gateway.openai import bodies
+from gateway.openapi.document import build_openapi
 from gateway.pipeline import Pipeline
+from gateway.pool.relay import ReplicaBackend
 from gateway.registry import ModelRegistry
-from gateway.relay import ReplicaBackend
-from gateway.responses_background import BackgroundRuns
-from gateway.responses_state import ResponsesState, build_store
+from gateway.responses.background import BackgroundRuns
+from gateway.responses.conversations import Conversations
+from gateway.responses.state import ResponsesState, build_store
 from gateway.settings import Settings
-from gateway.webhooks import BudgetWebhook
 
 if TYPE_CHECKING:
     from engine.client import EngineClient
@@ -77,7 +86,9 @@ class Gateway:
             return [a for a in adapters if a.model == model]
 
         if engine is not None or (not gateway_only and settings.model != "none"):
-            main = EngineBackend(settings, self.metrics, engine, engine_factory, loras=adapters_of(None))
+            main = EngineBackend(
+                settings, self.metrics, engine, engine_factory, routes=LOCAL_ROUTES, loras=adapters_of(None)
+            )
             self.engines.append(main)
         if embedder is not None or (not gateway_only and settings.embedding_model != "none"):
             self.embedders.append(EmbeddingBackend(settings, self.metrics, embedder))
@@ -87,11 +98,15 @@ class Gateway:
                 self.embedders.append(EmbeddingBackend(own, self.metrics, name=spec.name))
             else:
                 backend = EngineBackend(
-                    own, self.metrics, engine_factory=engine_factory, loras=adapters_of(spec.name)
+                    own,
+                    self.metrics,
+                    engine_factory=engine_factory,
+                    routes=LOCAL_ROUTES,
+                    loras=adapters_of(spec.name),
                 )
                 self.engines.append(backend)
         chat_names = {None} | {s.name for s in settings.served_models() if s.task == "generate"}
-        # Adapters of no in-process chat model are the pool's (gateway/pool_loras.py).
+        # Adapters of no in-process chat model are the pool's (gateway/pool/adapters.py).
         pooled = [a for a in adapters if a.model not in chat_names or (a.model is None and not self.engines)]
         if pooled and not settings.upstreams:
             names = ", ".join(sorted(a.name for a in pooled))
@@ -254,7 +269,7 @@ class Gateway:
         cards = self.registry.cards(await self._caller(request))
         if not cards:
             await self._raise_unless_ready()
-        return JSONResponse(responses.model_list([card.body() for card in cards]))
+        return JSONResponse(bodies.model_list([bodies.model_card(c.id, c.created) for c in cards]))
 
     async def _raise_unless_ready(self) -> None:
         for backend in self.backends:
@@ -270,7 +285,7 @@ class Gateway:
             await self.replicas.find(model)  # probes replicas marked down when none serves it
         for card in self.registry.cards(caller):
             if card.id == model:
-                return JSONResponse(card.body())
+                return JSONResponse(bodies.model_card(card.id, card.created))
         await self._raise_unless_ready()
         raise model_not_found(model)
 
@@ -311,9 +326,9 @@ class Gateway:
 
     async def internal_count(self, request: Request) -> Response:
         """`{"prompt_tokens": n}`: the exact prompt of the chat or completions request in the body
-        (the endpoint's path in `x-batchgate-path`), for a gateway's budget hold (gateway/relay.py)."""
+        (the endpoint's path in `x-batchgate-path`), for a gateway's budget hold (gateway/pool/relay.py)."""
         path = request.headers.get(admission.PATH_HEADER, "")
-        endpoint = next((e for e in endpoints.COUNTABLE if e.path == path), None)
+        endpoint = next((e for e in endpoints.ENDPOINTS if e.countable and e.path == path), None)
         if endpoint is None:
             raise APIError(ErrorKind.NOT_FOUND, f"No countable endpoint {path[:100]!r}.")
         return JSONResponse({"prompt_tokens": await self.pipeline.count(endpoint, request)})
@@ -326,9 +341,9 @@ class Gateway:
 
 
 def stored_routes(gateway: Gateway) -> list[Route]:
-    """The routes over a tenant's stored state: responses, conversations (gateway/responses.py,
-    gateway/conversations.py), files and batches (gateway/files.py, gateway/batches.py); each is
-    authenticated like the model endpoints (`Gateway.stored`)."""
+    """The routes over a tenant's stored state: responses and conversations (gateway/responses/),
+    files and batches (gateway/batches/); each is authenticated like the model endpoints
+    (`Gateway.stored`)."""
     r, c, files, batches = gateway.responses, gateway.conversations, gateway.files, gateway.batches
     table: list[tuple[str, str, Callable[[admission.Caller, Request], Awaitable[Response]]]] = [
         ("GET", "/v1/responses/{response_id}", r.retrieve),
@@ -357,7 +372,7 @@ def stored_routes(gateway: Gateway) -> list[Route]:
 
 
 def usage_routes(gateway: Gateway) -> list[Route]:
-    """The usage ledger's routes (gateway/usage.py)."""
+    """The usage ledger's routes (gateway/admin/usage_routes.py)."""
     routes = usage.UsageRoutes(gateway.tenancy, gateway.settings.admin_key_hash)
     return [
         Route("/v1/usage", routes.own, methods=["GET"]),
@@ -383,7 +398,7 @@ def create_app(
     open mode (no API keys, no limits); closed on shutdown only if `owns_tenancy`. `embedder`: a
     started embedding service (the caller owns it), or None to load `settings.embedding_model` at
     start-up beside the engine (none: no embedding model). With `settings.upstreams` and no
-    `engine`, the app is a gateway in front of those replicas (gateway/relay.py).
+    `engine`, the app is a gateway in front of those replicas (gateway/pool/relay.py).
     """
     gateway = Gateway(
         settings,

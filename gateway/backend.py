@@ -2,9 +2,12 @@
 the small typed records that cross it.
 
     pipeline:  parse -> authenticate -> resolve model -> backend.plan(work) -> admit -> plan.execute(call)
-    backends:  EngineBackend (gateway/local.py: the in-process engine), EmbeddingBackend
-               (gateway/embeddings.py: the in-process batcher), ReplicaBackend (gateway/relay.py:
-               remote replicas over HTTP)
+    backends:  EngineBackend (gateway/local/engine_backend.py: the in-process engine),
+               EmbeddingBackend (gateway/local/embedding_backend.py: the in-process batcher),
+               ReplicaBackend (gateway/pool/relay.py: remote replicas over HTTP)
+
+What differs per endpoint inside a backend is the backend's own table, filled in by the endpoint
+table (gateway/endpoints.py): this module names no API family.
 
 The pipeline (gateway/pipeline.py) knows only this module: it never asks which kind of backend
 it talks to. A backend turns a parsed request (`Work`) into a `Plan` (the tokens to reserve, and
@@ -18,29 +21,38 @@ from __future__ import annotations
 
 import enum
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import responses, schemas
 from gateway.admission import Caller
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
-from gateway.responses_request import ResponsesRequest
 from gateway.telemetry import ChatSpan
 
 if TYPE_CHECKING:
-    from gateway.generation import Job, Outputs
-    from gateway.tools import OutputPlan
     from tenancy.tokens import TokenCounter
 
-# A parsed request body, as an endpoint's parser returns it.
-APIRequest: TypeAlias = ChatCompletionRequest | CompletionRequest | EmbeddingsRequest | ResponsesRequest
-
 logger = logging.getLogger("batchgate.gateway")
+
+
+class APIRequest(Protocol):
+    """A parsed request body, as its endpoint's parser returns it: each API family has its own
+    type; the pipeline reads only these two fields."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def user(self) -> str | None: ...
+
+
+def new_id(prefix: str) -> str:
+    """A request's id: `chatcmpl-<hex>`; a prefix ending in "_" is OpenAI's newer style (`resp_<hex>`)."""
+    return f"{prefix}{uuid.uuid4().hex}" if prefix.endswith("_") else f"{prefix}-{uuid.uuid4().hex}"
 
 
 class Task(enum.Enum):
@@ -63,35 +75,10 @@ class Endpoint:
     span: Callable[[Work], ChatSpan]
     stateful: bool = False  # its requests go through the pipeline's `State` hooks
     count_only: bool = False  # answers the prompt's token count; generates nothing, charges nothing
-    # What differs per endpoint inside the backends (gateway/endpoints.py fills these in): how the
-    # in-process engine plans it and answers it, and what a relay holds for it.
-    plan_local: Callable[[LocalPlanner, Work], Awaitable[Plan]] | None = None
-    answer: Answer | None = None
+    # What a relaying gateway holds for it (gateway/pool/relay.py): its own token counts.
     relay_hold: Callable[[Work, TokenCounter], Awaitable[RelayHold]] | None = None
+    countable: bool = False  # a replica counts its exact prompt for a gateway (`/v1/internal/count`)
     usage_in_stream: bool = False  # its stream's terminal event carries usage unasked
-
-
-class LocalPlanner(Protocol):
-    """What an endpoint's local plan may call on the in-process generation backend (gateway/local.py)."""
-
-    @property
-    def closed_arguments(self) -> bool: ...
-
-    async def plan_chat(
-        self, work: Work, req: ChatCompletionRequest, *, param: str, output: OutputPlan | None = None
-    ) -> Plan: ...
-
-    async def plan_completion(self, work: Work, req: CompletionRequest) -> Plan: ...
-
-    async def plan_count(self, req: ChatCompletionRequest) -> Plan: ...
-
-
-@dataclass(frozen=True)
-class Answer:
-    """How the in-process engine's outputs become an endpoint's reply: SSE events, or one body."""
-
-    events: Callable[[APIRequest, Outputs, Job], AsyncIterator[bytes]]
-    body: Callable[[APIRequest, Job, list[responses.Choice]], Mapping[str, object]]
 
 
 @dataclass(frozen=True)
@@ -204,9 +191,6 @@ class ModelCard:
     task: Task | None = None  # None: a replica's model (the replica knows)
     owner: str | None = None  # a LoRA adapter's tenant: listed and served to it alone (gateway/loras.py)
 
-    def body(self) -> schemas.Model:
-        return responses.model_card(self.id, self.created)
-
 
 @dataclass(frozen=True)
 class NotReady:
@@ -225,7 +209,7 @@ class NotReady:
 class State(Protocol):
     """What a stateful endpoint (the Responses API) adds around its backend: `prepare` after
     authentication resolves stored state into the work (404 for an id the tenant has not got);
-    `wrap` returns the plan whose `execute` also stores the answer (gateway/responses_state.py)."""
+    `wrap` returns the plan whose `execute` also stores the answer (gateway/responses/state.py)."""
 
     async def prepare(self, work: Work) -> None: ...
 

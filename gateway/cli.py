@@ -131,7 +131,7 @@ def serve(settings: Settings, tenancy: Tenancy | None) -> int:
     from gateway import telemetry
     from gateway.app import create_app
     from gateway.drain import DrainingServer
-    from gateway.local import default_engine_factory
+    from gateway.local.engine_backend import default_engine_factory
 
     engine_failed = threading.Event()
     server: uvicorn.Server | None = None

@@ -1,5 +1,6 @@
 """The public model endpoints: for each, only what differs (its request model, the task it asks
-of a model, its span). Everything else is the one pipeline (gateway/pipeline.py).
+of a model, its span, how the in-process engine plans and answers it, what a relaying gateway
+holds for it). Everything else is the one pipeline (gateway/pipeline.py).
 
 `/v1/generate` is the seed-style alias of `/v1/completions`: `{model, prompt, max_tokens,
 temperature, stream}` and nothing else, answered exactly as a completion (a replica gets it at
@@ -13,19 +14,16 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from gateway import embeddings, generation, protocol, responses, responses_output
-from gateway.backend import Answer, APIRequest, Endpoint, LocalPlanner, Plan, RelayHold, Task, Work
-from gateway.custom_tools import plan_output
+from gateway.backend import APIRequest, Endpoint, Plan, RelayHold, Task, Work
 from gateway.errors import APIError, ErrorKind
-from gateway.generation import Job, Outputs
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
-from gateway.responses_request import (
-    ResponsesRequest,
-    drop_oldest,
-    parse_input_tokens_request,
-    parse_responses_request,
-    to_chat,
-)
+from gateway.local.hooks import Answer, LocalPlanner, LocalRoute
+from gateway.openai import bodies, generation, protocol
+from gateway.openai.generation import Job, Outputs
+from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+from gateway.responses import output as responses_output
+from gateway.responses.chat_form import drop_oldest, to_chat
+from gateway.responses.custom_tools import plan_output
+from gateway.responses.request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
 from gateway.telemetry import ChatSpan
 
 if TYPE_CHECKING:
@@ -87,10 +85,24 @@ def _responses_span(work: Work) -> ChatSpan:
 
 
 def _embeddings_span(work: Work) -> ChatSpan:
-    return embeddings.span(work.model, work.caller, _as(EmbeddingsRequest, work.request))
+    """The `embeddings {model}` span with the GenAI attributes (no sampling parameters)."""
+    req = _as(EmbeddingsRequest, work.request)
+    span = ChatSpan(
+        "embeddings",
+        work.model,
+        max_tokens=None,
+        temperature=None,
+        top_p=None,
+        tenant=work.caller.name,
+        priority=work.caller.priority.name.lower(),
+    )
+    span.set("gen_ai.request.encoding_formats", [req.encoding_format or "float"])
+    if req.dimensions is not None:
+        span.set("gen_ai.embeddings.dimension.count", req.dimensions)
+    return span
 
 
-# -- plans on the in-process engine (gateway/local.py) ------------------------------------------
+# -- plans on the in-process engine (gateway/local/engine_backend.py) --------------------------
 
 
 async def _plan_chat(backend: LocalPlanner, work: Work) -> Plan:
@@ -129,13 +141,13 @@ def _response_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterat
     return responses_output.response_events(_as(ResponsesRequest, req), outputs, job)
 
 
-def _response_body(req: APIRequest, job: Job, choices: list[responses.Choice]) -> Mapping[str, object]:
+def _response_body(req: APIRequest, job: Job, choices: list[bodies.Choice]) -> Mapping[str, object]:
     return responses_output.response_body(_as(ResponsesRequest, req), job, choices[0])
 
 
 def _answer_of_job(
     events: Callable[[Outputs, Job], AsyncIterator[bytes]],
-    body: Callable[[Job, list[responses.Choice]], Mapping[str, object]],
+    body: Callable[[Job, list[bodies.Choice]], Mapping[str, object]],
 ) -> Answer:
     """The answer of an endpoint whose reply depends on the job only, not on the request model."""
     return Answer(
@@ -148,7 +160,7 @@ COMPLETION_ANSWER = _answer_of_job(generation.completion_events, generation.comp
 RESPONSE_ANSWER = Answer(_response_events, _response_body)
 
 
-# -- holds of a relaying gateway (gateway/relay.py): its own token counts ------------------------
+# -- holds of a relaying gateway (gateway/pool/relay.py): its own token counts ------------------------
 
 
 async def _hold_chat(work: Work, counter: TokenCounter) -> RelayHold:
@@ -180,9 +192,14 @@ async def _hold_response(work: Work, counter: TokenCounter) -> RelayHold:
 
 
 async def _hold_embeddings(work: Work, counter: TokenCounter) -> RelayHold:
+    """Token ids as given, texts by the gateway's counter plus 2 each for [CLS] and [SEP] (the
+    replica reports the exact count, settled after)."""
     req = _as(EmbeddingsRequest, work.request)
-    num_prompt = await anyio.to_thread.run_sync(embeddings.count_proxied_tokens, req, counter)
-    return RelayHold(num_prompt, 0)
+
+    def count() -> int:
+        return sum(len(i) if isinstance(i, tuple) else counter.count(i) + 2 for i in req.input)
+
+    return RelayHold(await anyio.to_thread.run_sync(count), 0)
 
 
 CHAT = Endpoint(
@@ -193,9 +210,8 @@ CHAT = Endpoint(
     id_prefix="chatcmpl",
     parse=protocol.parse_chat_request,
     span=_generation_span,
-    plan_local=_plan_chat,
-    answer=CHAT_ANSWER,
     relay_hold=_hold_chat,
+    countable=True,
 )
 COMPLETIONS = Endpoint(
     path="/v1/completions",
@@ -205,12 +221,13 @@ COMPLETIONS = Endpoint(
     id_prefix="cmpl",
     parse=protocol.parse_completion_request,
     span=_generation_span,
-    plan_local=_plan_completion,
-    answer=COMPLETION_ANSWER,
     relay_hold=_hold_completion,
+    countable=True,
 )
 # The seed-style alias (see the module docstring): a completion in all but its path and parser.
-GENERATE = dataclasses.replace(COMPLETIONS, path="/v1/generate", parse=protocol.parse_generate_request)
+GENERATE = dataclasses.replace(
+    COMPLETIONS, path="/v1/generate", parse=protocol.parse_generate_request, countable=False
+)
 EMBEDDINGS = Endpoint(
     path="/v1/embeddings",
     upstream_path="/v1/embeddings",
@@ -231,8 +248,6 @@ RESPONSES = Endpoint(
     parse=parse_responses_request,
     span=_responses_span,
     stateful=True,
-    plan_local=_plan_response,
-    answer=RESPONSE_ANSWER,
     relay_hold=_hold_response,
     usage_in_stream=True,
 )
@@ -247,10 +262,16 @@ RESPONSE_INPUT_TOKENS = Endpoint(
     span=_responses_span,
     stateful=True,
     count_only=True,
-    plan_local=_plan_input_tokens,
     relay_hold=_hold_response,
 )
 
 ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES, RESPONSE_INPUT_TOKENS)
-# What a replica counts for a gateway's budget hold (`POST /v1/internal/count`): no stored state.
-COUNTABLE = (CHAT, COMPLETIONS)
+
+# The endpoints the in-process generation engine serves (gateway/local/engine_backend.py), by path.
+LOCAL_ROUTES = {
+    CHAT.path: LocalRoute(_plan_chat, CHAT_ANSWER),
+    COMPLETIONS.path: LocalRoute(_plan_completion, COMPLETION_ANSWER),
+    GENERATE.path: LocalRoute(_plan_completion, COMPLETION_ANSWER),
+    RESPONSES.path: LocalRoute(_plan_response, RESPONSE_ANSWER),
+    RESPONSE_INPUT_TOKENS.path: LocalRoute(_plan_input_tokens),
+}

@@ -21,9 +21,9 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from typing_extensions import TypedDict
 
 from engine.types import EngineError, EngineOverloadedError, InvalidRequestError
-from gateway.schemas import Error
 from gateway.sse import encode_event
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,19 @@ _HTTP_STATUS_KINDS: dict[int, ErrorKind] = {
     413: ErrorKind.REQUEST_TOO_LARGE,
     415: ErrorKind.UNSUPPORTED_MEDIA_TYPE,
 }
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(TypedDict):
+    """OpenAI's error object; also the payload of an SSE error event after a failure mid-stream."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):

@@ -15,7 +15,7 @@ any other caller gets the same 404 as for a name nobody serves.
                                          running one, saying whether its memory was released
 
 A replace is a new version: requests that started keep the version they pinned. In pool mode
-(no in-process chat model for it) the same routes act on the replicas (gateway/pool_loras.py),
+(no in-process chat model for it) the same routes act on the replicas (gateway/pool/adapters.py),
 and a replica takes them from its gateway with the internal token as well as the admin key. Each load, replace
 and unload is an entry of the admin audit log (`GET /admin/audit`, with tenancy over Redis; else
 only logged). What the admin API loads is recorded (`AdapterRecords`: loras.sqlite3 in
@@ -41,7 +41,8 @@ from starlette.routing import Route
 from engine.types import EngineError
 from gateway import admission
 from gateway.errors import APIError, ErrorKind, from_engine_error, invalid_request
-from gateway.response_store import connect
+from gateway.storage import connect
+from tenancy.errors import LimiterUnavailableError
 
 if TYPE_CHECKING:
     from engine.lora import LoraAdapter
@@ -101,7 +102,7 @@ class AdapterRecords:
 
 
 class AdapterHost(Protocol):
-    """An in-process chat model that serves adapters (gateway/local.py's EngineBackend)."""
+    """An in-process chat model that serves adapters (gateway/local/engine_backend.py's EngineBackend)."""
 
     lora_owners: dict[str, str | None]
 
@@ -148,7 +149,7 @@ def adapter_body(adapter: LoraAdapter, owner: str | None, model: str | None) -> 
 
 def held_report(hosts: Sequence[AdapterHost]) -> dict[str, dict[str, Any]]:
     """The adapters these in-process models hold, for a gateway in front (/v1/internal/stats;
-    gateway/replicas.py reads it back)."""
+    gateway/pool/replicas.py reads it back)."""
     report: dict[str, dict[str, Any]] = {}
     for host in hosts:
         resident = set(host.resident())
@@ -164,7 +165,7 @@ def held_report(hosts: Sequence[AdapterHost]) -> dict[str, dict[str, Any]]:
 
 
 class PoolHost(Protocol):
-    """The adapters of a pool of replicas (gateway/pool_loras.py's PoolAdapters)."""
+    """The adapters of a pool of replicas (gateway/pool/adapters.py's PoolAdapters)."""
 
     def serves(self, name: str) -> bool: ...
 
@@ -308,7 +309,6 @@ class LoraRoutes:
         """The change is made: an audit log that cannot be written now is logged, not an error."""
         if self.audit is None:
             return
-        from tenancy.errors import LimiterUnavailableError
 
         try:
             await self.audit(self._actor(request), action, f"lora:{name}", detail)

@@ -30,8 +30,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import admission, responses
-from gateway.backend import APIRequest, Body, Call, Endpoint, Plan, Reply, State, Usage, Work
+from gateway import admission
+from gateway.backend import APIRequest, Body, Call, Endpoint, Plan, Reply, State, Usage, Work, new_id
 from gateway.body import read_json, unless_disconnected
 from gateway.drain import Drain, deadline_frame
 from gateway.errors import APIError, ErrorKind
@@ -93,7 +93,7 @@ class Pipeline:
         """Resolve, plan and admit one parsed request: its lifetime, to execute then close."""
         served = await self.registry.resolve(req.model, endpoint, caller)
         work = Work(
-            endpoint, req, body, caller, req.model, request_id or responses.new_id(endpoint.id_prefix)
+            endpoint, req, body, caller, req.model, request_id or new_id(endpoint.id_prefix)
         )
         state = self.state if endpoint.stateful else None
         try:
@@ -184,7 +184,7 @@ class Pipeline:
         req = endpoint.parse(body)
         caller = await self.authenticate(http.headers, req.user)
         served = await self.registry.resolve(req.model, endpoint)
-        work = Work(endpoint, req, body, caller, req.model, responses.new_id(endpoint.id_prefix))
+        work = Work(endpoint, req, body, caller, req.model, new_id(endpoint.id_prefix))
         plan = await served.backend.plan(work)
         return plan.num_prompt_tokens
 

@@ -2,7 +2,8 @@
 
 Precedence: a command-line flag, else its environment variable, else the default. Every setting
 has one row in the dataclass below (its flag, variable, parser and help come from the field's
-metadata), so `batchgate serve --help` and the README table cannot drift from the code. A bad
+metadata), so `batchgate serve --help` and docs/CONFIGURATION.md (gateway/settings_doc.py) cannot drift
+from the code. A bad
 value is a ValueError naming the flag and the variable, raised before anything starts.
 """
 
@@ -336,7 +337,7 @@ class Settings:
         None,
         _str,
         "a TOML file declaring more models served in this process, each under its own name and "
-        "settings (see README: Several models)",
+        "settings (see docs/MODELS.md, Several models)",
     )
     drain_timeout_s: float = _opt(
         60.0,

@@ -60,7 +60,7 @@ UNPAYABLE_WEIGHT = 2**31
 def prompt_excess_weight(budgets: tuple[Budget, ...], price: Price) -> int:
     """How many completion tokens, at most, pay for one prompt token beyond a budget's hold: 1
     for a token budget; a money budget's input over output price, rounded up. A pool replica
-    cuts that many from its completion tokens per excess prompt token (gateway/local.py), so a
+    cuts that many from its completion tokens per excess prompt token (gateway/local/engine_backend.py), so a
     request whose gateway under-estimated its prompt still costs no more than its hold."""
     weight = 1 if budgets else 0
     for budget in budgets:

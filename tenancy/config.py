@@ -8,7 +8,7 @@ The file looks like::
     requests_per_minute = 600
     max_concurrent_requests = 32
     queue_deadline_seconds = 10
-    batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches.py), a lane of
+    batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches/api.py), a lane of
     batch_tokens_per_minute = 2000000 # their own beside the interactive limits: lines in flight,
     batch_enqueued_tokens = 20000000  # tokens a minute, prompt tokens of unfinished batches per
     storage_quota_bytes = 10000000000 # model, bytes of files; unset: no limit
@@ -60,7 +60,7 @@ DEFAULT_TENANT = "default"
 _PLAN_INT_FIELDS = ("tokens_per_minute", "requests_per_minute", "max_concurrent_requests")
 _BUDGET_FIELDS = {"budget_usd", "budget_tokens", "budget_window", "budget_soft_ratio"}
 _PLAN_REQUIRED = {"priority", *_PLAN_INT_FIELDS, "queue_deadline_seconds"}
-# Optional batch-queue limits (the Batch API, gateway/batches.py); unset: no limit.
+# Optional batch-queue limits (the Batch API, gateway/batches/api.py); unset: no limit.
 _PLAN_BATCH_FIELDS = (
     "batch_tokens_per_minute",
     "batch_max_concurrent_lines",

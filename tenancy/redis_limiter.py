@@ -11,7 +11,7 @@ reconnects on the next call, and ``EVALSHA`` reloads a script a restarted Redis 
 so service resumes by itself when Redis returns.
 
 Admissions, settlements and budget reads go through one pipelined connection of their own
-(``tenancy.batcher``), which Redis serves in the order they were written. A settlement (lease
+(``tenancy.script_batcher``), which Redis serves in the order they were written. A settlement (lease
 release, token refund, budget charge, ledger: one script) is queued on it by
 :meth:`settle_nowait`, written at the end of that turn of the event loop (after what the caller
 sends meanwhile: its request's answer), and its request does not wait for the reply. So, on one
@@ -42,7 +42,6 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from tenancy.batcher import Call, ScriptBatcher
 from tenancy.billing import NO_CHARGE, Budget, BudgetRefusal, BudgetState, Charge, window_code
 from tenancy.bucket import CONCURRENCY_RETRY_S, Limits, Reason, Step
 from tenancy.config import Plan
@@ -80,6 +79,7 @@ from tenancy.limiter import (
     soft_threshold,
     untracked_decision,
 )
+from tenancy.script_batcher import Call, ScriptBatcher
 from tenancy.scripts import ADMIT_SCRIPT, BUDGETS_SCRIPT, RENEW_SCRIPT, SETTLE_SCRIPT
 from tenancy.usage import TenantUsage, read_redis_usage
 

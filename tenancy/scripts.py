@@ -14,7 +14,7 @@ uses the next), and the script, finding none of them (the gateway's clock is off
 hour), writes nothing and answers that hour for a retry.
 
 An admission is idempotent on its lease id and a settlement on its request id, so either may be
-sent again after a connection broke under it (``tenancy.batcher``) without counting twice.
+sent again after a connection broke under it (``tenancy.script_batcher``) without counting twice.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.loader import resolve_model_dir
+from engine.resolve import resolve_model_dir
 
 TOKENIZER_FILES = (
     "tokenizer.json",

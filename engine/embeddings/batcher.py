@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.admission import DEADLINE_MARGIN
+from engine.deadlines import DEADLINE_MARGIN
 from engine.loop_thread import LoopThread
 from engine.types import (
     DuplicateRequestError,
@@ -412,10 +412,10 @@ class EmbeddingBatcher(LoopThread):
     Cancelling `embed` (the client disconnected) drops the request's inputs that have not run.
 
     Give the `model`, or `build` to have it built on the batcher's own thread (`start()` waits
-    for it and re-raises what building raised). Built there, a forward of one 14-token input took
-    4.8 ms; built on another thread that lives on (a loader's), 6.6 ms: that thread keeps an
-    OpenMP team, and with more libgomp threads than CPUs every team stops spinning between
-    parallel regions (`/tmp/thr3.py` in BENCHMARKS Q). The chat engine builds on its thread too.
+    for it and re-raises what building raised). Built on another thread that lives on (a
+    loader's), its forwards are slower: that thread keeps an OpenMP team, and with more libgomp
+    threads than CPUs every team stops spinning between parallel regions (docs/BENCHMARKS.md).
+    The chat engine builds on its thread too.
     """
 
     def __init__(

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine.loader import TRANSFORMERS_LOCK
-from engine.ops import tensor_op
+from engine.device.loader import TRANSFORMERS_LOCK
+from engine.device.ops import tensor_op
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -265,9 +265,9 @@ def _rust_tokenizer(tokenizer: Any) -> Any | None:
     tokenizer.json may set both, e.g. 128 tokens); None for a slow (pure Python) tokenizer.
 
     `tokenize` calls it directly: the transformers wrapper costs more per call than a short text's
-    encoding, and it sends even one text through `encode_batch` (rayon's thread pool). In the
-    server, one 14-token text took 0.26 ms that way, 0.15 ms this way (issue 13's 1-client
-    latency). A copy, so the wrapper's per-call settings never reach it."""
+    encoding, and it sends even one text through `encode_batch` (rayon's thread pool): a short
+    text's latency is mostly that overhead (docs/BENCHMARKS.md). A copy, so the wrapper's per-call
+    settings never reach it."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "to_str"):
         return None
@@ -332,7 +332,7 @@ class EmbeddingModel:
         st_config = folder / "sentence_bert_config.json"
         if st_config.exists():
             window = min(window, int(json.loads(st_config.read_text()).get("max_seq_length") or window))
-        with TRANSFORMERS_LOCK:  # see engine/loader.py
+        with TRANSFORMERS_LOCK:  # see engine/device/loader.py
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(folder)

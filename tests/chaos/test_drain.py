@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from gateway.relay import REPORT_TIMEOUT_S
+from gateway.pool.relay import REPORT_TIMEOUT_S
 from tests.chaos.conftest import AUTH, INTERNAL, live_leases, start_gateway, start_replica, upstreams
 from tests.chaos.helpers import chat_body, stream_chat
 from tests.pool.conftest import replica_args, start, wait_ready

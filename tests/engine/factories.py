@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.scheduler import build_scheduler
+from engine.scheduler.core import SchedulerCore
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import SchedulerOutput
 from engine.types import Priority, SamplingParams
@@ -43,7 +45,7 @@ def make_scheduler(
     watermark_blocks: int = 1,
     prefix_caching: bool = False,
     **policy: Any,
-) -> Scheduler:
+) -> SchedulerCore:
     """`policy`: other SchedulerConfig fields (length_buckets, long_prefill_share, batching, ...)."""
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -51,7 +53,7 @@ def make_scheduler(
         watermark_blocks=watermark_blocks,
         **policy,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), clock or FakeClock())
+    return build_scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), clock or FakeClock())
 
 
 def make_seq(
@@ -85,7 +87,7 @@ def make_seqs(
     return [make_seq(prompt_len, max_tokens, priority) for _ in range(num)]
 
 
-def run_step(sched: Scheduler, check: bool = True) -> SchedulerOutput:
+def run_step(sched: SchedulerCore, check: bool = True) -> SchedulerOutput:
     """One engine iteration without a model; returns what was scheduled (as it was before update)."""
     out = sched.schedule()
     if check:
@@ -104,7 +106,7 @@ def run_step(sched: Scheduler, check: bool = True) -> SchedulerOutput:
     return out
 
 
-def run_until_done(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
+def run_until_done(sched: SchedulerCore, max_steps: int = 10_000) -> list[SchedulerOutput]:
     """Step until nothing is left; fail (instead of hanging) if that takes more than `max_steps`."""
     outputs: list[SchedulerOutput] = []
     for _ in range(max_steps):
@@ -114,7 +116,7 @@ def run_until_done(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerO
     raise AssertionError(f"not done after {max_steps} steps (deadlock?): {list(sched.sequences())}")
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
+def check_output(sched: SchedulerCore, out: SchedulerOutput) -> None:
     """Invariants every scheduler output must satisfy, checked before `update`."""
     config = sched.config
     assert out.num_batched_tokens <= config.max_num_batched_tokens, out
@@ -136,7 +138,7 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
         assert seq in sched.running or seq in list(sched.waiting)  # may be re-admitted in the same step
 
 
-def check_blocks(sched: Scheduler) -> None:
+def check_blocks(sched: SchedulerCore) -> None:
     """Every block is either held (by as many sequences as its reference count says, and by more
     than one only if it is a registered, full block) or free, never both; free blocks are exactly
     the rest of the cache."""
@@ -165,7 +167,7 @@ def check_blocks(sched: Scheduler) -> None:
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
 
 
-def check_waiting(sched: Scheduler) -> None:
+def check_waiting(sched: SchedulerCore) -> None:
     """The waiting queue's counters equal the sums over the sequences in it (they are kept as
     sequences come and go, so whatever happens to a sequence while queued must not skew them)."""
     waiting = sched.waiting
@@ -181,3 +183,26 @@ def check_waiting(sched: Scheduler) -> None:
         for s in of_class:
             by_bucket[waiting.labels[waiting.bucket(s)]] += 1
         assert waiting.count_by_priority_and_bucket()[p.name.lower()] == by_bucket, p
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    return {c.seq.request_id: c.num_tokens for c in out.chunks}
+
+
+def assert_all_done(sched: SchedulerCore, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        assert seq.status == SequenceStatus.FINISHED_LENGTH, seq
+        assert seq.num_output_tokens == seq.sampling.max_tokens, seq
+        assert seq.output_token_ids == [FAKE_TOKEN] * seq.sampling.max_tokens
+        assert seq.block_table == []
+    assert not sched.has_unfinished()
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def assert_waiting_counters_zero(sched: SchedulerCore) -> None:
+    """An empty queue counts nothing: no sequences, tokens or decode tokens in any class or bucket."""
+    waiting = sched.waiting
+    assert len(waiting) == 0
+    assert waiting.count_by_bucket() == dict.fromkeys(waiting.labels, 0)
+    assert set(waiting.tokens_by_priority().values()) == {0}
+    assert set(waiting.decode_tokens_by_priority().values()) == {0}

@@ -72,7 +72,7 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 def compare_one_call_decode(engine: LLMEngine, monkeypatch: Any) -> list[bool]:
     """From now on each decode-only step of `engine` also runs through the Python layer loop (the
-    one-call decode turned off, engine/model.py) on the same inputs; returns a list that gets, per
+    one-call decode turned off, engine/device/model.py) on the same inputs; returns a list that gets, per
     such step, whether the two gave the same logits bit for bit (K/V are rewritten alike)."""
     llama = engine.runner.model
     assert llama.decode_weights is not None

@@ -27,10 +27,10 @@ from engine.grammar import (
     JsonState,
     LLGuidanceBackend,
     allocate_bitmask,
-    bound_schema,
     closing_reserve,
     token_row,
 )
+from engine.json_schema import bound_schema
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, _apply_bitmask_batched, apply_bitmask, sample
 from engine.types import FinishReason, GenerationRequest, GrammarError, GrammarSpec, SamplingParams

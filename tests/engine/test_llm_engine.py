@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from engine.admission import ServiceMeter
 from engine.config import EngineConfig
+from engine.deadlines import ServiceMeter
 from engine.llm_engine import LLMEngine
 from engine.types import (
     DuplicateRequestError,

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from engine.device.lora_weights import LoraWeights
+from engine.device.native import native_kernels
 from engine.llm_engine import LLMEngine
-from engine.loader import ModelSpec
 from engine.lora import (
     TARGETS,
     LoraError,
@@ -21,11 +22,11 @@ from engine.lora import (
     LoraNotFoundError,
     LoraRegistry,
     LoraSlots,
-    LoraWeights,
     load_adapter,
     module_shapes,
 )
-from engine.native import native_kernels, qmatmul_available
+from engine.model_spec import ModelSpec
+from engine.resolve import qmatmul_available
 from engine.step import StepInputs, lora_decode_plan
 from engine.types import GenerationRequest, GrammarSpec
 from tests.engine.helpers import (
@@ -379,7 +380,7 @@ def test_adapters_over_our_int8_kernels_in_the_one_call_decode(
     tiny_model_dir: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On our int8 kernels a decode step with adapters runs every layer in one native call
-    (engine/csrc/decode_layers.cpp): the same logits bit for bit as the Python layer loop, first
+    (engine/device/csrc/decode_layers.cpp): the same logits bit for bit as the Python layer loop, first
     with only q/v targeted (the other linears' stacks empty), then with ranks 8 and 64 mixed."""
     engine = tiny_engine(tiny_model_dir, quantization="int8")
     assert engine.runner.model.layers[0].qkv.quant is not None

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import engine.runner as runner_module
+import engine.device.runner as runner_module
 from engine.llm_engine import LLMEngine
 from engine.types import FinishReason, GenerationFailedError, GenerationRequest, RequestOutput
 from tests.engine.helpers import greedy, run_all, tiny_engine, tokens_of

@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema
 
-from gateway.openapi import build_openapi
+from gateway.openapi.document import build_openapi
 
 
 def parse_sse(raw: str) -> tuple[list[Any], list[str]]:

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gateway.batch_redis import RedisBatchStore
-from gateway.batch_store import BatchStore, LineResult, SQLiteBatchStore, StoredBatch
+from gateway.batches.redis_store import RedisBatchStore
+from gateway.batches.store import BatchStore, LineResult, SQLiteBatchStore, StoredBatch
 
 
 @pytest.fixture(params=["sqlite", "redis"])

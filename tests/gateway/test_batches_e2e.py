@@ -23,7 +23,7 @@ from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
 from gateway.app import create_app
 from gateway.cli import build_tenancy
-from gateway.embeddings import EmbeddingService
+from gateway.local.embedding_backend import EmbeddingService
 from gateway.settings import Settings
 from tenancy import hash_key
 from tests.gateway.conftest import LiveServer, tiny_async_engine

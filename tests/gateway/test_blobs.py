@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from gateway.app import create_app
-from gateway.blobs import Blobs, DirectoryBlobs, S3Blobs
+from gateway.batches.blobs import Blobs, DirectoryBlobs, S3Blobs
 from gateway.settings import Settings
 from tests.gateway.conftest import LiveServer
 from tests.gateway.fakes import FakeEngine

@@ -20,8 +20,8 @@ import tenancy
 from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
 from gateway import telemetry
-from gateway.embeddings import EmbeddingService, _encode
-from gateway.responses import embedding_list
+from gateway.local.embedding_backend import EmbeddingService, _encode
+from gateway.openai.bodies import embedding_list
 from tests.gateway.conftest import AppFactory, client_for
 from tests.gateway.helpers import ASGICall, validate
 

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
 from gateway.app import create_app
-from gateway.embeddings import EmbeddingService
+from gateway.local.embedding_backend import EmbeddingService
 from gateway.settings import Settings
 from tests.gateway.conftest import LiveServer
 from tests.gateway.fakes import FakeEngine

@@ -10,11 +10,12 @@ import pytest
 import schemathesis
 from typing_extensions import is_typeddict
 
-from gateway import responses, schemas
+from gateway import errors
 from gateway.errors import APIError, ErrorKind
-from gateway.openapi import REQUEST_TYPES, build_openapi
-from gateway.protocol import parse_chat_request, parse_completion_request
-from gateway.tools import ToolCallParser, parse_message
+from gateway.openai import bodies, schemas
+from gateway.openai.protocol import parse_chat_request, parse_completion_request
+from gateway.openai.tools import ToolCallParser, parse_message
+from gateway.openapi.document import REQUEST_TYPES, build_openapi
 
 MODEL = "m"
 MSG = [{"role": "user", "content": "hi"}]
@@ -151,14 +152,14 @@ def _typed_dicts() -> set[str]:
     return {
         name
         for name, value in vars(schemas).items()
-        if is_typeddict(value) and value.__module__ == schemas.__name__
+        if is_typeddict(value) and value.__module__ in (schemas.__name__, errors.__name__)
     }
 
 
 def test_every_schema_is_generated_from_a_class() -> None:
-    """No hand-written shape: each component is a request model or a typed dict of gateway/schemas.py
-    (the ones the builders return), named after its class, and every response the document names
-    is one of them."""
+    """No hand-written shape: each component is a request model or a typed dict of gateway/openai/
+    schemas.py or gateway/errors.py (the ones the builders return), named after its class, and
+    every response the document names is one of them."""
     components = build_openapi(MODEL)["components"]["schemas"]
     assert all(c["title"] == name for name, c in components.items())
     assert len(_typed_dicts()) >= 20
@@ -188,40 +189,40 @@ def _tool_deltas() -> list[schemas.ChatCompletionDelta]:
 @pytest.mark.parametrize(
     ("name", "body"),
     [
-        ("Model", responses.model_card("m", 1)),
-        ("ModelList", responses.model_list([responses.model_card("m", 1), responses.model_card("e", 2)])),
-        ("CreateEmbeddingResponse", responses.embedding_list("e", [[0.5, -1.0], [2.0, 0.0]], "float", 3)),
-        ("CreateEmbeddingResponse", responses.embedding_list("e", [[0.5, -1.0]], "base64", 1)),
+        ("Model", bodies.model_card("m", 1)),
+        ("ModelList", bodies.model_list([bodies.model_card("m", 1), bodies.model_card("e", 2)])),
+        ("CreateEmbeddingResponse", bodies.embedding_list("e", [[0.5, -1.0], [2.0, 0.0]], "float", 3)),
+        ("CreateEmbeddingResponse", bodies.embedding_list("e", [[0.5, -1.0]], "base64", 1)),
         ("Error", APIError(ErrorKind.INVALID_REQUEST, "bad n", param="n").body()),
         ("Error", APIError(ErrorKind.RATE_LIMITED, "slow down").body()),
         (
             "ChatCompletionChunk",
-            responses.chat_chunk(
+            bodies.chat_chunk(
                 request_id="c",
                 created=1,
                 model="m",
-                choices=[responses.chat_delta(0, d) for d in _tool_deltas()],
+                choices=[bodies.chat_delta(0, d) for d in _tool_deltas()],
                 include_usage=True,
             ),
         ),
         (
             "ChatCompletionChunk",
-            responses.chat_chunk(
+            bodies.chat_chunk(
                 request_id="c",
                 created=1,
                 model="m",
                 choices=[],
                 include_usage=True,
-                usage_=responses.usage(3, 4, 2),
+                usage_=bodies.usage(3, 4, 2),
             ),
         ),
         (
             "Completion",
-            responses.text_completion(
+            bodies.text_completion(
                 request_id="c",
                 created=1,
                 model="m",
-                choices=[responses.completion_choice(0, "x", finish_reason="length", logprobs=None)],
+                choices=[bodies.completion_choice(0, "x", finish_reason="length", logprobs=None)],
                 include_usage=False,
             ),
         ),
@@ -236,7 +237,7 @@ def test_a_message_with_tool_calls_matches_the_document() -> None:
     message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls"}
     body = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice]}
-    _response_validator("ChatCompletion").validate({**body, "usage": responses.usage(1, 2)})
+    _response_validator("ChatCompletion").validate({**body, "usage": bodies.usage(1, 2)})
 
 
 _CHOICE = {"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import APIError
-from gateway.protocol import (
+from gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_chat_request,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.response_store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
+from gateway.responses.store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
 
 
 def record(response_id: str, **extra: Any) -> StoredResponse:

@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseErrorEvent
 
-from gateway.response_store import RedisStore, StoredResponse
-from gateway.responses_background import DRAINED, LAPSED
+from gateway.responses.background import DRAINED, LAPSED
+from gateway.responses.store import RedisStore, StoredResponse
 from tests.gateway.conftest import AppFactory, TinyServer, client_for
 from tests.gateway.fakes import FakeEngine
 

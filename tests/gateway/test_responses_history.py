@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.responses_request import ResponsesRequest, drop_oldest, parse_responses_request, to_chat
+from gateway.responses.chat_form import drop_oldest, to_chat
+from gateway.responses.request import ResponsesRequest, parse_responses_request
 
 STORED: list[dict[str, Any]] = [  # in OpenAI's item shape, as the store keeps them
     {

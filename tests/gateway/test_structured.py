@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from gateway.tools import MAX_PARALLEL_TOOL_CALLS
+from gateway.openai.tools import MAX_PARALLEL_TOOL_CALLS
 from tests.gateway.conftest import TinyServer
 
 pytestmark = pytest.mark.real_model

@@ -1,4 +1,4 @@
-"""gateway/tools.py: output plans, the default tool prompt, and reading calls back (whole and streamed)."""
+"""gateway/openai/tools.py: output plans, the default tool prompt, reading calls back (whole and streamed)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from engine.types import FinishReason, GenerationRequest, GrammarSpec, SamplingParams
-from gateway.protocol import parse_chat_request
-from gateway.tools import (
+from gateway.openai.protocol import parse_chat_request
+from gateway.openai.tools import (
     MAX_PARALLEL_TOOL_CALLS,
     ToolCallParser,
     closed_schema,

@@ -18,8 +18,8 @@ from starlette.routing import Route
 from gateway.admission import OPEN_CALLER, Caller
 from gateway.app import create_app
 from gateway.cli import _flag_value, build_parser
-from gateway.replicas import ReplicaSet as Pool
-from gateway.routing import affinity_key
+from gateway.pool.replicas import ReplicaSet as Pool
+from gateway.pool.routing import affinity_key
 from gateway.settings import Settings, option_specs
 from tests.gateway.conftest import LiveServer
 

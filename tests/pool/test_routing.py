@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.cli import _flag_value, build_parser
-from gateway.replicas import ReplicaSet as Pool
-from gateway.replicas import Upstream
+from gateway.pool.replicas import ReplicaSet as Pool
+from gateway.pool.replicas import Upstream
 from gateway.settings import Settings, option_specs
 
 SHORT = ("http://s0:1", "http://s1:2")

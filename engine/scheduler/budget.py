@@ -1,0 +1,197 @@
+"""The step-time budget (`target_itl_ms`; 0 turns it off): steps no slower than the target while
+others are interactive, and lower classes yielding to higher ones under it.
+
+Every running stream gets one token per step, so a step's duration is its streams' inter-token
+latency. A long prompt (beyond the first length bucket) must therefore not make a step slower than
+the target while others are interactive: while this step decodes anything or prefills a short
+prompt, or shorter prompts wait, a long prompt's chunk is cut to what the step-cost model
+(step_cost.py, fitted online to the step times the engine reports) predicts still fits the target
+beside them (`time_limit`). Within a class, running short prompts' chunks and admissions come
+before running long prompts' chunks, so short prompts take the step's room first; a long newcomer
+waits while a long prompt of its class (or a higher one) still prefills. Against starvation: the
+first long chunk of a step gets at least `min_long_prefill_chunk` tokens even when nothing fits,
+and a long prompt that has not progressed for `max_long_prefill_stall_steps` steps is scheduled
+ahead of the admissions with that many (`long_prefill_stalled`). When nothing else is interactive,
+long prefill takes the whole token budget. Until the cost model has seen enough steps with
+prefill, only the token caps apply.
+
+Lower classes yield under the same budget, so a paid request does not wait for free work on a CPU
+where every row lengthens the step: while a higher class has work in the step (running or
+waiting), a lower class's decodes are scheduled after the higher classes' prefills and admissions,
+and join only while the step is predicted within the target (`fits_decode`); a row left out waits
+(keeps its blocks) and joins first, regardless, once it has waited `max_yield_stall_steps` steps
+(`yield_stalled`). While a higher class has arrived in the last `RECENT_CLASS_S` seconds, a lower
+class's prefill chunks (short prompts too) are cut to what the target leaves beside the step's
+decodes (`yield_limit`), so the step a paid arrival waits for is short as well (a step's first such
+chunk gets `min_long_prefill_chunk` tokens even when nothing fits). With one class only, nothing
+yields. The batch class has a tighter budget of its own while paid or free work is in the step:
+that work's predicted time plus `BATCH_SLACK` of it (at least one batch row decodes; its prefill
+chunks get no floor), and no stall-bound turns, so a batch cannot slow interactive streams to its
+pace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.config import SchedulerConfig
+from engine.scheduler.buckets import is_long
+from engine.scheduler.step_builder import StepBuilder
+from engine.scheduler.step_cost import StepCostModel
+from engine.sequence import Sequence
+from engine.step import SchedulerOutput
+from engine.types import Priority
+
+# How long an arrival of a class makes lower classes keep their prefill chunks within the step-time
+# budget: a paid request that comes back within this time finds short steps.
+RECENT_CLASS_S = 30.0
+
+# While paid or free work is in a step, Batch API rows may lengthen it by at most this fraction
+# (and at least one batch row decodes), so interactive streams keep ~1/(1 + BATCH_SLACK) of their
+# pace; batch rows do not take the stall bound's turns. Alone, the batch takes the whole budget.
+BATCH_SLACK = 0.15
+
+
+class StepTimeBudget:
+    """The budget's state (the cost model, the step count, each sequence's last progress, each
+    class's last arrival) and the limits it sets on a step being built. The scheduler tells it what
+    happens (`begin_step`, `note_arrival`, `note_progress`, `forget`, `observe`) and asks it."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.step_cost = StepCostModel()  # trained by the engine's step times (`observe`)
+        self.num_steps = 0  # steps scheduled so far
+        # The step in which each running sequence last ran a chunk, and each long prompt still
+        # prefilling; when each class last arrived (the scheduler's clock).
+        self._last_run: dict[tuple[str, int], int] = {}
+        self._long_last_run: dict[tuple[str, int], int] = {}
+        self._arrived: dict[Priority, float] = {}
+
+    # ---- what happened ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.num_steps += 1
+
+    def note_arrival(self, priority: Priority, now: float) -> None:
+        self._arrived[priority] = now
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> None:
+        """The measured duration of the step that ran `output`: trains the step-cost model."""
+        self.step_cost.observe(seconds, output.num_prefill_tokens, len(output.decodes))
+
+    def note_progress(self, output: SchedulerOutput) -> None:
+        """After the forward pass ran `output` (its sequences' progress already advanced)."""
+        for chunk in output.chunks:
+            if not chunk.seq.finished:
+                self._last_run[chunk.seq.seq_id] = self.num_steps
+        for chunk in output.prefills:
+            seq = chunk.seq
+            if self._is_long(seq) and seq.is_prefilling and not seq.finished:
+                self._long_last_run[seq.seq_id] = self.num_steps
+            else:
+                self._long_last_run.pop(seq.seq_id, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` stopped running (finished or preempted)."""
+        self._long_last_run.pop(seq.seq_id, None)
+        self._last_run.pop(seq.seq_id, None)
+
+    # ---- what it allows -------------------------------------------------------------------------
+
+    @property
+    def budget_s(self) -> float | None:
+        """The step-time budget, once the cost model can predict; None: token caps only."""
+        if self.config.target_itl_ms <= 0 or not self.config.length_buckets:
+            return None
+        return self.config.target_itl_ms / 1000.0 if self.step_cost.cost is not None else None
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return is_long(seq.num_prompt_tokens, self.config.length_buckets)
+
+    def long_prefill_stalled(self, seq: Sequence) -> bool:
+        """A long prompt still prefilling that has not progressed for the allowed number of steps."""
+        last = self._long_last_run.get(seq.seq_id)
+        return last is not None and self.num_steps - last >= self.config.max_long_prefill_stall_steps
+
+    def yield_stalled(self, seq: Sequence) -> bool:
+        """A yielding decode row left out for `max_yield_stall_steps` steps: it joins first, whatever
+        the budget says. Never the batch class's."""
+        if seq.priority is Priority.BATCH:
+            return False
+        last = self._last_run.get(seq.seq_id)
+        return last is not None and self.num_steps - last >= self.config.max_yield_stall_steps
+
+    def lead_classes(
+        self, running: Iterable[Sequence], top_waiting: Priority | None, now: float
+    ) -> tuple[int, int]:
+        """The highest class with work now (running, or `top_waiting`), and the highest that arrived
+        within `RECENT_CLASS_S` (or is here now): the classes below them yield."""
+        lead = min((int(s.priority) for s in running), default=len(Priority))
+        lead = lead if top_waiting is None else min(lead, int(top_waiting))
+        recent = min((int(p) for p, t in self._arrived.items() if now - t <= RECENT_CLASS_S), default=lead)
+        return lead, min(lead, recent)
+
+    def time_limit(
+        self, step: StepBuilder, seq: Sequence, want: int, joining: bool, running: Iterable[Sequence]
+    ) -> int:
+        """`want` cut to what the step-time budget leaves beside what `step` already holds (a long
+        prompt's chunk).
+
+        A newcomer waits (0) while long prompts of its class or a higher one still prefill (in
+        `running`): they take the room first, and fewer prompts hold blocks half-computed. A stalled
+        long prompt gets the floor (`min_long_prefill_chunk`) and no more: it is scheduled ahead of
+        the admissions, before the step's room is known. Otherwise a chunk is what fits, and below
+        the floor 0, except that the step's first long chunk gets the floor."""
+        budget_s = self.budget_s
+        cost = self.step_cost.cost
+        if budget_s is None or cost is None:
+            return want
+        if joining and any(
+            s.priority <= seq.priority and s.is_prefilling and self._is_long(s) for s in running
+        ):
+            return 0
+        floor = self.config.min_long_prefill_chunk
+        if self.long_prefill_stalled(seq):
+            return min(want, floor)
+        fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
+        if fits is None:
+            return want
+        fits -= step.num_prefill_tokens
+        if fits >= floor:
+            return min(want, fits)
+        return min(want, floor) if step.num_long_prefills == 0 else 0
+
+    def yield_limit(self, step: StepBuilder, want: int) -> int:
+        """A lower class's chunk: cut to what the time budget leaves beside `step`; the step's first
+        prefill gets the floor (`min_long_prefill_chunk`) even when nothing fits."""
+        budget_s, cost = step.batch_budget_s or self.budget_s, self.step_cost.cost
+        if budget_s is None or cost is None:
+            return want
+        fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
+        if fits is None:
+            return want
+        fits -= step.num_prefill_tokens
+        if step.batch_budget_s is not None:
+            return max(0, min(want, fits))  # the batch class gets no floor beside interactive work
+        floor = self.config.min_long_prefill_chunk
+        if fits >= floor:
+            return min(want, fits)
+        return min(want, floor) if step.num_prefill_tokens == 0 else 0
+
+    def fits_decode(self, step: StepBuilder) -> bool:
+        """Whether one more decode row keeps `step` within the time budget (the batch class's own
+        while it is set, with one batch row always let in)."""
+        budget_s, cost = step.batch_budget_s or self.budget_s, self.step_cost.cost
+        if budget_s is None or cost is None:
+            return True
+        batch_rows = (c for c in step.decodes if c.seq.priority is Priority.BATCH)
+        if step.batch_budget_s is not None and next(batch_rows, None) is None:
+            return True
+        return cost.predict(step.num_prefill_tokens, len(step.decodes) + 1) <= budget_s
+
+    def batch_budget(self, step: StepBuilder) -> float | None:
+        """The step's predicted time with the interactive classes' work, plus BATCH_SLACK of it."""
+        budget_s, cost = self.budget_s, self.step_cost.cost
+        if budget_s is None or cost is None:
+            return None
+        return min(budget_s, cost.predict(step.num_prefill_tokens, len(step.decodes)) * (1 + BATCH_SLACK))

@@ -1,0 +1,122 @@
+"""Continuous batching: iteration-level scheduling with priority classes, preemption for priority
+and fair share, length buckets and the step-time budget.
+
+A step, in order (core.py has the mechanics, budget.py the time budget, preemption.py the victims):
+
+    decodes of the classes with work ahead of nobody (and of yielding rows stalled too long)
+    for each class, highest first:
+        (below the lead class) its decodes, while the step is predicted within the target
+        its short prompts' chunks (and long prompts stalled too long), its admissions,
+        then its other long prompts' chunks
+
+Without the step-time budget (off, or before the cost model can predict) a class's running
+prefills come before its admissions, and every decode goes first. A prefill chunk is capped by the
+long-prompt share (buckets.py) and by the budget; a sequence that lacks a slot or blocks may
+preempt a lower class's sequence, and a tenant far below its fair share of the slots another's.
+"""
+
+from __future__ import annotations
+
+from engine.scheduler.core import SchedulerCore
+from engine.scheduler.preemption import fair_share_swap, priority_victims, rank
+from engine.scheduler.step_builder import StepBuilder
+from engine.sequence import Sequence
+from engine.types import Priority
+
+
+class ContinuousScheduler(SchedulerCore):
+    def _fill(self, step: StepBuilder) -> None:
+        ranked = sorted(self.running, key=rank)
+        budget = self.budget
+        timed = budget.budget_s is not None
+        if timed:
+            step.lead, step.recent = budget.lead_classes(self.running, self.waiting.top_class(), self.clock())
+        # Stalled rows of yielding classes go first too, so the budget's other users see them.
+        first = [s for s in ranked if s.priority <= step.lead or budget.yield_stalled(s)]
+        self._schedule_decodes(step, first)
+        for priority in sorted(Priority):
+            mine = [s for s in ranked if s.priority == priority]
+            if not timed:
+                self._schedule_prefills(step, mine)
+                self._admit(step, priority)
+                continue
+            if priority is Priority.BATCH and step.lead < priority:
+                step.batch_budget_s = budget.batch_budget(step)
+            if priority > step.lead:
+                self._schedule_decodes(step, mine, yielding=True)
+            # Short prompts (and long ones stalled too long) first, then admissions, then the
+            # other long prompts' chunks, in what is left of the step.
+            later = [s for s in mine if self._is_long(s) and not budget.long_prefill_stalled(s)]
+            self._schedule_prefills(step, [s for s in mine if s not in later])
+            self._admit(step, priority)
+            self._schedule_prefills(step, later)
+
+    def _chunk_limit(self, step: StepBuilder, seq: Sequence, joining: bool) -> tuple[int, bool]:
+        want = min(seq.num_uncomputed_tokens, step.budget)
+        if not self.config.length_buckets:
+            return want, False
+        shorter_waiting = self.waiting.has_waiting_below(self.waiting.bucket(seq), seq.priority)
+        shared = (
+            self.config.long_prefill_share < 1.0
+            and shorter_waiting
+            # A shorter prompt is waiting; the cap only helps if it could be admitted this step.
+            and len(self.running) + (1 if joining else 0) < self.config.max_num_seqs
+        )
+        if shared:
+            want = max(0, min(want, step.long_budget))
+        if want > 0 and self._is_long(seq) and (step.interactive or shorter_waiting):
+            want = self.budget.time_limit(step, seq, want, joining, self.running)
+        elif want > 0 and seq.priority > step.recent and step.interactive:
+            want = self.budget.yield_limit(step, want)
+        return want, shared
+
+    # ---- preemption for priority and fair share --------------------------------------------------
+
+    def _fit_or_evict(self, step: StepBuilder, seq: Sequence, want: int, reserve: int) -> int:
+        """Preempt lower-class sequences until `seq` fits `want` tokens (or none is left to take);
+        returns the chunk that fits then. Nobody is preempted if even all of them would not help."""
+        victims = priority_victims(self.running, seq, self.config.max_preemptions_per_seq)
+        if not victims:
+            return self._fit_chunk(seq, want, reserve)
+        bs = self.blocks.block_size
+        reclaimable = sum(self.blocks.reclaimable(v) for v in victims)
+        best = (len(seq.block_table) + max(0, self.blocks.num_free_blocks + reclaimable - reserve)) * bs
+        if min(want, best - seq.num_computed_tokens) <= self._fit_chunk(seq, want, reserve):
+            return self._fit_chunk(seq, want, reserve)
+        chunk = self._fit_chunk(seq, want, reserve)
+        while chunk < want and self._evict_for(step, seq):
+            chunk = self._fit_chunk(seq, want, reserve)
+        return chunk
+
+    def _claim_slot(
+        self, step: StepBuilder, seq: Sequence, priority: Priority
+    ) -> tuple[Sequence, bool] | None:
+        """A lower class's slot for `seq`, else a slot by fair share for another waiting sequence of
+        its class (admitted out of turn), else None."""
+        if self._evict_for(step, seq):
+            return seq, False
+        self.blocks.release_cached_prefix(seq)
+        swap = fair_share_swap(self.running, self.waiting, priority, self.config.max_preemptions_per_seq)
+        if swap is None:
+            return None
+        victim, newcomer = swap
+        self._evict(step, victim)
+        self.num_fairness_preemptions += 1
+        return newcomer, True
+
+    def _evict_for(self, step: StepBuilder, seq: Sequence) -> bool:
+        """Preempt the lowest-ranked lower-class sequence for `seq`; False if there is none."""
+        victims = priority_victims(self.running, seq, self.config.max_preemptions_per_seq)
+        if not victims:
+            return False
+        victim = max(victims, key=rank)
+        self._evict(step, victim)
+        self.num_priority_preemptions += 1
+        step.admit_below = min(step.admit_below, int(victim.priority))
+        return True
+
+    def _evict(self, step: StepBuilder, victim: Sequence) -> None:
+        """Preempt `victim`, even if already scheduled this step (its tokens go back to the step)."""
+        step.drop(victim, self._is_long(victim))
+        self._preempt(victim)
+        step.preempted.append(victim)

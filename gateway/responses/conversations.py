@@ -1,0 +1,235 @@
+"""`/v1/conversations`: durable conversations per tenant, and what stored items have in common.
+
+    POST   /v1/conversations                          create (items, metadata)
+    GET    /v1/conversations/{id}                     retrieve
+    POST   /v1/conversations/{id}                     update its metadata
+    DELETE /v1/conversations/{id}                     delete
+    GET    /v1/conversations/{id}/items               list (after, limit, order: desc by default)
+    POST   /v1/conversations/{id}/items               add items
+    GET    /v1/conversations/{id}/items/{item_id}     retrieve one
+    DELETE /v1/conversations/{id}/items/{item_id}     delete one (answers the conversation)
+
+A response created with `conversation` starts from the conversation's items, and its input and
+output items are appended to it (gateway/responses/state.py). Conversations live in the response
+store (gateway/responses/store.py) beside the responses, within the same bound. Another tenant's
+id is a 404. Appending is read-modify-write: two turns of one conversation at once may lose one's
+items (clients send a conversation's turns one after another).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
+
+from pydantic import Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.admission import Caller
+from gateway.body import read_json
+from gateway.errors import APIError, ErrorKind, invalid_request
+from gateway.openai.bodies import now
+from gateway.openai.listing import list_page, list_params
+from gateway.openai.protocol import StrictModel, validation_error
+from gateway.responses.request import MAX_METADATA_KEYS, ResponsesRequest, _check_media, items_of
+from gateway.responses.store import ResponseStore, StoredConversation
+
+logger = logging.getLogger("batchgate.gateway")
+
+T = TypeVar("T")
+DEFAULT_LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+MAX_ITEMS_PER_ADD = 20  # OpenAI's, for create and items.create
+_ITEM_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "reasoning": "rs",
+}
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items with an id each (kept where the client gave one)."""
+    return [item if item.get("id") else {**item, "id": item_id(_ITEM_PREFIX[item["type"]])} for item in items]
+
+
+async def guarded(call: Awaitable[T]) -> T:
+    """A store call; a store that fails is a 503, never a silent drop."""
+    try:
+        return await call
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any store failure
+        logger.error("the response store failed: %r", exc)
+        raise APIError(
+            ErrorKind.UNAVAILABLE, "The response store is unavailable; retry shortly.", retry_after_s=1.0
+        ) from None
+
+
+def page(items: list[dict[str, Any]], request: Request) -> dict[str, Any]:
+    """A list page of `items` (oldest first) by the query's `order`, `after` and `limit`."""
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_request("'order' must be 'asc' or 'desc'.", param="order")
+    _, limit = list_params(query, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [i.get("id") for i in ordered]
+        if after not in ids:
+            raise invalid_request(f"No item with id '{after}' here.", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    return list_page(ordered, limit)
+
+
+def _items(raw: Any, param: str) -> list[dict[str, Any]]:
+    """Validated input items (the create-response rules) in OpenAI's item shape, with ids."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid_request(f"Invalid value for '{param}': must be an array of items.", param=param)
+    try:
+        _check_media(raw)
+        req = ResponsesRequest.model_validate({"model": "", "input": raw})
+    except APIError as exc:
+        if exc.param is not None:
+            exc.param = param + exc.param.removeprefix("input")
+        raise
+    except ValidationError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.errors()[0]["loc"][1:])
+        raise invalid_request(f"Invalid item in '{param}{where}'.", param=f"{param}{where}") from None
+    return with_ids(items_of(req))
+
+
+Items = Annotated[list[dict[str, Any]], Field(max_length=MAX_ITEMS_PER_ADD)]
+Metadata = Annotated[dict[str, str], Field(max_length=MAX_METADATA_KEYS)]
+
+
+class ConversationCreateRequest(StrictModel):
+    items: Items | None = None
+    metadata: Metadata | None = None
+
+
+class ConversationUpdateRequest(StrictModel):
+    metadata: Metadata
+
+
+class ConversationItemsRequest(StrictModel):
+    items: Items
+
+
+M = TypeVar("M", bound=StrictModel)
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    """`body` as `model` (a JSON object); APIError 400 naming the bad field."""
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+class Conversations:
+    """The routes above, over one store."""
+
+    def __init__(self, store: ResponseStore, max_body_bytes: int) -> None:
+        self.store = store
+        self.max_body_bytes = max_body_bytes
+
+    # -- used by the Responses API -------------------------------------------------------------
+
+    async def load(self, tenant: str, conversation_id: str, param: str | None = None) -> StoredConversation:
+        raw = await guarded(self.store.get(tenant, conversation_id))
+        if raw is None or not conversation_id.startswith("conv_"):
+            raise APIError(
+                ErrorKind.NOT_FOUND, f"Conversation with id '{conversation_id}' not found.", param=param
+            )
+        return StoredConversation.loads(raw)
+
+    async def save(self, tenant: str, conversation: StoredConversation) -> None:
+        await guarded(self.store.put(tenant, conversation.conversation_id, conversation.dumps()))
+
+    async def append(self, tenant: str, conversation_id: str, items: list[dict[str, Any]]) -> None:
+        """Add a turn's items (read-modify-write; see the module docstring)."""
+        current = await self.load(tenant, conversation_id)
+        await self.save(tenant, StoredConversation(current.conversation, [*current.items, *items]))
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    async def create(self, caller: Caller, request: Request) -> Response:
+        body = parse_body(ConversationCreateRequest, await read_json(request, self.max_body_bytes))
+        items = _items(body.items, "items")
+        conversation = {
+            "id": item_id("conv"),
+            "object": "conversation",
+            "created_at": now(),
+            "metadata": dict(body.metadata or {}),
+        }
+        await self.save(caller.name, StoredConversation(conversation, items))
+        return JSONResponse(conversation)
+
+    async def retrieve(self, caller: Caller, request: Request) -> Response:
+        stored = await self.load(caller.name, request.path_params["conversation_id"])
+        return JSONResponse(stored.conversation)
+
+    async def update(self, caller: Caller, request: Request) -> Response:
+        body = parse_body(ConversationUpdateRequest, await read_json(request, self.max_body_bytes))
+        stored = await self.load(caller.name, request.path_params["conversation_id"])
+        conversation = {**stored.conversation, "metadata": dict(body.metadata)}
+        await self.save(caller.name, StoredConversation(conversation, stored.items))
+        return JSONResponse(conversation)
+
+    async def delete(self, caller: Caller, request: Request) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        await self.load(caller.name, conversation_id)
+        await guarded(self.store.delete(caller.name, conversation_id))
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    async def list_items(self, caller: Caller, request: Request) -> Response:
+        stored = await self.load(caller.name, request.path_params["conversation_id"])
+        return JSONResponse(page(stored.items, request))
+
+    async def add_items(self, caller: Caller, request: Request) -> Response:
+        body = parse_body(ConversationItemsRequest, await read_json(request, self.max_body_bytes))
+        items = _items(body.items, "items")
+        conversation_id = request.path_params["conversation_id"]
+        await self.append(caller.name, conversation_id, items)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": items,
+                "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None,
+                "has_more": False,
+            }
+        )
+
+    def _item_index(self, stored: StoredConversation, item_id: str) -> int:
+        for i, item in enumerate(stored.items):
+            if item.get("id") == item_id:
+                return i
+        raise APIError(ErrorKind.NOT_FOUND, f"Item with id '{item_id}' not found.")
+
+    async def get_item(self, caller: Caller, request: Request) -> Response:
+        stored = await self.load(caller.name, request.path_params["conversation_id"])
+        return JSONResponse(stored.items[self._item_index(stored, request.path_params["item_id"])])
+
+    async def delete_item(self, caller: Caller, request: Request) -> Response:
+        stored = await self.load(caller.name, request.path_params["conversation_id"])
+        index = self._item_index(stored, request.path_params["item_id"])
+        await self.save(
+            caller.name,
+            StoredConversation(stored.conversation, stored.items[:index] + stored.items[index + 1 :]),
+        )
+        return JSONResponse(stored.conversation)

@@ -1,0 +1,311 @@
+"""The step-time budget (engine/scheduler/budget.py) without a model: long prompts' chunks cut to
+the target beside interactive work, lower classes yielding to higher ones, the batch class's own
+slack; driven through `run_step` with fake step times reported as the engine reports them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.scheduler.budget import BATCH_SLACK, RECENT_CLASS_S
+from engine.scheduler.core import SchedulerCore
+from engine.scheduler.step_cost import StepCost
+from engine.sequence import Sequence, SequenceStatus
+from engine.step import SchedulerOutput
+from engine.types import Priority
+from tests.engine.factories import (
+    FakeClock,
+    assert_all_done,
+    make_scheduler,
+    make_seq,
+    make_seqs,
+    run_step,
+    run_until_done,
+    scheduled,
+)
+
+FREE, PAID, BATCH = Priority.FREE, Priority.PAID, Priority.BATCH
+
+
+# ---- the step-time budget (target_itl_ms) -----------------------------------------------------------
+
+# Fake step times: 20 ms fixed, 1 ms per prefill token, 2 ms per decode row; target 100 ms.
+TRUE_COST = StepCost(fixed_s=0.020, per_prefill_token_s=0.001, per_decode_row_s=0.002)
+FLOOR = SchedulerConfig.min_long_prefill_chunk
+
+
+def slo_scheduler(truth: StepCost = TRUE_COST, **policy: object) -> SchedulerCore:
+    """Budget 256 tokens, one bucket boundary at 64 tokens, the share cap off (so only the time
+    budget cuts chunks), target 100 ms, and a cost model trained on `truth`'s step times."""
+    config: dict = {
+        "num_blocks": 4096,
+        "block_size": 4,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 256,
+        "length_buckets": (64,),
+        "long_prefill_share": 1.0,
+        "target_itl_ms": 100.0,
+    }
+    sched = make_scheduler(**(config | policy))
+    rng = random.Random(0)
+    for _ in range(64):
+        p, d = rng.randint(1, 256), rng.randint(0, 16)
+        sched.step_cost.observe(truth.predict(p, d), p, d)
+    return sched
+
+
+def timed_step(sched: SchedulerCore, truth: StepCost = TRUE_COST) -> SchedulerOutput:
+    """One step, then its fake duration reported to the scheduler as the engine does."""
+    out = run_step(sched)
+    sched.record_step(out, truth.predict(out.num_prefill_tokens, len(out.decodes)))
+    return out
+
+
+def step_seconds(out: SchedulerOutput, truth: StepCost = TRUE_COST) -> float:
+    return truth.predict(out.num_prefill_tokens, len(out.decodes))
+
+
+def test_interactive_work_shrinks_a_long_prompts_chunks_and_idle_steps_restore_them() -> None:
+    sched = slo_scheduler()
+    long = make_seq(3000, max_tokens=2)
+    sched.add(long)
+    assert scheduled(timed_step(sched)) == {long.request_id: 256}  # nothing else: the whole budget
+    shorts = make_seqs(4, prompt_len=20, max_tokens=10)
+    for s in shorts:
+        sched.add(s)
+    out = timed_step(sched)
+    # The short prompts go first and take the step's room (80 ms of prefill beside 20 ms fixed);
+    # the long prompt gets only the minimum chunk.
+    assert [c.seq for c in out.prefills] == [*shorts, long]
+    assert scheduled(out)[long.request_id] == FLOOR
+    # Four streams decode: 100 ms - 20 - 4 x 2 leaves 72 prompt tokens.
+    while any(not s.finished for s in shorts):
+        out = timed_step(sched)
+        assert abs(scheduled(out)[long.request_id] - 72) <= 2
+        assert step_seconds(out) <= 0.1 + 2 * TRUE_COST.per_prefill_token_s
+    # Nothing else to do: the whole token budget again.
+    assert scheduled(timed_step(sched)) == {long.request_id: 256}
+    run_until_done(sched)
+    assert_all_done(sched, [long, *shorts])
+
+
+def test_without_a_target_or_before_measuring_long_chunks_are_cut_by_tokens_only() -> None:
+    """Today's behaviour (here with the share cap off): the running long prompt goes first and
+    takes the whole token budget while the short ones wait."""
+    for sched in (slo_scheduler(target_itl_ms=0.0), make_scheduler(**slo_policy())):
+        long = make_seq(3000, max_tokens=2)
+        sched.add(long)
+        run_step(sched)
+        shorts = make_seqs(4, prompt_len=20, max_tokens=10)
+        for s in shorts:
+            sched.add(s)
+        assert scheduled(run_step(sched)) == {long.request_id: 256}
+
+
+def slo_policy() -> dict:
+    return {
+        "num_blocks": 4096,
+        "block_size": 4,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 256,
+        "length_buckets": (64,),
+        "long_prefill_share": 1.0,
+    }
+
+
+def test_a_waiting_short_prompt_alone_also_shrinks_a_long_chunk() -> None:
+    """No stream decodes, but a short prompt waits for a slot: the long chunk leaves the step short."""
+    sched = slo_scheduler(max_num_seqs=2)
+    long, other = make_seq(3000, max_tokens=2), make_seq(3000, max_tokens=2)
+    sched.add(long)
+    sched.add(other)
+    timed_step(sched)  # both admitted: every slot is taken
+    short = make_seq(20, max_tokens=2)
+    sched.add(short)
+    out = timed_step(sched)
+    assert sum(scheduled(out).values()) <= 80  # (100 ms - 20 fixed) / 1 ms per token
+
+
+def test_every_long_prompt_progresses_within_the_stall_bound_when_nothing_fits() -> None:
+    """Twelve paid streams cost 140 ms per step alone (10 ms per row): nothing fits the budget.
+    Yet a paid long prompt progresses every step by the minimum chunk (the step's first long
+    chunk), a second paid one waits for it to finish its prefill, and a free long prompt that was
+    already prefilling progresses at least every `max_long_prefill_stall_steps` steps; all finish."""
+    truth = StepCost(fixed_s=0.020, per_prefill_token_s=0.001, per_decode_row_s=0.010)
+    sched = slo_scheduler(truth)
+    free_long = make_seq(2000, max_tokens=2, priority=FREE)
+    sched.add(free_long)
+    timed_step(sched, truth)
+    paid_longs = make_seqs(2, prompt_len=300, max_tokens=2)
+    shorts = make_seqs(12, prompt_len=20, max_tokens=200)
+    for s in (*shorts, *paid_longs):
+        sched.add(s)
+    progress: dict[str, list[int]] = {s.request_id: [] for s in (free_long, *paid_longs)}
+    step = 0
+    while free_long.is_prefilling or any(not s.started or s.is_prefilling for s in paid_longs):
+        step += 1
+        assert step < 1000, "long prompts starved"
+        out = timed_step(sched, truth)
+        longs = [c for c in out.prefills if c.seq.request_id in progress]
+        if step > 1:  # (the first step admits the short prompts: still room for long chunks)
+            assert all(c.num_tokens <= FLOOR for c in longs)
+        for c in longs:
+            progress[c.seq.request_id].append(step)
+    first, second = (progress[s.request_id] for s in paid_longs)
+    assert first == list(range(first[0], first[-1] + 1))  # every step
+    assert second[0] > first[-1]  # only once the first one's prefill is done
+    stall = SchedulerConfig.max_long_prefill_stall_steps
+    steps = progress[free_long.request_id]
+    assert steps[0] <= stall
+    assert max(b - a for a, b in zip(steps, steps[1:], strict=False)) == stall
+    run_until_done(sched)
+    assert_all_done(sched, [free_long, *paid_longs, *shorts])
+
+
+def decoding(sched: SchedulerCore, seqs: list[Sequence]) -> None:
+    """Add `seqs` and step until every one of them has prefilled and decodes."""
+    for s in seqs:
+        sched.add(s)
+    while any(s.is_prefilling or s.status != SequenceStatus.RUNNING for s in seqs):
+        timed_step(sched)
+
+
+def test_free_decodes_yield_to_a_paid_prefill_and_join_within_the_stall_bound() -> None:
+    """A paid prompt of 64 tokens costs 84 ms of the 100 ms target: 8 of the 12 free streams fit
+    beside it (2 ms each), the other 4 wait; with paid arriving every step, no free stream waits
+    more than `max_yield_stall_steps` steps. Free work alone does not yield."""
+    sched = slo_scheduler()
+    frees = make_seqs(12, prompt_len=20, max_tokens=200, priority=FREE)
+    decoding(sched, frees)
+    assert {c.seq for c in timed_step(sched).decodes} == set(frees)  # one class: nothing yields
+    paid = make_seq(64, max_tokens=1)
+    sched.add(paid)
+    out = timed_step(sched)
+    assert scheduled(out)[paid.request_id] == 64
+    assert len(out.decodes) == 8 and step_seconds(out) <= 0.1
+    assert [c.seq for c in out.decodes] == frees[:8]  # the oldest first
+    last = {s.seq_id: 0 for s in frees}
+    bound = SchedulerConfig.max_yield_stall_steps
+    for step in range(1, 40):
+        sched.add(make_seq(64, max_tokens=1))
+        out = timed_step(sched)
+        for c in out.decodes:
+            last[c.seq.seq_id] = step
+        assert all(step - at <= bound for at in last.values()), (step, last)
+    run_until_done(sched)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_batch_rows_lengthen_an_interactive_step_by_at_most_the_batch_slack() -> None:
+    """8 free streams decode in 36 ms; 12 batch rows beside them get the 15% slack (41.4 ms): the
+    2 oldest decode each step, the others wait (no stall-bound turns for the batch class). Once
+    the free streams finish, every running batch row decodes."""
+    sched = slo_scheduler()
+    frees = make_seqs(8, prompt_len=20, max_tokens=30, priority=FREE)
+    batch = make_seqs(12, prompt_len=20, max_tokens=200, priority=BATCH)
+    decoding(sched, batch)
+    decoding(sched, frees)
+    alone = TRUE_COST.predict(0, len(frees))
+    for _ in range(20):
+        out = timed_step(sched)
+        rows = [c.seq for c in out.decodes]
+        assert set(frees) <= set(rows)
+        assert [s for s in rows if s.priority is BATCH] == batch[:2]
+        assert step_seconds(out) <= alone * (1 + BATCH_SLACK)
+    while not all(s.finished for s in frees):
+        timed_step(sched)
+    decodable = [s for s in batch if s.status == SequenceStatus.RUNNING and not s.is_prefilling]
+    assert len(decodable) > 2
+    assert set(decodable) <= {c.seq for c in timed_step(sched).decodes}
+    run_until_done(sched)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_free_prefill_is_cut_to_the_budget_while_paid_traffic_arrived_lately() -> None:
+    """14 free streams decode (48 ms predicted); a free prompt of 64 tokens joins them in one chunk
+    when no paid request came lately, and is cut to the 52 tokens the 100 ms target leaves for
+    `RECENT_CLASS_S` seconds after a paid arrival."""
+    clock = FakeClock()
+    sched = slo_scheduler(clock=clock)
+    decoding(sched, make_seqs(14, prompt_len=20, max_tokens=500, priority=FREE))
+    newcomer = make_seq(64, max_tokens=1, priority=FREE)
+    sched.add(newcomer)
+    assert scheduled(timed_step(sched))[newcomer.request_id] == 64
+    paid = make_seq(8, max_tokens=1)
+    sched.add(paid)
+    while not paid.finished:
+        timed_step(sched)
+    clock.advance(RECENT_CLASS_S - 1)
+    newcomer = make_seq(64, max_tokens=1, priority=FREE)
+    sched.add(newcomer)
+    out = timed_step(sched)
+    assert scheduled(out)[newcomer.request_id] == 52 and step_seconds(out) <= 0.1
+    clock.advance(2)
+    newcomer = make_seq(64, max_tokens=1, priority=FREE)
+    sched.add(newcomer)
+    assert scheduled(timed_step(sched))[newcomer.request_id] == 64
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_keep_long_chunks_within_the_step_time_budget(seed: int) -> None:
+    """Random costs, budgets and arrivals; the cost model learns only from the reported step times.
+    Once it has, a long prompt's chunk that joins interactive work (decodes or short prompts
+    already in the step) above the minimum chunk always leaves the step within the target, and
+    every sequence finishes."""
+    rng = random.Random(9000 + seed)
+    truth = StepCost(
+        fixed_s=rng.uniform(0.005, 0.04),
+        per_prefill_token_s=rng.uniform(0.0002, 0.002),
+        per_decode_row_s=rng.uniform(0.0005, 0.005),
+    )
+    target_s = rng.uniform(0.06, 0.2)
+    clock = FakeClock()
+    sched = make_scheduler(
+        num_blocks=rng.randint(200, 1200),
+        block_size=4,
+        max_num_seqs=rng.randint(4, 24),
+        max_num_batched_tokens=rng.choice([128, 256, 512]),
+        length_buckets=rng.choice([(64,), (32, 128)]),
+        long_prefill_share=rng.choice([0.5, 1.0]),
+        target_itl_ms=1000 * target_s,
+        clock=clock,
+    )
+    capacity = sched.blocks.num_blocks * sched.blocks.block_size
+    seqs: list[Sequence] = []
+    measured_at = None
+    for step in range(20_000):
+        if step < 300 and rng.random() < 0.3:
+            long = rng.random() < 0.15
+            prompt = rng.randint(150, min(900, capacity // 3)) if long else rng.randint(4, 40)
+            seq = make_seq(
+                prompt, rng.randint(1, 40), rng.choice([PAID, FREE]), fairness_key=rng.choice("ab")
+            )
+            seqs.append(seq)
+            sched.add(seq)
+        if step >= 300 and not sched.has_unfinished():
+            break
+        out = timed_step(sched, truth)
+        clock.advance(0.05)
+        if sched.step_cost.cost is not None and measured_at is None:
+            measured_at = step
+        if measured_at is None or step < measured_at + 20:
+            continue
+        # Replay the step in the order it was built: decodes, then the prefills as added.
+        prefill_tokens, interactive = 0, bool(out.decodes)
+        for c in out.prefills:
+            prefill_tokens += c.num_tokens
+            if not sched._is_long(c.seq):
+                interactive = True
+                continue
+            if interactive and c.num_tokens > FLOOR:
+                seconds = truth.predict(prefill_tokens, len(out.decodes))
+                assert seconds <= target_s * 1.02 + truth.per_prefill_token_s, (step, out)
+    else:
+        pytest.fail(f"not done: {list(sched.sequences())}")
+    assert measured_at is not None
+    for seq in seqs:
+        assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.block_table == []
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
