@@ -10,7 +10,7 @@ For each engine and each schema of bench/schemas.py (34 schemas, SmolLM2's 49152
 - per-token mask time: a seeded random walk of `--steps` tokens through the grammar (each step:
   fill the bitmask, pick an allowed token, accept it); p50/p99 over every step of every schema.
 
-Both engines are configured as engine/grammar.py uses them: compact JSON (no free whitespace)
+Both engines are configured as engine/grammar/backend.py uses them: compact JSON (no free whitespace)
 except where the schema's own strings need it. Prints one table; nothing is written.
 """
 

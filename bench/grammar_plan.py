@@ -1,4 +1,4 @@
-"""The closing steer's plan search (engine/grammar.py `shortest_completion`): its time per search,
+"""The closing steer's plan search (engine/grammar/closing.py `shortest_completion`): its time per search,
 which the engine thread pays when a Lark or regex sequence enters its closing window.
 
     python -m bench.grammar_plan [--repeat 20]
@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 from bench.cpu import CpuMeter
-from engine.grammar import GrammarSpec, LLGuidanceBackend, shortest_completion
+from engine.grammar.backend import LLGuidanceBackend
+from engine.grammar.closing import shortest_completion
+from engine.types import GrammarSpec
 
 PATCH = (Path(__file__).parents[1] / "tests" / "gateway" / "data" / "codex_apply_patch.lark").read_text()
 CASES = [

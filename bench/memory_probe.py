@@ -66,12 +66,12 @@ def report(gateway: Any, budget: int, baseline: Any) -> dict[str, Any]:
         core = engine.engine
         bm = core.block_manager
         line["maps"] = {
-            "seqs": len(core._seqs),
-            "detok": len(core._detok),
+            "seqs": len(core.output_processor.seqs),
+            "detok": len(core.output_processor.detoks),
             "streams": len(engine._streams),
             "block_of": len(bm._block_of),
             "evictable": len(bm._evictable),
-            "recent": len(core._recent),
+            "recent": len(core.counters._recent),
         }
     if baseline is not None:
         top = tracemalloc.take_snapshot().compare_to(baseline, "lineno")[: report.top]  # type: ignore[attr-defined]

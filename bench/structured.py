@@ -8,7 +8,7 @@ throughput cost of constraining a full batch.
 with other seeds (once at temperature 0); counts outputs that parse and validate (jsonschema), that
 hit max_tokens, that contain a run of 3+ whitespace characters outside strings (the
 runaway-whitespace failure), and that reached the last `closing_reserve` tokens of their budget
-(steered to close, engine/grammar.py).
+(steered to close, engine/grammar/closing.py).
 
 `throughput`: a closed loop of `--concurrency` requests (a finished one is replaced at once) for
 `--steps` engine steps, once with every request constrained by a cached schema (compiled before
@@ -34,9 +34,10 @@ from typing import Any
 import jsonschema
 
 from bench.schemas import SCHEMAS
-from engine import grammar as grammar_module
 from engine.config import EngineConfig
-from engine.grammar import LLGuidanceBackend, closing_reserve
+from engine.grammar import mask as mask_module
+from engine.grammar.backend import LLGuidanceBackend
+from engine.grammar.mask import closing_reserve
 from engine.llm_engine import LLMEngine
 from engine.types import FinishReason, GenerationRequest, GrammarSpec, RequestOutput, SamplingParams
 
@@ -138,7 +139,7 @@ def _closed_loop(
                 produced[out.request_id] = out.num_output_tokens
                 submit()
     elapsed = time.perf_counter() - start
-    for request_id in list(engine._seqs):
+    for request_id in list(engine.output_processor.seqs):
         engine.abort_request(request_id)
     while engine.has_unfinished():
         engine.step()
@@ -159,7 +160,7 @@ def throughput(args: argparse.Namespace) -> None:
         first_use.append(time.perf_counter() - t0)
         engine.grammar(GrammarSpec.json_schema(case.schema)).result()  # cached for the run
     mask_s: list[float] = []
-    fill = grammar_module.fill_bitmask
+    fill = mask_module.fill_bitmask
 
     def timed_fill(*a: Any) -> Any:
         t0 = time.perf_counter()
@@ -168,7 +169,7 @@ def throughput(args: argparse.Namespace) -> None:
             mask_s.append(time.perf_counter() - t0)
         return bitmask
 
-    grammar_module.fill_bitmask = timed_fill  # type: ignore[assignment]
+    mask_module.fill_bitmask = timed_fill  # type: ignore[assignment]
     # Warm-up, not measured: each grammar's first masks build its lexer states, and new step
     # shapes warm oneDNN (measured first, the constrained run read 10% of the other).
     warm = argparse.Namespace(**{**vars(args), "steps": max(10, args.steps // 4)})
@@ -180,7 +181,7 @@ def throughput(args: argparse.Namespace) -> None:
         results[True].append(tokens / elapsed)
         elapsed, tokens, _ = _closed_loop(engine, args, lengths)
         results[False].append(tokens / elapsed)
-    grammar_module.fill_bitmask = fill  # type: ignore[assignment]
+    mask_module.fill_bitmask = fill  # type: ignore[assignment]
     free, bound = statistics.fmean(results[False]), statistics.fmean(results[True])
     ordered = sorted(first_use)
     masks = [m for m in mask_s if m > 0]

@@ -9,7 +9,7 @@ Queue deadlines at arrival: `submit()` estimates the request's wait from the lat
 snapshot plus the requests accepted since (`PendingWork`), under the same lock that enqueues it, and
 raises EngineOverloadedError at once when it could not start in time (see engine/deadlines.py).
 
-Liveness: a fault in a step is contained by the engine (engine/llm_engine.py); anything else that
+Liveness: a fault in a step is contained by the engine (engine/output_processor.py); anything else that
 escapes the loop ends it, fails every pending request, and `health()` then says the engine is
 dead. The loop also keeps a heartbeat, the last time it made progress, so `health()` can tell a
 stuck loop (a step that never returns, a loop that spins without scheduling anything) from an
@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.deadlines import PendingWork
-from engine.grammar import CompiledGrammar
+from engine.grammar.interface import CompiledGrammar
 from engine.llm_engine import LLMEngine
 from engine.loop_thread import LoopThread
 from engine.lora import LoraAdapter

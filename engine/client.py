@@ -16,7 +16,7 @@ from engine.types import EngineHealth, EngineStats, GenerationRequest, GrammarSp
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from engine.grammar import CompiledGrammar
+    from engine.grammar.interface import CompiledGrammar
     from engine.lora import LoraAdapter
 
 

@@ -1,7 +1,7 @@
 """Bounds that a JSON schema gets before it constrains output: plain JSON in, JSON out, no torch.
 
 The gateway bounds the schemas of response formats and tools with it (gateway/openai/tools.py)
-without loading the engine's torch side; engine/grammar.py compiles the bounded schema.
+without loading the engine's torch side; engine/grammar/backend.py compiles the bounded schema.
 """
 
 from __future__ import annotations

@@ -1,62 +1,47 @@
 """The synchronous engine: requests in, one scheduled step at a time, outputs out.
 
 Not thread-safe: AsyncEngine drives it from one thread. Every accepted request ends in exactly
-one finished output per choice (stop, length, abort or error), and every terminal path frees its
-blocks through `SchedulerInterface.finish` (engine/scheduler/).
+one finished output per choice (stop, length, abort or error); a step's outputs, the one place a
+choice ends and the containment of a fault in any stage of a step are in `OutputProcessor`
+(engine/output_processor.py); its counters and the snapshots it publishes are in
+`EngineCounters` (engine/stats.py).
 
 Constrained requests (`SamplingParams.grammar`) wait in the scheduler (WAITING_FOR_GRAMMAR) until
 their grammar is compiled (`GrammarCache`, a worker thread): the batch never waits for a compile. A
 grammar that fails to compile fails only its request.
-
-Faults. A step has four stages (`StepStage`): scheduling, the forward pass, sampling, and output
-processing. An exception in any of them ends only the sequences it concerns: the one sequence
-whose output processing failed, else the step's batch (the forward pass and sampling run the batch
-as one, so they cannot tell whose row broke them). Each ends with a `GenerationFailedError` that
-names only its own request id; the exception and the request ids go to the server log; the step
-failure is counted by stage; the engine goes on with the rest. All of it happens in `_contain`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.deadlines import (
-    DEADLINE_MARGIN,
-    LoadSnapshot,
-    PendingWork,
-    RunningLoad,
-    ServiceMeter,
-    estimate_wait_s,
-)
+from engine.deadlines import DEADLINE_MARGIN, LoadSnapshot, PendingWork, estimate_wait_s
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device.worker import EngineWorker
-from engine.grammar import CompiledGrammar, GrammarCache, LLGuidanceBackend, MaskFiller, MaskRow, closing_due
+from engine.grammar.backend import LLGuidanceBackend
+from engine.grammar.interface import CompiledGrammar, GrammarCache
+from engine.grammar.mask import MaskFiller, MaskRow, closing_due
 from engine.lora import LoraAdapter, LoraError, LoraRegistry, LoraSlots
+from engine.output_processor import OutputProcessor
 from engine.resolve import resolve
 from engine.scheduler import build_scheduler
 from engine.scheduler.interface import SchedulerInterface
-from engine.sequence import Sequence, SequenceStatus, compile_failure
+from engine.sequence import Sequence, compile_failure
+from engine.stats import EngineCounters
 from engine.step import SchedulerOutput, StepResult
 from engine.types import (
     DuplicateRequestError,
     EngineDeadError,
-    EngineError,
     EngineOverloadedError,
     EngineStats,
-    GenerationFailedError,
     GenerationRequest,
-    GrammarError,
     GrammarSpec,
     InvalidRequestError,
     Priority,
@@ -64,12 +49,10 @@ from engine.types import (
     RequestOutput,
     SamplingParams,
     StepStage,
-    TokenLogprob,
 )
 
 logger = logging.getLogger(__name__)
 
-_THROUGHPUT_WINDOW_S = 10.0
 # With nothing to run but compiles in flight, the step waits this long for one (not a busy loop).
 _GRAMMAR_WAIT_S = 0.005
 
@@ -103,19 +86,12 @@ class LLMEngine:
         blocks = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler: SchedulerInterface = build_scheduler(config.scheduler, blocks, clock, self.lora_slots)
         self.block_manager = self.scheduler.blocks
-        # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar.py).
+        # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar/mask.py).
         self.masks = MaskFiller(self.spec.vocab_size, overlap=device.type == "cuda")
-        self._seqs: dict[str, list[Sequence]] = {}
-        self._detok: dict[tuple[str, int], IncrementalDetokenizer] = {}
-        self._recent: deque[tuple[float, int]] = deque()
-        self._recent_tokens = 0  # the sum of `_recent`'s token counts (stats() runs every step)
-        self.meter = ServiceMeter()
-        # Refusals are counted on the engine thread (expiry) and on callers' threads (at arrival).
-        self._refusals: dict[str, int] = {}
-        self._refusals_lock = threading.Lock()
-        self._last_batch_size = 0
-        self._num_steps = 0
-        self._step_failures = dict.fromkeys(StepStage, 0)
+        self.counters = EngineCounters(self.scheduler, self.loras, self.lora_slots)
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.loras, self.counters, self.spec.eos_token_ids, max_len, clock
+        )
         self.grammars = GrammarCache(
             LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
         )
@@ -194,7 +170,7 @@ class LLMEngine:
         wait_s = estimate_wait_s(load, request.priority, request.fairness_key, pending)
         if wait_s is None or wait_s <= DEADLINE_MARGIN * deadline_s:
             return
-        self._count_refusal("deadline_at_arrival")
+        self.counters.count_refusal("deadline_at_arrival")
         raise EngineOverloadedError(
             f"the server is overloaded: this request would wait about {wait_s:.1f}s to start, "
             f"too close to or beyond its queue deadline of {deadline_s:g}s",
@@ -207,7 +183,7 @@ class LLMEngine:
         lora = request.lora
         if lora is not None and not isinstance(lora, LoraAdapter):
             raise InvalidRequestError(f"the adapter {lora.name!r} was not loaded by this engine")
-        if request.request_id in self._seqs:
+        if request.request_id in self.output_processor.seqs:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already in the engine")
         now = self.clock()
         deadline_s = self.queue_deadline_s(request)
@@ -239,20 +215,14 @@ class LLMEngine:
         if lora is not None:
             for _ in seqs:  # one pin per choice; LoraNotFoundError if it was unloaded meanwhile
                 self.loras.pin(lora)
-        self._seqs[request.request_id] = seqs
-        for seq, detok in zip(seqs, detoks, strict=True):
-            self._detok[seq.seq_id] = detok
+        self.output_processor.add(request.request_id, seqs, detoks)
+        for seq in seqs:
             seq.grammar_compile = future  # the scheduler holds it back until its grammar is ready
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished choice of `request_id` as aborted; unknown ids are ignored."""
-        outputs = []
-        for seq in list(self._seqs.get(request_id, [])):
-            if not seq.ended:
-                end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ABORTED)
-                outputs += self._guarded(StepStage.OUTPUT, seq, end)
-        return outputs
+        return self.output_processor.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -271,25 +241,24 @@ class LLMEngine:
     @property
     def num_steps(self) -> int:
         """Steps that ran a batch so far."""
-        return self._num_steps
+        return self.counters.num_steps
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, forward, sample, advance, process outputs. Never raises for a
-        fault in a stage: what it concerns ends with an error (see the module docstring)."""
+        fault in a stage: what it concerns ends with an error (engine/output_processor.py)."""
         start = self.clock()
         outputs: list[RequestOutput] = []
         stage = StepStage.SCHEDULE
         out: SchedulerOutput | None = None
         try:
             out = self.scheduler.schedule().by_adapter()
-            outputs.extend(self._grammar_failed_outputs(out.grammar_failed))
-            outputs.extend(self._expired_outputs(out.expired))
+            outputs.extend(self.output_processor.fail_grammar(out.grammar_failed))
+            outputs.extend(self.output_processor.expire(out.expired))
             if out.is_empty:
                 if self.scheduler.compiling and not outputs:  # nothing to run but compiles
                     self.scheduler.wait_for_grammar(_GRAMMAR_WAIT_S)
                 return outputs
-            self._num_steps += 1
-            self._last_batch_size = len(out.chunks)
+            self.counters.count_batch(out)
             stage = StepStage.FORWARD
             mask = self.masks.start([self._mask_row(s) for s in out.sampled])
             logits = self.runner.forward(out)
@@ -298,18 +267,18 @@ class LLMEngine:
             stage = StepStage.SCHEDULE
             self.scheduler.update(out)
             stage = StepStage.OUTPUT
-            outputs.extend(self._process(result))
+            outputs.extend(self.output_processor.process(result))
             if not self.scheduler.has_unfinished():
                 self.runner.idle()
         except EngineDeadError:
             raise  # a tensor-parallel rank is gone (engine/device/parallel.py): this engine cannot go on
         except Exception as exc:  # noqa: BLE001 - a failed stage fails what it concerns, not the engine
             batch = None if out is None else [c.seq for c in out.chunks] + list(out.ended)
-            return outputs + self._contain(stage, exc, batch)
+            return outputs + self.output_processor.contain(stage, exc, batch)
         try:
             self._record_step(start, out, result)
         except Exception as exc:  # noqa: BLE001 - rates are bookkeeping that concerns no sequence
-            self._contain(StepStage.SCHEDULE, exc, [])
+            self.output_processor.contain(StepStage.SCHEDULE, exc, [])
         return outputs
 
     @staticmethod
@@ -321,258 +290,22 @@ class LLMEngine:
 
     def _record_step(self, start: float, out: SchedulerOutput, result: StepResult) -> None:
         now = self.clock()
-        self.meter.record_step(
-            now - start, sum(c.num_tokens for c in out.prefills), sum(c.num_tokens for c in out.decodes)
-        )
+        self.counters.record_step(now - start, now, out, len(result.tokens))
         self.scheduler.record_step(out, now - start)  # trains the step-time budget's cost model
-        self._recent.append((now, len(result.tokens)))
-        self._recent_tokens += len(result.tokens)
-        while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
-            self._recent_tokens -= self._recent.popleft()[1]
-
-    def _process(self, result: StepResult) -> list[RequestOutput]:
-        """Each sampled sequence's new token: append, check stops, detokenize, build the output. A
-        failure in one sequence's processing ends that sequence only."""
-        outputs = []
-        for seq, token, logprob in zip(result.seqs, result.tokens, result.logprobs, strict=True):
-            if seq.finished:  # aborted between scheduling and now
-                continue
-            advance = functools.partial(self._advance, seq, token, logprob)
-            outputs += self._guarded(StepStage.OUTPUT, seq, advance)
-        return outputs
-
-    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq.append_token(token)
-        p = seq.sampling
-        detok = self._detok[seq.seq_id]
-        status = None
-        stop_ids = p.stop_ids(self.spec.eos_token_ids)
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # The mask allowed only what the grammar accepts; reaching here is a bug, not input: it
-            # ends this sequence through the one failure path (_guarded: logged, counted, generic).
-            raise RuntimeError(f"the grammar rejected sampled token {token}")
-        if token in stop_ids and seq.num_output_tokens > p.min_tokens:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif detok.add(token):
-            status = SequenceStatus.FINISHED_STOPPED
-        elif seq.grammar is not None and seq.grammar.is_terminated():
-            status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is None:
-            return self._output(seq, (token,), detok.take(final=False), logprob)
-        return self._finish(seq, status, (token,), logprob)
-
-    def _guarded(
-        self, stage: StepStage, seq: Sequence, make: Callable[[], RequestOutput]
-    ) -> list[RequestOutput]:
-        """`[make()]`: the next output of `seq`; if that raises, `seq` alone ends with an error."""
-        try:
-            return [make()]
-        except Exception as exc:  # noqa: BLE001 - contained to this sequence
-            return self._contain(stage, exc, [seq])
-
-    def _contain(
-        self, stage: StepStage, exc: Exception, concerned: list[Sequence] | None
-    ) -> list[RequestOutput]:
-        """The one place a failure in a step is handled: count it, log it with its details, and end
-        the `concerned` sequences with a generic error each (None: the scheduler failed before it had
-        a batch, so every sequence whose state it may have left half-done). Any choice that the
-        scheduler had finished but whose final output was not yet built (`ended` still False: the
-        failure came in between) gets its error output here too, so every choice ends exactly once."""
-        self._step_failures[stage] += 1
-        if concerned is None:
-            concerned = self._unsettled()
-        half_ended = (s for seqs in self._seqs.values() for s in seqs if s.finished)
-        ending = [s for s in dict.fromkeys([*concerned, *half_ended]) if not s.ended]
-        logger.error(
-            "engine step failed in stage %s; ending %d sequence(s) with an error: %s",
-            stage.value,
-            len(ending),
-            ", ".join(f"{s.request_id}#{s.index}" for s in ending) or "none",
-            exc_info=exc,
-        )
-        return [
-            self._finish(
-                seq, SequenceStatus.FINISHED_ERROR, error=GenerationFailedError.for_request(seq.request_id)
-            )
-            for seq in ending
-        ]
-
-    def _unsettled(self) -> list[Sequence]:
-        """After scheduling failed midway: the sequences whose state can no longer be trusted. Every
-        running one (the batch was being built from them) and every other unfinished one that is
-        not waiting cleanly (out of the queue, or queued with blocks or progress: caught midway
-        through admission). Clean waiting ones stay queued."""
-        sched = self.scheduler
-        unsettled = []
-        for seqs in self._seqs.values():
-            for seq in seqs:
-                if seq.finished:
-                    continue
-                clean = seq in sched.compiling or seq in sched.parked or (
-                    seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0
-                )
-                if seq in sched.running or not clean:
-                    unsettled.append(seq)
-        return unsettled
-
-    def _output(
-        self,
-        seq: Sequence,
-        new_ids: tuple[int, ...],
-        text: str,
-        logprob: Any = None,
-        error: EngineError | None = None,
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=new_ids,
-            new_text=text,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            finish_reason=seq.finish_reason,
-            logprobs=(logprob,) if logprob is not None else (),
-            error=error,
-        )
-
-    def _finish(
-        self,
-        seq: Sequence,
-        status: SequenceStatus,
-        new_ids: tuple[int, ...] = (),
-        logprob: Any = None,
-        error: EngineError | None = None,
-    ) -> RequestOutput:
-        """The one place a choice ends: blocks freed, bookkeeping dropped, final output built.
-
-        An error ends it without its held-back text (the detokenizer may be what failed). `ended`
-        is set last: a failure part-way leaves the choice for `_contain` to end with an error."""
-        detok = self._detok[seq.seq_id]
-        text = detok.take(final=True) if error is None else ""
-        self.scheduler.finish(seq, status)
-        if seq.lora is not None:  # `finish` ran once for this choice (ended is still False)
-            lora, seq.lora = seq.lora, None
-            self.loras.unpin(lora)
-        if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
-            self.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
-        out = self._output(seq, new_ids, text, logprob, error)
-        del self._detok[seq.seq_id]
-        seq.ended = True
-        siblings = self._seqs.get(seq.request_id, [])
-        if all(s.ended for s in siblings):
-            self._seqs.pop(seq.request_id, None)
-        return out
-
-    def _grammar_failed_outputs(
-        self, failed: tuple[tuple[Sequence, GrammarError], ...]
-    ) -> list[RequestOutput]:
-        """Fail the sequences whose grammar failed to compile, each with its GrammarError."""
-        outputs = []
-        for seq, error in failed:
-            end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
-            outputs += self._guarded(StepStage.SCHEDULE, seq, end)
-        return outputs
-
-    def _expired_outputs(self, expired: tuple[Sequence, ...]) -> list[RequestOutput]:
-        """Fail sequences that waited past their queue deadline, with a Retry-After hint: how much
-        longer than its deadline a fresh request of the same class and key would wait now."""
-        if not expired:
-            return []
-        now = self.clock()
-        load = self.load_snapshot()
-        waits: dict[tuple[Priority, str], float] = {}
-        outputs = []
-        for seq in expired:
-            self._count_refusal("deadline_in_queue")
-            key = (seq.priority, seq.fairness_key)
-            if key not in waits:
-                waits[key] = estimate_wait_s(load, seq.priority, seq.fairness_key) or 0.0
-            deadline_s = (seq.deadline if seq.deadline is not None else now) - seq.arrival_time
-            error = EngineOverloadedError(
-                f"the request waited {now - seq.arrival_time:.1f}s and could not start before its "
-                f"queue deadline",
-                retry_after_s=max(1.0, waits[key] - deadline_s),
-            )
-            end = functools.partial(self._finish, seq, SequenceStatus.FINISHED_ERROR, error=error)
-            outputs += self._guarded(StepStage.SCHEDULE, seq, end)
-        return outputs
-
-    def _count_refusal(self, reason: str) -> None:
-        with self._refusals_lock:
-            self._refusals[reason] = self._refusals.get(reason, 0) + 1
-
-    def refusal_counts(self) -> dict[str, int]:
-        """Refusals by reason so far; safe from any thread."""
-        with self._refusals_lock:
-            return dict(self._refusals)
 
     # ---- introspection --------------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
-        """A snapshot of queues, rates and counters; engine thread only (AsyncEngine publishes it).
+    def refusal_counts(self) -> dict[str, int]:
+        """Refusals by reason so far; safe from any thread."""
+        return self.counters.refusal_counts()
 
-        Cost is independent of the number of waiting requests (the queue keeps counters).
-        """
-        running = self.scheduler.running
-        waiting = self.scheduler.waiting
-        span = (self._recent[-1][0] - self._recent[0][0]) if len(self._recent) > 1 else 0.0
-        return EngineStats(
-            num_running=len(running),
-            num_waiting=len(waiting),
-            num_free_blocks=self.block_manager.num_free_blocks,
-            num_total_blocks=self.block_manager.num_blocks,
-            block_size=self.block_manager.block_size,
-            output_tokens_per_s=(self._recent_tokens / span) if span > 0 else 0.0,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_waiting_tokens=sum(waiting.tokens_by_priority().values())
-            + sum(s.num_uncomputed_tokens for s in running if s.is_prefilling),
-            num_running_tokens=sum(s.sampling.max_tokens - s.num_output_tokens for s in running),
-            waiting_by_priority=waiting.count_by_priority(),
-            running_by_priority={
-                p.name.lower(): sum(1 for s in running if s.priority == p) for p in Priority
-            },
-            refusals_by_reason=self.refusal_counts(),
-            last_batch_size=self._last_batch_size,
-            total_steps=self._num_steps,
-            waiting_by_bucket=waiting.count_by_bucket(),
-            waiting_by_priority_and_bucket=waiting.count_by_priority_and_bucket(),
-            num_priority_preemptions=self.scheduler.num_priority_preemptions,
-            num_fairness_preemptions=self.scheduler.num_fairness_preemptions,
-            prefill_tokens_per_s=self.meter.prefill_tokens_per_s,
-            decode_steps_per_s=self.meter.decode_steps_per_s,
-            batching=self.config.scheduler.batching,
-            prefix_cache_queried_tokens=self.block_manager.num_queried_tokens,
-            prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
-            step_failures_by_stage={stage.value: n for stage, n in self._step_failures.items()},
-            lora_bytes=self.loras.nbytes,
-            loras_resident=tuple(a.name for a in self.lora_slots.resident()),
-            num_waiting_for_adapter=len(self.scheduler.parked),
-        )
+    def stats(self) -> EngineStats:
+        """A snapshot of queues, rates and counters; engine thread only (AsyncEngine publishes it)."""
+        return self.counters.stats()
 
     def load_snapshot(self) -> LoadSnapshot:
         """What the arrival estimate needs, frozen; engine thread only (AsyncEngine publishes it)."""
-        waiting = self.scheduler.waiting
-        return LoadSnapshot(
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
-            seconds_per_token=self.meter.seconds_per_token,
-            seconds_per_step=self.meter.seconds_per_step,
-            completion_ratio=self.meter.completion_ratio,
-            waiting_by_key=waiting.count_by_key(),
-            waiting_tokens=waiting.tokens_by_priority(),
-            waiting_decode_tokens=waiting.decode_tokens_by_priority(),
-            running=tuple(
-                RunningLoad(
-                    s.priority,
-                    s.num_uncomputed_tokens if s.is_prefilling else 0,
-                    max(0, s.sampling.max_tokens - s.num_output_tokens),
-                )
-                for s in self.scheduler.running
-            ),
-        )
+        return self.counters.load_snapshot()
 
     # ---- offline convenience --------------------------------------------------------------------
 

@@ -152,7 +152,7 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Choose one token per row of float32 `logits` [S, vocab]; return tokens and logprobs.
 
-    `bitmask` [S, ceil(vocab / 32)] int32 (engine/grammar.py) applies to the rows marked
+    `bitmask` [S, ceil(vocab / 32)] int32 (engine/grammar/interface.py) applies to the rows marked
     `constrained`; it is required when any row is. `logits` is left as it was unless `overwrite`
     (the runner's, a fresh tensor each step): masking it in place saves a copy of the batch's
     logits. `argmax`: a faster op equal to `logits.argmax(dim=-1)` (the native CPU kernels')."""

@@ -12,7 +12,7 @@ import torch
 from engine.types import FinishReason, GrammarError, Priority, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import CompiledGrammar, Grammar
+    from engine.grammar.interface import CompiledGrammar, Grammar
     from engine.lora import LoraAdapter
 
 

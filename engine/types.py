@@ -39,7 +39,7 @@ class GrammarSpec:
     `strict` (JSON schemas): a keyword the engine does not implement is an error; not strict, it
     is ignored (the rest still constrains). `json_only` (Lark): the output is JSON and fixed text,
     no free text (where `}` would be content), so a sequence near max_tokens may be steered to
-    close it as JSON (engine/grammar.py); the JSON kinds always are.
+    close it as JSON (engine/grammar/closing.py); the JSON kinds always are.
     """
 
     kind: GrammarKind
@@ -93,7 +93,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
-    # Constrained output (engine/grammar.py): every choice's text matches it; None: free text.
+    # Constrained output (engine/grammar/): every choice's text matches it; None: free text.
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:

@@ -73,7 +73,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.embeddings.batcher import BatchRecord
+from engine.embeddings.policy import BatchRecord
 from engine.types import EngineStats, RequestOutput, StepStage
 from gateway.errors import Refusal
 from gateway.telemetry import ChatSpan

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import SETTING_FIELDS, EngineConfig
-from engine.embeddings.batcher import BatchLimits
+from engine.embeddings.policy import BatchLimits
 from tenancy.limiter import DEFAULT_LEASE_TTL_S
 
 ENV_PREFIX = "BATCHGATE_"

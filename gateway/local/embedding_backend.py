@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 import orjson
 
-from engine.embeddings.batcher import BatchLimits, BatchRecord, EmbeddingBatcher, EmbeddingRequest
+from engine.embeddings.batcher import EmbeddingBatcher
+from engine.embeddings.policy import BatchLimits, BatchRecord, EmbeddingRequest
 from engine.types import EngineError, GenerationFailedError
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error, invalid_request

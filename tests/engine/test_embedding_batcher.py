@@ -8,13 +8,8 @@ import threading
 
 import pytest
 
-from engine.embeddings.batcher import (
-    Batch,
-    BatchLimits,
-    BatchPolicy,
-    EmbeddingBatcher,
-    EmbeddingRequest,
-)
+from engine.embeddings.batcher import EmbeddingBatcher
+from engine.embeddings.policy import Batch, BatchLimits, BatchPolicy, EmbeddingRequest
 from engine.types import (
     DuplicateRequestError,
     EngineOverloadedError,

@@ -19,17 +19,11 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
-from engine import grammar as grammar_module
-from engine.grammar import (
-    CLOSE_RESERVE,
-    ClosingTokens,
-    GrammarCache,
-    JsonState,
-    LLGuidanceBackend,
-    allocate_bitmask,
-    closing_reserve,
-    token_row,
-)
+from engine.grammar import mask as mask_module
+from engine.grammar.backend import LLGuidanceBackend
+from engine.grammar.closing import ClosingTokens, JsonState, shortest_completion
+from engine.grammar.interface import GrammarCache, allocate_bitmask, token_row
+from engine.grammar.mask import CLOSE_RESERVE, closing_reserve
 from engine.json_schema import bound_schema
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow, _apply_bitmask_batched, apply_bitmask, sample
@@ -458,7 +452,7 @@ def test_a_shortest_completion_takes_forced_text_whole_and_counts_repeats(
     ]:
         grammar = backend.compile(spec).new_grammar()
         assert all(grammar.accept_token(t) for t in tokenizer.encode(prefix, add_special_tokens=False))
-        assert grammar_module.shortest_completion(grammar._matcher, grammar._closing) == plan  # type: ignore[attr-defined]
+        assert shortest_completion(grammar._matcher, grammar._closing) == plan  # type: ignore[attr-defined]
 
 
 def test_masks_filled_during_the_forward_pass_give_the_same_outputs(llguidance_engine: LLMEngine) -> None:
@@ -483,7 +477,7 @@ def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
     llguidance_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A torch op on the filler thread gave it an OpenMP team of its own, which slowed every later
-    # step of the process by ~30% on 2 cores (engine/grammar.py): it gets its bitmask ready-made.
+    # step of the process by ~30% on 2 cores (engine/grammar/mask.py): it gets its bitmask ready-made.
     engine = llguidance_engine
     allocated_on: list[threading.Thread] = []
 
@@ -491,7 +485,7 @@ def test_an_overlapped_mask_is_allocated_on_the_engine_thread(
         allocated_on.append(threading.current_thread())
         return allocate_bitmask(num_rows, vocab_size)
 
-    monkeypatch.setattr(grammar_module, "allocate_bitmask", recording)
+    monkeypatch.setattr(mask_module, "allocate_bitmask", recording)
     monkeypatch.setattr(engine.masks, "overlap", True)
     case = SCHEMAS[1]
     params = SamplingParams(max_tokens=20, temperature=0.0, n=2, grammar=GrammarSpec.json_schema(case.schema))

@@ -274,9 +274,9 @@ def test_a_request_that_cannot_start_in_time_is_refused_at_arrival(tiny_model_di
     request = GenerationRequest("new", PROMPTS[0], greedy(4), priority=Priority.FREE)
     for i in range(6):
         eng.add_request(GenerationRequest(f"busy{i}", PROMPTS[i], greedy(200), priority=Priority.FREE))
-    eng.meter = ServiceMeter()
+    eng.counters.meter = ServiceMeter()
     eng.check_arrival(request)  # nothing measured yet: admitted
-    eng.meter.record_step(0.05, 0, 2)  # 50 ms a step: the 6 ahead need ~200 steps each on 2 slots
+    eng.counters.meter.record_step(0.05, 0, 2)  # 50 ms a step: the 6 ahead need ~200 steps each on 2 slots
     with pytest.raises(EngineOverloadedError) as info:
         eng.check_arrival(request)
     assert info.value.retry_after_s > 1.0 and "queue deadline of 2s" in str(info.value)

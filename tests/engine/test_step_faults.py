@@ -1,4 +1,4 @@
-"""Faults injected into each stage of a real tiny-model engine's step (LLMEngine._contain).
+"""Faults injected into each stage of a real tiny-model engine's step (OutputProcessor.contain).
 
 What must hold whatever fails: only the sequences the failure concerns end, each with a generic
 error that names only its own request id (the exception's text goes to the log, never to a
@@ -84,7 +84,7 @@ def assert_idle(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert (stats.num_waiting, stats.num_running, stats.num_waiting_tokens) == (0, 0, 0)
-    assert not engine._seqs and not engine._detok
+    assert not engine.output_processor.seqs and not engine.output_processor.detoks
 
 
 def serves_the_next_request(engine: LLMEngine, expected: dict[str, list[int]]) -> None:
@@ -107,7 +107,7 @@ def test_a_fault_in_the_batch_fails_that_batch_only(
         monkeypatch.setattr(engine.runner.model, "forward", fail_on_call(3, engine.runner.model.forward))
     else:
         monkeypatch.setattr(runner_module, "sample_logits", fail_on_call(3, runner_module.sample_logits))
-    with caplog.at_level(logging.ERROR, logger="engine.llm_engine"):
+    with caplog.at_level(logging.ERROR, logger="engine.output_processor"):
         outputs = run_all(engine, requests())
     assert_ended_once(outputs)
     for name in "abc":
@@ -131,7 +131,7 @@ def test_an_output_fault_fails_only_its_sequence(
     before = failures(engine)
     for request in requests():
         engine.add_request(request)
-    detok = engine._detok[("b", 0)]
+    detok = engine.output_processor.detoks[("b", 0)]
     monkeypatch.setattr(detok, "add", fail_on_call(3, detok.add))
     outputs: Outputs = {}
     while engine.has_unfinished():
@@ -152,7 +152,8 @@ def test_a_fault_after_a_choice_finished_but_before_its_output_still_ends_it_onc
 ) -> None:
     """The first choice to reach max_tokens is taken out of the scheduler, then the bookkeeping
     after it fails: it ends with one error output, not silence and not two finals."""
-    monkeypatch.setattr(engine.meter, "record_finish", fail_on_call(1, engine.meter.record_finish))
+    meter = engine.counters.meter
+    monkeypatch.setattr(meter, "record_finish", fail_on_call(1, meter.record_finish))
     outputs = run_all(engine, requests())
     assert_ended_once(outputs)
     reasons = sorted(outs[-1].finish_reason for outs in outputs.values())
@@ -170,7 +171,7 @@ def test_a_scheduling_fault_in_the_middle_of_an_admission_leaves_nothing_behind(
     before = failures(engine)
     for request in requests():
         engine.add_request(request)
-    c = engine._seqs["c"][0]
+    c = engine.output_processor.seqs["c"][0]
 
     def admitted_halfway() -> None:
         assert c.block_table and c.num_computed_tokens > 0  # the cached prefix was taken

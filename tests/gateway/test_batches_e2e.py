@@ -19,8 +19,8 @@ import pytest
 from openai.types import Batch, CreateEmbeddingResponse, FileObject
 from openai.types.chat import ChatCompletion
 
-from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
+from engine.embeddings.policy import BatchLimits
 from gateway.app import create_app
 from gateway.cli import build_tenancy
 from gateway.local.embedding_backend import EmbeddingService

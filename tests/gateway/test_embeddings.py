@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tenancy
-from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
+from engine.embeddings.policy import BatchLimits
 from gateway import telemetry
 from gateway.local.embedding_backend import EmbeddingService, _encode
 from gateway.openai.bodies import embedding_list

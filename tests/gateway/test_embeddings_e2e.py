@@ -13,8 +13,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from engine.embeddings.batcher import BatchLimits
 from engine.embeddings.model import EmbeddingModel
+from engine.embeddings.policy import BatchLimits
 from gateway.app import create_app
 from gateway.local.embedding_backend import EmbeddingService
 from gateway.settings import Settings

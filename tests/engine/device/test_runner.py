@@ -58,7 +58,7 @@ def test_serving_unique_prompts_grows_no_kv_memory_and_keeps_no_request_state(ti
         assert len(outputs) == 12 and all(outs[-1].finished for outs in outputs.values())
         assert [resident_bytes(t)[1] for t in caches] == committed
         # Per-request state is dropped when a request ends; the prefix cache is bounded by the blocks.
-        assert engine._seqs == {} and engine._detok == {}
+        assert engine.output_processor.seqs == {} and engine.output_processor.detoks == {}
         assert engine.block_manager.num_cached_blocks <= engine.block_manager.num_blocks
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

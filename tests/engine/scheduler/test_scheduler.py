@@ -419,7 +419,7 @@ def test_a_failed_batch_frees_everything_and_the_rest_is_served() -> None:
     out = sched.schedule()
     failed = [c.seq for c in out.chunks]
     assert failed
-    for seq in failed:  # what LLMEngine._contain does when the forward pass raises
+    for seq in failed:  # what OutputProcessor.contain does when the forward pass raises
         sched.finish(seq, SequenceStatus.FINISHED_ERROR)
     check_blocks(sched)
     assert not sched.running
