@@ -406,7 +406,7 @@ class Metrics:
             self.budget_refusals.labels(_plan(plan), metric, scope).inc()
 
     def observe_embedding_batch(self, record: BatchRecord) -> None:
-        """One embedding model call (an engine.embeddings.batcher.BatchRecord); batcher thread."""
+        """One embedding model call (an engine.embeddings.policy.BatchRecord); batcher thread."""
         self.embedding_batch_inputs.observe(record.num_inputs)
         self.embedding_batch_tokens.observe(record.num_padded_tokens)
         self.embedding_model_time.observe(record.model_s)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 MAX_PARALLEL_TOOL_CALLS = 4
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-# JSON compiled compact: no whitespace between tokens (the runaway-whitespace guard, engine/grammar.py).
+# JSON compiled compact: no whitespace between tokens (the runaway-whitespace guard, engine/grammar/).
 _COMPACT = {"whitespace_flexible": False}
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 

@@ -239,7 +239,7 @@ class GrammarFormat(StrictModel):
 
 
 class CustomTool(StrictModel):
-    """A tool whose input is free text, or text in a Lark or regex grammar (engine/grammar.py
+    """A tool whose input is free text, or text in a Lark or regex grammar (engine/grammar/
     enforces it, so the input always parses)."""
 
     type: Literal["custom"]
