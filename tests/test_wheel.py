@@ -5,8 +5,9 @@ build/ or egg-info list can add what pyproject.toml leaves out) the test builds 
 wheel from that sdist (as `pip install` of an sdist does), checks both hold every file of the
 kernels' csrc folder, installs the wheel into a new environment outside the checkout, and there,
 in a subprocess, has the engine compile its kernels from the installed copy into an empty
-TORCH_EXTENSIONS_DIR and load them: the native kernels, not the torch-ops fallback. One compile
-(~40 s on 2 cores).
+TORCH_EXTENSIONS_DIR and load them: the native kernels, not the torch-ops fallback (one compile).
+Then the installed package serves: `python -m gateway.cli serve` from that environment answers a
+chat request with the bundled model on those kernels.
 
 The new environment sees the test venv's packages (torch, ...) through a `.pth` line; a path
 added that way is not a site directory, so the editable install's own `.pth` there (which puts
@@ -18,13 +19,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,3 +148,41 @@ def test_the_installed_wheel_compiles_and_loads_the_native_kernels(tmp_path: Pat
     assert out["resolved"], "the engine fell back to torch ops"
     built = list((extensions / out["build_name"]).glob("*.so"))
     assert built, f"nothing was compiled under {extensions}"
+
+    # The installed package serves a chat request on those kernels (the bundled model, converted
+    # once per machine under ~/.cache/batchgate).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out_file:
+        server = subprocess.Popen(
+            [str(python), "-m", "gateway.cli", "serve", "--port", str(port), "--embedding-model", "none",
+             "--max-num-seqs", "2", "--max-model-len", "2048", "--kv-cache-memory", "128MiB"],
+            cwd=workdir, env=env, stdout=out_file, stderr=subprocess.STDOUT,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:  # until /ready answers 200 (the model loads in the background)
+            assert server.poll() is None, log.read_text()[-4000:]
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the installed server did not become ready"
+            time.sleep(0.2)
+        reply = httpx.post(
+            base + "/v1/chat/completions",
+            json={"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+                  "messages": [{"role": "user", "content": "Hi"}]},
+            timeout=60.0,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] > 0
+        ready = [line for line in log.read_text().splitlines() if "engine ready" in line]
+        assert ready and "on the int8 kernels" in ready[0], log.read_text()[-4000:]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
