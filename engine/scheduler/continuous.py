@@ -6,13 +6,16 @@ A step, in order (core.py has the mechanics, budget.py the time budget, preempti
     decodes of the classes with work ahead of nobody (and of yielding rows stalled too long)
     for each class, highest first:
         (below the lead class) its decodes, while the step is predicted within the target
-        its short prompts' chunks (and long prompts stalled too long), its admissions,
-        then its other long prompts' chunks
+        its short prompts' chunks (and long prompts stalled too long) and its admissions, the
+        least served tenants' first, then its other long prompts' chunks
 
 Without the step-time budget (off, or before the cost model can predict) a class's running
 prefills come before its admissions, and every decode goes first. A prefill chunk is capped by the
 long-prompt share (buckets.py) and by the budget; a sequence that lacks a slot or blocks may
 preempt a lower class's sequence, and a tenant far below its fair share of the slots another's.
+Within a class, tenants share the step by work (fair_share.py): the prefill chunks of the tenants
+served the fewest tokens go first, and a running prefill of a tenant served more tokens than the
+next waiting sequence's waits until that one is admitted.
 """
 
 from __future__ import annotations
@@ -37,8 +40,7 @@ class ContinuousScheduler(SchedulerCore):
         for priority in sorted(Priority):
             mine = [s for s in ranked if s.priority == priority]
             if not timed:
-                self._schedule_prefills(step, mine)
-                self._admit(step, priority)
+                self._prefills_and_admissions(step, priority, mine)
                 continue
             if priority is Priority.BATCH and step.lead < priority:
                 step.batch_budget_s = budget.batch_budget(step)
@@ -47,9 +49,24 @@ class ContinuousScheduler(SchedulerCore):
             # Short prompts (and long ones stalled too long) first, then admissions, then the
             # other long prompts' chunks, in what is left of the step.
             later = [s for s in mine if self._is_long(s) and not budget.long_prefill_stalled(s)]
-            self._schedule_prefills(step, [s for s in mine if s not in later])
-            self._admit(step, priority)
+            self._prefills_and_admissions(step, priority, [s for s in mine if s not in later])
             self._schedule_prefills(step, later)
+
+    def _prefills_and_admissions(self, step: StepBuilder, priority: Priority, mine: list[Sequence]) -> None:
+        """The class's running prefills (of `mine`) and its admissions, by fair share: prefills of
+        the least served tenants first, and those of tenants served more than the next waiting
+        sequence's tenant after the admissions that are served less than them."""
+        served = self.waiting.served
+        prefilling = sorted((s for s in mine if s.is_prefilling), key=lambda s: (served(s), rank(s)))
+        head = self.waiting.peek(priority)
+        bound = None if head is None else served(head)
+        ahead = [s for s in prefilling if bound is None or served(s) <= bound]
+        behind = prefilling[len(ahead) :]
+        self._schedule_prefills(step, ahead)
+        if behind:
+            self._admit(step, priority, max_served=served(behind[0]))
+            self._schedule_prefills(step, behind)
+        self._admit(step, priority)
 
     def _chunk_limit(self, step: StepBuilder, seq: Sequence, joining: bool) -> tuple[int, bool]:
         want = min(seq.num_uncomputed_tokens, step.budget)

@@ -113,6 +113,7 @@ class SchedulerCore(SchedulerInterface):
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.blocks.register_full_blocks(chunk.seq)
+            self.waiting.charge(chunk.seq, chunk.num_tokens)  # its tenant's share of the work
         self.budget.note_progress(output)
 
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
@@ -171,8 +172,10 @@ class SchedulerCore(SchedulerInterface):
             self.blocks.allocate(seq, seq.num_computed_tokens + chunk)
             step.add(ScheduledChunk(seq, chunk), decode=False, shared=shared, long=self._is_long(seq))
 
-    def _admit(self, step: StepBuilder, priority: Priority) -> None:
-        """Admit waiting sequences of one class while the budget, slots and blocks allow."""
+    def _admit(self, step: StepBuilder, priority: Priority, max_served: float | None = None) -> None:
+        """Admit waiting sequences of one class while the budget, slots and blocks allow;
+        `max_served`: only while the next one's key has been served at most that many tokens (the
+        rest wait for the prefills of less served keys first; the class is not done)."""
         if not step.admitting or step.memory_preempted or priority >= step.admit_below:
             return
         skip: set[int] = set()  # buckets whose long prompts have used their share this step
@@ -180,6 +183,9 @@ class SchedulerCore(SchedulerInterface):
             seq = self.waiting.peek(priority, skip)
             if seq is None:
                 return  # this class is done; the next one may go on
+            resumed = seq.status == SequenceStatus.PREEMPTED  # mid-stream: it goes first regardless
+            if max_served is not None and not resumed and self.waiting.served(seq) > max_served:
+                return
             if not self._may_admit(seq):
                 step.admitting = False
                 return

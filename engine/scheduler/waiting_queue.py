@@ -8,8 +8,11 @@
 A higher class is always served before a lower one. Within a class, sequences that were preempted
 come back first (they had started, and their callers are mid-stream); then the buckets take turns
 (one admission from a bucket moves the turn to the next non-empty bucket), and within a bucket the
-fairness keys (tenants) take turns, so one key's flood waits behind its own requests, not in front of
-everybody else's. With no bucket boundaries and one key this is plain FIFO per class.
+fairness keys (tenants) take turns by work: the key served the fewest tokens in the class goes next
+(fair_share.py; keys served alike take turns in rotation), so one key's flood waits behind its own
+requests, not in front of everybody else's, and a key of long prompts takes a turn for as many
+tokens as a key of short ones takes many. With no bucket boundaries and one key this is plain FIFO
+per class.
 
 Counters (per class and bucket, tokens per class, counts per key) are kept as sequences come and go,
 so the engine's per-step statistics never walk the queue. What a sequence added is recorded when it
@@ -25,24 +28,30 @@ from collections.abc import Collection, Iterator
 from typing import NamedTuple
 
 from engine.scheduler.buckets import bucket_labels, bucket_of, validate_boundaries
+from engine.scheduler.fair_share import ServedTokens
 from engine.sequence import Sequence
 from engine.types import Priority
 
 
 class FairQueue:
-    """FIFOs per fairness key, served in turn: each key with waiting sequences gets one before any
-    key gets a second. A key that empties leaves the rotation; one that arrives joins at its end."""
+    """FIFOs per fairness key, served in turn by work: the head of the key served the fewest tokens
+    (`served`, its class's counters) goes next; keys served alike take turns in rotation (each gets
+    one before any gets a second). A key that empties leaves the rotation; one that arrives joins
+    at its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, served: ServedTokens | None = None) -> None:
         self._fifos: OrderedDict[str, deque[Sequence]] = OrderedDict()
         self._len = 0
+        self._served = served if served is not None else ServedTokens()
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[Sequence]:
-        """In the order `pop` would serve them (the rotation as it stands)."""
-        fifos = [list(f) for f in self._fifos.values()]
+        """In the order `pop` would serve them as the counters stand (the least served key's
+        head first, then round by round)."""
+        order = sorted(self._fifos, key=lambda k: self._served[k])  # stable: the rotation breaks ties
+        fifos = [list(self._fifos[k]) for k in order]
         for i in range(max((len(f) for f in fifos), default=0)):
             for fifo in fifos:
                 if i < len(fifo):
@@ -52,16 +61,21 @@ class FairQueue:
         self._fifos.setdefault(seq.fairness_key, deque()).append(seq)
         self._len += 1
 
+    def _next_key(self) -> str:
+        """The key whose turn it is: the least served, the earliest in the rotation among equals."""
+        return min(self._fifos, key=lambda k: self._served[k])
+
     def peek(self) -> Sequence | None:
-        for fifo in self._fifos.values():
-            return fifo[0]
-        return None
+        if not self._fifos:
+            return None
+        return self._fifos[self._next_key()][0]
 
     def pop(self) -> Sequence:
         """The head of the key whose turn it is; that key moves to the back of the rotation."""
         if not self._fifos:
             raise IndexError("pop from an empty FairQueue")
-        key, fifo = next(iter(self._fifos.items()))
+        key = self._next_key()
+        fifo = self._fifos[key]
         seq = fifo.popleft()
         if fifo:
             self._fifos.move_to_end(key)
@@ -92,7 +106,8 @@ class _Entry(NamedTuple):
 class _ClassQueue:
     def __init__(self, num_buckets: int) -> None:
         self.resume: deque[Sequence] = deque()
-        self.buckets = [FairQueue() for _ in range(num_buckets)]
+        self.served = ServedTokens()  # the class's counters, shared by its buckets' FairQueues
+        self.buckets = [FairQueue(self.served) for _ in range(num_buckets)]
         self.next_bucket = 0  # whose turn it is among the buckets
 
     def bucket_order(self) -> list[int]:
@@ -175,6 +190,9 @@ class WaitingQueue:
             head = q.buckets[b].pop()
             assert head is seq, f"pop({seq}) but the head of its bucket is {head}"
             q.next_bucket = (b + 1) % len(q.buckets)
+            q.served.leave(seq.fairness_key, turn=True)
+            self._leave(seq, counted=True)
+            return seq
         self._leave(seq)
         return seq
 
@@ -193,14 +211,28 @@ class WaitingQueue:
         entry = _Entry(self.bucket(seq), seq.num_uncomputed_tokens, decode_tokens)
         self._entries[seq.seq_id] = entry
         self._add(seq.priority, entry, +1)
+        self._classes[seq.priority].served.enter(seq.fairness_key)
 
-    def _leave(self, seq: Sequence) -> None:
+    def _leave(self, seq: Sequence, counted: bool = False) -> None:
+        """`counted`: the fair-share counters already know (a pop in turn)."""
         self._add(seq.priority, self._entries.pop(seq.seq_id), -1)
+        if not counted:
+            self._classes[seq.priority].served.leave(seq.fairness_key)
 
     def _add(self, priority: Priority, entry: _Entry, sign: int) -> None:
         self._counts[priority][entry.bucket] += sign
         self._tokens[priority] += sign * entry.tokens
         self._decode_tokens[priority] += sign * entry.decode_tokens
+
+    # ---- fair shares by work (fair_share.py) ------------------------------------------------------
+
+    def served(self, seq: Sequence) -> float:
+        """Tokens `seq`'s key has been served in its class (the virtual token counter)."""
+        return self._classes[seq.priority].served[seq.fairness_key]
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        """A step computed `num_tokens` tokens of `seq` (waiting or not)."""
+        self._classes[seq.priority].served.charge(seq.fairness_key, num_tokens)
 
     # ---- what the scheduler and the statistics ask ----------------------------------------------
 
