@@ -1,16 +1,19 @@
 """The one-shot device check: the engine on a GPU, measured, then the suite's CUDA tests.
 
-    python bench/gpu_check.py                           # on a GPU machine: Llama-3.1-8B's shape, bf16
-    python bench/gpu_check.py --device cpu --shape tiny # the CPU smoke test (tests/bench)
+    python bench/gpu_check.py          # on a GPU machine: Qwen3-8B's shape, then Qwen3-30B-A3B's, bf16
+    python bench/gpu_check.py --shape llama-3.1-8b
+    python bench/gpu_check.py --device cpu --shape tiny,tiny-moe --dtype float32  # the CPU smoke test
 
-Builds a random-weight model of the chosen shape straight on the device (no checkpoint to carry),
-runs the engine (engine/llm_engine.py, as `batchgate serve` does) and prints:
+Builds a random-weight model of each chosen shape straight on the device (no checkpoint to carry),
+one after the other, runs the engine (engine/llm_engine.py, as `batchgate serve` does) and prints
+for each:
 
 - the memory bandwidth, from a device-to-device copy in this run, and the decode bound it implies
   (bytes of weights one decode step reads / bandwidth): single-stream decode tokens/s against it;
 - output tokens/s of a batch of 64 streams;
 - time to first token of a 2,000-token prompt;
-- continuous against static batching (`--batching static`) on outputs of 8..512 tokens;
+- continuous against static batching (`--batching static`) on outputs of 8..512 tokens (the first
+  shape only: a second engine of a 30B model would not fit beside the first);
 - whether the step used CUDA graphs and which decode-attention kernel;
 
 then runs the tests marked `cuda` (`pytest -m cuda`). Only torch, numpy, triton and pytest are
@@ -70,6 +73,61 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         eos_token_id=[128001, 128008, 128009],
     ),
+    # Qwen3-8B: q/k norms; and Qwen3-30B-A3B: 128 experts of 768, 8 per token, in every layer.
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        eos_token_id=151645,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        eos_token_id=151645,
+    ),
+    "tiny-moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    ),
     "tiny": dict(
         model_type="llama",
         vocab_size=4096,
@@ -101,7 +159,10 @@ class Workload:
 
 WORKLOADS = {
     "llama-3.1-8b": Workload(256, 64, 128, 128, 2000, 256, 8, 512, 24 << 30),
+    "qwen3-8b": Workload(256, 64, 128, 128, 2000, 256, 8, 512, 24 << 30),
+    "qwen3-30b-a3b": Workload(256, 64, 128, 128, 2000, 256, 8, 512, 24 << 30),
     "tiny": Workload(16, 64, 16, 8, 2000, 48, 8, 32, 64 << 20),
+    "tiny-moe": Workload(16, 64, 16, 8, 2000, 48, 8, 32, 64 << 20),
 }
 
 
@@ -113,11 +174,12 @@ class NullTokenizer:
 
 
 def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors under its names, N(0, 0.02) matrices and unit norms, on `device`."""
+    """A checkpoint's tensors under the engine's canonical names (engine/device/models/checkpoint.py:
+    experts stacked), N(0, 0.02) matrices and unit norms, on `device`."""
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
 
-    def matrix(rows: int, cols: int) -> torch.Tensor:
-        return torch.empty(rows, cols, dtype=dtype, device=device).normal_(0.0, 0.02)
+    def matrix(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device).normal_(0.0, 0.02)
 
     w = {
         "model.embed_tokens.weight": matrix(spec.vocab_size, h),
@@ -130,17 +192,36 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device) ->
         w[p + "self_attn.k_proj.weight"] = matrix(spec.num_kv_heads * d, h)
         w[p + "self_attn.v_proj.weight"] = matrix(spec.num_kv_heads * d, h)
         w[p + "self_attn.o_proj.weight"] = matrix(h, spec.num_heads * d)
-        w[p + "mlp.gate_proj.weight"] = matrix(inter, h)
-        w[p + "mlp.up_proj.weight"] = matrix(inter, h)
-        w[p + "mlp.down_proj.weight"] = matrix(h, inter)
+        if spec.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = torch.ones(d, dtype=dtype, device=device)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(d, dtype=dtype, device=device)
+        if spec.moe is not None and spec.is_sparse(i):
+            e, experts = spec.moe.intermediate_size, spec.moe.num_experts
+            w[p + "mlp.router.weight"] = matrix(experts, h)
+            w[p + "mlp.experts.gate_proj.weight"] = matrix(experts, e, h)
+            w[p + "mlp.experts.up_proj.weight"] = matrix(experts, e, h)
+            w[p + "mlp.experts.down_proj.weight"] = matrix(experts, h, e)
+        else:
+            w[p + "mlp.gate_proj.weight"] = matrix(inter, h)
+            w[p + "mlp.up_proj.weight"] = matrix(inter, h)
+            w[p + "mlp.down_proj.weight"] = matrix(h, inter)
         w[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype, device=device)
         w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype, device=device)
     return w
 
 
-def decode_bytes(weights: dict[str, torch.Tensor]) -> int:
-    """Bytes one decode step must read: every weight but the embedding table (a lookup reads rows)."""
-    return sum(t.numel() * t.element_size() for n, t in weights.items() if n != "model.embed_tokens.weight")
+def decode_bytes(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> int:
+    """Bytes one single-stream decode step must read: every weight but the embedding table (a lookup
+    reads rows), and of each layer's experts only the k a token is routed to."""
+    total = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if name == "model.embed_tokens.weight":
+            continue
+        if ".mlp.experts." in name and spec.moe is not None:
+            nbytes = nbytes * spec.moe.top_k // spec.moe.num_experts
+        total += nbytes
+    return total
 
 
 def synchronize(device: torch.device) -> None:
@@ -299,27 +380,15 @@ def run_cuda_tests(timeout_s: float) -> str:
     return f"{lines[-1] if lines else 'no output'} (exit {done.returncode})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this")
-    parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m cuda`")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: CUDA is not available here (use --device cpu --shape tiny for the CPU smoke run)")
-        return 2
-    work = WORKLOADS[args.shape]
+def measure_shape(
+    shape: str, args: argparse.Namespace, device: torch.device, left: Any, with_static: bool
+) -> None:
+    """Every figure of one shape; `with_static`: also a second engine for static batching."""
+    work = WORKLOADS[shape]
     dtype = getattr(torch, args.dtype)
-    spec = ModelSpec.from_config(SHAPES[args.shape])
+    spec = ModelSpec.from_config(SHAPES[shape])
     torch.manual_seed(0)
     rng = random.Random(0)
-
-    def left() -> float:
-        return args.budget_s - (time.monotonic() - started)
 
     def section(label: str, run: Any, fmt: Any, min_left: float = 10.0) -> Any:
         if left() < min_left:
@@ -330,19 +399,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: {fmt(value)}   [{time.monotonic() - t0:.1f}s]", flush=True)
         return value
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"gpu_check: {name}, torch {torch.__version__}, shape {args.shape}, {args.dtype}", flush=True)
+    print(f"== {shape} ({spec.model_type}), {args.dtype}", flush=True)
     weights = random_weights(spec, dtype, device)
-    weight_bytes = decode_bytes(weights)
+    weight_bytes = decode_bytes(spec, weights)
     num_params = sum(t.numel() for t in weights.values())
-    print(f"model: {num_params / 1e9:.2f}B parameters, {weight_bytes / 1e9:.2f} GB read per decode step")
+    experts = f", {spec.moe.top_k} of {spec.moe.num_experts} experts a token" if spec.moe else ""
+    read = f"{weight_bytes / 1e9:.2f} GB read per decode step"
+    print(f"model: {num_params / 1e9:.2f}B parameters{experts}, {read}")
     bandwidth = section(
         "memory bandwidth (device copy)", lambda: measure_bandwidth(device), lambda v: f"{v / 1e12:.2f} TB/s"
     )
     bound = bandwidth / weight_bytes
 
     t0 = time.monotonic()
-    engine = make_engine(args.shape, spec, weights, args, work)
+    kept = dict(weights) if with_static else None  # the static engine's; else the engine owns them
+    engine = make_engine(shape, spec, weights, args, work)
+    del weights
     warm_up(engine, rng, work)
     print(f"engine: built and warmed up in {time.monotonic() - t0:.1f}s", flush=True)
     section(
@@ -367,25 +439,60 @@ def main(argv: list[str] | None = None) -> int:
         lambda v: f"{v:.0f} tokens/s ({mixed})",
     )
     graphs_line, attention = describe_step(engine)
-    engine = None  # free its weights and KV cache before the static engine takes its own
+    engine = None  # free its weights and KV cache before the next engine takes its own
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     static = None
-    if continuous is not None and left() > 30:
-        static_engine = make_engine(args.shape, spec, weights, args, work, batching="static")
+    if kept is not None and continuous is not None and left() > 30:
+        static_engine = make_engine(shape, spec, kept, args, work, batching="static")
         static = section(
             "static batching",
             lambda: mixed_outputs(static_engine, work, device),
             lambda v: f"{v:.0f} tokens/s ({mixed})",
         )
         static_engine = None
+    kept = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if continuous is not None and static is not None:
         print(f"continuous vs static: {continuous / static:.2f}x")
+    elif not with_static:
+        print("continuous vs static: measured on the first shape only")
     else:
         print("continuous vs static: skipped (time budget)")
     print(f"CUDA graphs: {graphs_line}")
     print(f"attention kernel: {attention}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--shape", default="qwen3-8b,qwen3-30b-a3b", help=f"comma-separated, of {', '.join(sorted(SHAPES))}"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections after this")
+    parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m cuda`")
+    args = parser.parse_args(argv)
+    shapes = args.shape.split(",")
+    unknown = [shape for shape in shapes if shape not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape {unknown[0]!r}: choose from {', '.join(sorted(SHAPES))}")
+    started = time.monotonic()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available here (use --device cpu --shape tiny for the CPU smoke run)")
+        return 2
+
+    def left() -> float:
+        return args.budget_s - (time.monotonic() - started)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu_check: {name}, torch {torch.__version__}, shapes {args.shape}, {args.dtype}", flush=True)
+    for i, shape in enumerate(shapes):
+        measure_shape(shape, args, device, left, with_static=i == 0)
     if args.no_tests:
         print("cuda tests: not run (--no-tests)")
     elif device.type != "cuda":

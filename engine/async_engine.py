@@ -98,6 +98,7 @@ class AsyncEngine(LoopThread):
         super().__init__("batchgate-engine")
         self.engine = engine
         self.model_name = engine.model_name
+        self.model_type = engine.spec.model_type
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._incoming: list[GenerationRequest] = []

@@ -46,6 +46,13 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def model_type(self) -> str:
+        """The served model's `model_type` (its config's, e.g. "qwen3", "gpt_oss"): which family's chat
+        template conventions, tool-call and reasoning formats apply (engine/model_spec.py's
+        MODEL_TYPES lists those served)."""
+        ...
+
+    @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output tokens) it accepts."""
         ...

@@ -20,9 +20,14 @@ if TYPE_CHECKING:
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: tuple[str, ...]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...],
+        skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -33,7 +38,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         # decode() of one id list is one string (transformers types it `str | list[str]`)
-        return cast(str, self._tokenizer.decode(ids, skip_special_tokens=True))
+        return cast(str, self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens))
 
     def add(self, token_id: int) -> bool:
         """Append a generated token. Returns True when a stop string was matched."""

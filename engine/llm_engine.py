@@ -211,7 +211,10 @@ class LLMEngine:
         failed = compile_failure(future) if future is not None and future.done() else None
         if failed is not None:
             raise failed  # a schema known to be bad: refused before it is accepted
-        detoks = [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop) for _ in seqs]
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens)
+            for _ in seqs
+        ]
         if lora is not None:
             for _ in seqs:  # one pin per choice; LoraNotFoundError if it was unloaded meanwhile
                 self.loras.pin(lora)

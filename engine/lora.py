@@ -8,7 +8,7 @@ resident slots a batch can mix.
 A request resolves its adapter's name to a version when it is submitted and pins it: replacing
 the adapter (loading the same name again) makes a new version for new requests, the running ones
 keep computing with theirs, and an unloaded version's memory goes once its last user ended. The
-model (engine/device/model.py) adds each row's low-rank delta after the base matmul, grouped by slot:
+model (engine/device/models/decoder.py) adds each row's low-rank delta after the base matmul, grouped by slot:
 `y[rows] += (x[rows] @ A.T) @ (scale * B).T`.
 """
 
@@ -192,6 +192,11 @@ def load_adapter(path: str | Path, spec: ModelSpec, name: str = "") -> LoraAdapt
         if not 0 <= layer < spec.num_layers:
             raise LoraError(
                 f"adapter {name!r}: layer {layer} does not exist in the base model ({spec.num_layers} layers)"
+            )
+        if TARGETS[module] in ("gate_up", "down") and spec.is_sparse(layer):
+            raise LoraError(
+                f"adapter {name!r}: layer {layer} of this base model has experts, not one {module} "
+                f"(adapters of a mixture-of-experts model may target the attention projections only)"
             )
         found.setdefault(layer, {}).setdefault(module, {})[which] = tensor
     if not found:

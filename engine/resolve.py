@@ -178,7 +178,7 @@ def resolve_kv_dtype(
     bf16 where the layers run on our int8 kernels (float32 activations): half the memory and half
     the bytes decode attention reads, widened exactly as they are read; else `dtype`. Besides
     `dtype` itself, only bf16 under float32 on the CPU (the kernels and torch ops of
-    engine/device/model.py convert on write and read)."""
+    engine/device/models/decoder.py convert on write and read)."""
     setting = config.cache.kv_cache_dtype
     if setting == "auto":
         return torch.bfloat16 if int8_layers and dtype == torch.float32 and device.type == "cpu" else dtype

@@ -116,7 +116,7 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] int64 context length of each, the new token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] token rows whose next-token logits are wanted
-    # Where the step's prefill may run in the one-call layers (engine/device/model.py; see
+    # Where the step's prefill may run in the one-call layers (engine/device/models/decoder.py; see
     # ONE_CALL_PREFILL_CONTEXT): every token as a row of its own, [T, B] its sequence's block ids
     # and [T] its context length (its position + 1), run exactly as a decode token. None: the step
     # only decodes, or its prefill runs in the Python layer loop.

@@ -95,6 +95,10 @@ class SamplingParams:
     n: int = 1
     # Constrained output (engine/grammar/): every choice's text matches it; None: free text.
     grammar: GrammarSpec | None = None
+    # The output's text without the tokenizer's special tokens (as vLLM's option); False keeps
+    # those a model's format writes (Mistral's [TOOL_CALLS], gpt-oss's channels). Stop tokens
+    # never are text.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, str]] = [

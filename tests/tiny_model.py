@@ -39,16 +39,41 @@ def snap_to_q4_1(weight: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (q * d + m).view(n, k)
 
 
+def counting_batch(gen: torch.Generator, rows: int, length: int, vocab: int) -> torch.Tensor:
+    """Sequences that count from a random start by a step of 1, 2 or 3 (mod `vocab`): which step
+    is told by the first two tokens, so a model that learns them attends to the previous token."""
+    start = torch.randint(0, vocab, (rows, 1), generator=gen)
+    step = torch.randint(1, 4, (rows, 1), generator=gen)
+    return (start + step * torch.arange(length)) % vocab
+
+
+def _train(model: Any, steps: int, vocab: int, seed: int) -> None:
+    """A few hundred AdamW steps on `counting_batch` sequences of 64 tokens: enough for confident
+    (peaked) predictions, as a trained model's are and random weights' are not."""
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        x = counting_batch(gen, 4, 64, vocab)
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 def make_tiny_model(
     target: Path,
     tokenizer_dir: Path,
     model_type: str = "llama",
     seed: int = 0,
     q4_1: bool = False,
+    train_steps: int = 0,
     **overrides: Any,
 ) -> Path:
-    """A random-weight model of `model_type` with the real tokenizer; `q4_1` snaps every layer
-    projection onto a Q4_1 grid, like the weights of a Q4_1 GGUF file."""
+    """A random-weight model of `model_type` (any transformers knows; `overrides` are its config's,
+    the text config's for `gemma3`) with the real tokenizer; `q4_1` snaps every layer projection
+    onto a Q4_1 grid, like the weights of a Q4_1 GGUF file; `train_steps` trains it that many
+    steps on `counting_batch` sequences first (give it a small `vocab_size`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings: dict[str, Any] = dict(
@@ -67,9 +92,27 @@ def make_tiny_model(
         initializer_range=0.2,  # wide logits: greedy choices are not near-ties
     )
     settings.update(overrides)
-    config = AutoConfig.for_model(model_type, **settings)
+    if model_type == "gemma3":  # the multimodal checkpoint: its text model, and a small vision tower
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        text = {k: v for k, v in settings.items() if k != "tie_word_embeddings"}
+        config = AutoConfig.for_model(
+            model_type,
+            text_config=text,
+            vision_config=vision | dict(image_size=32, patch_size=16),
+            mm_tokens_per_image=4,
+            eos_token_id=settings["eos_token_id"],
+        )
+    else:
+        config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type == "gemma3":
+        from transformers import Gemma3ForConditionalGeneration
+
+        model = Gemma3ForConditionalGeneration._from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if train_steps:
+        _train(model, train_steps, config.get_text_config().vocab_size, seed)
     if q4_1:
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -4,7 +4,9 @@ engine's settings only as engine/resolve.py decided them (`ResolvedConfig`).
     worker.py            EngineWorker: the model loaded, the KV cache sized, the ranks started,
                          each rank's runner built
     runner.py            ModelRunner: one step's forward pass and sampling over a packed batch
-    model.py             LlamaModel: the forward pass (Llama, Qwen2, Mistral) over the paged cache
+    models/              the model registry: a module per family reading its checkpoint, one
+                         DecoderModel over shared blocks (attention with windows and sinks,
+                         experts, rope), the forward pass over the paged cache
     lora_weights.py      LoraWeights: the resident adapters' deltas, stacked per layer
     cuda_graphs.py       the decode step captured and replayed per batch-size bucket (CUDA)
     triton_attention.py  decode attention straight from the block table (CUDA, Triton)

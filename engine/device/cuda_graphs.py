@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.device.model import LlamaModel
+from engine.device.models.decoder import DecoderModel
 from engine.device.ops import cuda_stream
 from engine.step import ForwardBatch, StepInputs
 
@@ -49,7 +49,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_seqs: int,
         block_size: int,

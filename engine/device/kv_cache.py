@@ -58,7 +58,8 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def allocate_kv_caches(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCaches:
-    """Each layer's (K, V), [kv_heads, num_blocks, block_size, head_dim] (engine/device/model.py's layout)."""
+    """Each layer's (K, V), [kv_heads, num_blocks, block_size, head_dim] (the layout of
+    engine/device/models/attention.py)."""
     shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
     return [
         (zeroed_cache(shape, dtype, device), zeroed_cache(shape, dtype, device))

@@ -1,7 +1,7 @@
 """Find, convert, cache and load model weights, config and tokenizer.
 
 transformers is used only to read configs, tokenizers and GGUF files; the forward pass is ours
-(engine/device/model.py). A GGUF file is dequantized once and cached as a plain Hugging Face
+(engine/device/models/). A GGUF file is dequantized once and cached as a plain Hugging Face
 folder (config.json + model.safetensors + tokenizer files) under `cache_dir`, so later starts take
 seconds; which folder a model setting means is engine/resolve.py's `resolve_model_dir`.
 """
@@ -16,7 +16,7 @@ import mmap
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,7 +170,12 @@ def load_model(model: str | None, model_dir: Path, dtype: torch.dtype, device: t
 
 def _load_model(model: str | None, model_dir: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     config = json.loads((model_dir / "config.json").read_text())
-    spec = ModelSpec.from_config(config)
+    spec = ModelSpec.from_config(config)  # an unsupported model_type is refused here, before any weight
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():  # its end-of-sequence ids too (gpt-oss and Gemma 3 chat models end turns so)
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        more = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        spec = replace(spec, eos_token_ids=tuple(dict.fromkeys([*spec.eos_token_ids, *more])))
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {model_dir} has no *.safetensors weights")
@@ -183,7 +188,9 @@ def _load_model(model: str | None, model_dir: Path, dtype: torch.dtype, device: 
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as handle:
                 for key in handle.keys():
-                    weights[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
+                    tensor = handle.get_tensor(key)  # integer tensors (MXFP4 blocks) as they are
+                    cast = dtype if tensor.is_floating_point() else None
+                    weights[key] = tensor.to(device=device, dtype=cast)
                     bar.update(1)
     name = BUNDLED_NAME if model is None else Path(model).stem if model.endswith(".gguf") else model_dir.name
     return LoadedModel(

@@ -2,7 +2,8 @@
 fused linear so one step adds the deltas of rows of several adapters in a few batched matmuls.
 
 The adapters themselves (loading, versions, the slots a step may mix) are engine/lora.py's; this is
-what engine/device/model.py adds after each base matmul: `y[rows] += (x[rows] @ A.T) @ (scale * B).T`.
+what engine/device/models/decoder.py adds after each base matmul:
+`y[rows] += (x[rows] @ A.T) @ (scale * B).T`.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class LoraWeights:
     """The model's LoRA slots: a LoraStack per layer and fused linear, for `spec`'s shapes.
     `kernels`: engine/device/native.py's, whose lora_decode_ serves float32 decode rows on the CPU.
     `compact`: hold A and B in bfloat16 where that kernel serves (half the bytes a decode step
-    reads; engine/device/model.py asks for it over quantized base weights, never in the exact mode)."""
+    reads; engine/device/models/decoder.py asks for it over quantized base weights, never in the
+    exact mode)."""
 
     def __init__(
         self,
@@ -148,7 +150,7 @@ class LoraWeights:
         kernel = kernels.lora_decode_ if kernels is not None and dtype == torch.float32 else None
         held = torch.bfloat16 if compact and kernel is not None else dtype
         self.num_slots = num_slots
-        # the decode rows' deltas run natively (and inside the one-call decode, engine/device/model.py)
+        # the decode rows' deltas run natively (and inside the one-call decode, models/decoder.py)
         self.native = kernel is not None
         self.installed: list[str | None] = [None] * num_slots  # each slot's adapter id
         self._decode_args: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None

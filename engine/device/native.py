@@ -1,6 +1,8 @@
 """The engine's C++ kernels for the CPU (engine/device/csrc/kernels.cpp): decode attention straight from
-the paged KV cache, K/V writes into it, and the fused elementwise parts of a layer (RMSNorm with the
-residual add, RoPE in place, SiLU-and-multiply), and the LoRA deltas of decode rows (csrc/lora.cpp).
+the paged KV cache (with sliding windows and attention sinks), K/V writes into it, and the fused
+elementwise parts of a layer (RMSNorm with the residual add, per-head q/k RMSNorm, RoPE in place,
+SiLU-and-multiply), the LoRA deltas of decode rows (csrc/lora.cpp), and the experts of a
+mixture-of-experts layer in one call (csrc/moe.cpp, over csrc/qmatmul_x86.cpp's grouped matmuls).
 
 Compiled with the machine's C++ compiler on first use (tens of seconds) through
 `torch.utils.cpp_extension`, then cached (under $TORCH_EXTENSIONS_DIR, by default
@@ -36,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-# Plain C++, every ISA: LoRA's decode deltas, and a decode step's layers in one call over the ops
-# of the other files.
-_COMMON_SOURCES = [CSRC / "lora.cpp", CSRC / "decode_layers.cpp"]
+# Plain C++, every ISA: LoRA's decode deltas, and a decode step's layers and a mixture-of-experts
+# MLP each in one call over the ops of the other files.
+_COMMON_SOURCES = [CSRC / "lora.cpp", CSRC / "decode_layers.cpp", CSRC / "moe.cpp"]
 # The quantized matmuls are per ISA: one file each (x86 only so far; elsewhere torch ops serve).
 _ISA_SOURCES = {"x86_64": [CSRC / "qmatmul_x86.cpp"], "amd64": [CSRC / "qmatmul_x86.cpp"]}
 

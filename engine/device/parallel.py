@@ -88,6 +88,8 @@ def check_divisible(spec: ModelSpec, world_size: int) -> None:
         problems.append(f"its {kv} KV heads (nor do they divide it)")
     if spec.intermediate_size % world_size:
         problems.append(f"its MLP size {spec.intermediate_size}")
+    if spec.moe is not None and spec.moe.intermediate_size % world_size:
+        problems.append(f"its experts' size {spec.moe.intermediate_size}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the model's shape: "
@@ -108,6 +110,8 @@ class ShardRows:
     q: slice  # of q_proj (and o_proj's input)
     kv: slice  # of k_proj and v_proj
     mlp: slice  # of gate_proj and up_proj (and down_proj's input)
+    heads: slice  # the query heads (their attention sinks)
+    experts: slice  # of each expert's gate and up (and its down's input)
 
     @classmethod
     def of(cls, spec: ModelSpec, rank: int, world_size: int) -> ShardRows:
@@ -116,22 +120,28 @@ class ShardRows:
         kv_heads, kv_replicas = kv_head_layout(spec.num_kv_heads, world_size)
         kv_first = (rank // kv_replicas) * kv_heads
         inter = spec.intermediate_size // world_size
+        expert = spec.moe.intermediate_size // world_size if spec.moe is not None else 0
         return cls(
             q=slice(rank * heads * d, (rank + 1) * heads * d),
             kv=slice(kv_first * d, (kv_first + kv_heads) * d),
             mlp=slice(rank * inter, (rank + 1) * inter),
+            heads=slice(rank * heads, (rank + 1) * heads),
+            experts=slice(rank * expert, (rank + 1) * expert),
         )
 
 
 def shard_weights(
     spec: ModelSpec, weights: dict[str, torch.Tensor], rank: int, world_size: int
 ) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """Rank `rank`'s spec and weights, under the checkpoint's names (engine/device/model.py reads them as
-    it reads a whole model). The embedding and LM head are padded with zero rows to equal shards,
-    so the all-gathered logits are [S, world_size * shard], of which the first vocab_size count."""
+    """Rank `rank`'s spec and weights, under the canonical names (engine/device/models/checkpoint.py;
+    the model reads them as it reads a whole model). The embedding and LM head are padded with zero
+    rows to equal shards, so the all-gathered logits are [S, world_size * shard], of which the first
+    vocab_size count. Experts are split like the MLP, every expert on every rank (its share of
+    each expert's intermediate size); a row-parallel bias (o_proj's, the experts' down) stays on
+    rank 0 only, so the all-reduce adds it once."""
     check_divisible(spec, world_size)
     shard = ShardRows.of(spec, rank, world_size)
-    q_rows, kv_rows, mlp_rows = shard.q, shard.kv, shard.mlp
+    q_rows, kv_rows, mlp_rows, experts = shard.q, shard.kv, shard.mlp, shard.experts
     vocab = vocab_shard_size(spec.vocab_size, world_size)
 
     def vocab_rows(w: torch.Tensor) -> torch.Tensor:
@@ -149,12 +159,18 @@ def shard_weights(
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             out[name] = w[kv_rows].contiguous()
         elif ".self_attn.o_proj." in name:
-            out[name] = _row_parallel_weight(name, w[:, q_rows])
+            out[name] = _row_parallel(name, w, q_rows, rank)
+        elif ".self_attn.sinks" in name:
+            out[name] = w[shard.heads].contiguous()
         elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
             out[name] = w[mlp_rows].contiguous()
         elif ".mlp.down_proj." in name:
-            out[name] = _row_parallel_weight(name, w[:, mlp_rows])
-        else:  # norms: replicated
+            out[name] = _row_parallel(name, w, mlp_rows, rank)
+        elif ".mlp.experts.gate_proj." in name or ".mlp.experts.up_proj." in name:
+            out[name] = w[:, experts].contiguous()
+        elif ".mlp.experts.down_proj." in name:
+            out[name] = w[:, :, experts].contiguous() if name.endswith(".weight") else w * (rank == 0)
+        else:  # norms, routers: replicated
             out[name] = w
     head = weights["model.embed_tokens.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
     out["lm_head.weight"] = vocab_rows(head)
@@ -201,10 +217,12 @@ class LoraSlotChange:
     adapter: LoraAdapter | None
 
 
-def _row_parallel_weight(name: str, w: torch.Tensor) -> torch.Tensor:
-    if name.endswith(".bias"):  # would be added once per rank by the all-reduce
-        raise ValueError(f"tensor parallelism does not support a bias on {name}")
-    return w.contiguous()
+def _row_parallel(name: str, w: torch.Tensor, cols: slice, rank: int) -> torch.Tensor:
+    """A row-parallel projection's shard: its input columns `cols`; its bias on rank 0 only (the
+    all-reduce would add it once per rank)."""
+    if name.endswith(".bias"):
+        return w * (rank == 0)
+    return w[:, cols].contiguous()
 
 
 @dataclass

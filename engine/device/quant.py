@@ -236,7 +236,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, int4_ok: bool = True) -> torch.Tensor:
         """`int4_ok=False` keeps even a small batch on the bf16 weights (the model passes it for
-        steps that prefill, see engine/device/model.py); our kernels serve every step."""
+        steps that prefill, see engine/device/models/decoder.py); our kernels serve every step."""
         if self.quant is not None:
             op = torch.ops.batchgate.q4_linear if self.quant.kind == "q4" else torch.ops.batchgate.q8_linear
             return tensor_op(op, x, self.quant.packed, self.quant.n, self.bias, self.outlier_ratio)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.device.cuda_graphs import DecodeGraphs
-from engine.device.model import LlamaModel
+from engine.device.models.decoder import DecoderModel
 from engine.device.parallel import LoraSlotChange, ParallelExecutor
 from engine.lora import LoraAdapter
 from engine.sampler import SamplingRow
@@ -89,7 +89,7 @@ def _all_cpus_taken(threads: int) -> bool:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         num_blocks: int,
         block_size: int,

@@ -2,15 +2,17 @@
 
 One program per (decode sequence, KV head) computes the attention of all the query heads that
 share that KV head (GQA), walking the sequence's context BLOCK_N tokens at a time with an online
-softmax (running max and sum in fp32), so no [D, context] gather is ever written:
+softmax (running max and sum in fp32), so no [D, context] gather is ever written. A banded layer
+(window W > 0) walks only the last W positions; attention sinks (a logit per query head, gpt-oss)
+join the softmax's running sum at the end, with no value:
 
     token p of sequence s  ->  block tables[s, p // block_size], offset p % block_size
     K[p] of KV head h      ->  k_cache[h, block, offset, :]   (cache [kv_heads, blocks, block, head_dim])
 
 Every shape the loop depends on (the context length) is read from device memory, so the kernel
-is safe to capture in a CUDA graph (engine/device/cuda_graphs.py). The torch path in engine/device/model.py is
-the reference; tests/engine/device/test_cuda_path.py checks one against the other, on CUDA and in
-Triton's interpreter on the CPU (TRITON_INTERPRET=1).
+is safe to capture in a CUDA graph (engine/device/cuda_graphs.py). The torch path in
+engine/device/models/attention.py is the reference; tests/engine/device/test_cuda_path.py checks one
+against the other, on CUDA and in Triton's interpreter on the CPU (TRITON_INTERPRET=1).
 
 Triton is optional (it comes with CUDA builds of torch): `available()` says whether it is installed
 without importing it, and the runner imports this module only on CUDA.
@@ -47,7 +49,9 @@ if available():
         tables_ptr,  # [D, max_blocks] block ids
         lens_ptr,  # [D] context lengths, the new token included
         out_ptr,  # [D, H, head_dim]
+        sinks_ptr,  # [H] float32 (read only with HAS_SINKS)
         scale,
+        window,  # 0: the whole context
         stride_q_seq,
         stride_q_head,
         stride_tables,
@@ -61,10 +65,12 @@ if available():
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         length = tl.load(lens_ptr + seq)
+        first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # the first position attended
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
@@ -80,9 +86,9 @@ if available():
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         head_base = kv_head.to(tl.int64) * stride_kv_head
-        for start in range(0, length, BLOCK_N):
+        for start in range((first // BLOCK_N) * BLOCK_N, length, BLOCK_N):
             pos = start + n
-            valid = pos < length
+            valid = (pos >= first) & (pos < length)
             block = tl.load(tables_ptr + seq * stride_tables + pos // BLOCK_SIZE, mask=valid, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             offsets = head_base + slot[:, None] * HEAD_DIM + d[None, :]
@@ -97,6 +103,12 @@ if available():
             v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
@@ -116,13 +128,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of decode queries q [D, H, head_dim] over their paged context: [D, H, head_dim].
 
     `k_cache`/`v_cache` [KV, num_blocks, block_size, head_dim] (contiguous), `block_tables`
-    [D, >= ceil(max(lens) / block_size)] block ids, `lens` [D] context lengths (>= 1).
+    [D, >= ceil(max(lens) / block_size)] block ids, `lens` [D] context lengths (>= 1), `window`
+    the positions a banded layer attends to (0: all), `sinks` [H] float32 sink logits or None.
     Same contract as the native CPU kernel (engine/device/native.py) and the torch path
-    (engine/device/model.py).
+    (engine/device/models/attention.py).
     """
     assert available(), "triton is not installed"
     num_seqs, num_heads, head_dim = q.shape
@@ -140,7 +155,9 @@ def paged_decode_attention(
         block_tables,
         lens,
         out,
+        lens if sinks is None else sinks,  # any pointer: not read without sinks
         scale,
+        window,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -155,5 +172,6 @@ def paged_decode_attention(
         BLOCK_N=max(64, _pow2_at_least(block_size, 16)),
         # fp32 is the exact reference dtype: full-precision products, not tf32's 10-bit mantissas.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None,
     )
     return out

@@ -15,7 +15,8 @@ from engine.config import ResolvedConfig, WeightFormat
 from engine.device.cuda_graphs import DecodeGraphs, triton_decode_attention
 from engine.device.kv_cache import allocate_kv_caches, num_kv_blocks
 from engine.device.loader import LoadedModel, load_model
-from engine.device.model import LlamaModel
+from engine.device.models.decoder import DecoderModel
+from engine.device.models.registry import canonical_weights
 from engine.device.native import native_kernels
 from engine.device.parallel import (
     ParallelExecutor,
@@ -105,7 +106,7 @@ def build_runner(
     share (rank 0: its `executor`'s), and the model is this rank's shard of the weights (resolved
     to plain torch ops and float weights: the C++ kernels and int4 are single-rank paths)."""
     config = resolved.config
-    spec, weights = model.spec, model.weights
+    spec, weights = model.spec, canonical_weights(model.spec, model.weights)
     if config.parallel.tensor_parallel_size > 1:
         check_divisible(spec, config.parallel.tensor_parallel_size)
         tp = executor.tp if executor is not None else tp
@@ -120,7 +121,7 @@ def build_runner(
     use_triton = resolved.kernels == "triton"
     use_graphs = resolved.cuda_graphs
     block_size = config.cache.block_size
-    llama = LlamaModel(
+    decoder = DecoderModel(
         spec,
         weights,
         max_model_len,
@@ -138,7 +139,7 @@ def build_runner(
     graphs = None
     if use_graphs:
         graphs = DecodeGraphs(
-            llama,
+            decoder,
             kv_caches,
             config.scheduler.max_num_seqs,
             block_size,
@@ -147,7 +148,7 @@ def build_runner(
             device=device,
         )
     return ModelRunner(
-        llama, kv_caches, num_blocks, block_size, max_model_len, device, graphs, executor, resolved.kernels
+        decoder, kv_caches, num_blocks, block_size, max_model_len, device, graphs, executor, resolved.kernels
     )
 
 

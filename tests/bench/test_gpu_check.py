@@ -1,5 +1,6 @@
-"""bench/gpu_check.py, the one-shot device check, smoke-run on the CPU with the tiny shape: it runs
-from the repository root with plain imports and prints every figure the device session records."""
+"""bench/gpu_check.py, the one-shot device check, smoke-run on the CPU with the tiny shapes (a dense
+one, then one with experts, as the GPU run does Qwen3-8B's and Qwen3-30B-A3B's): it runs from the
+repository root with plain imports and prints every figure the device session records."""
 
 from __future__ import annotations
 
@@ -22,13 +23,17 @@ FIGURES = (
     "attention kernel: ",
     "cuda tests: not run (no CUDA device)",
     "gpu_check: done",
+    "== tiny-moe (qwen3_moe)",
+    "2 of 8 experts a token",
+    "continuous vs static: measured on the first shape only",
 )
 
 
 def test_gpu_check_prints_every_figure_on_the_cpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repo itself
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--shape", "tiny", "--dtype", "float32"],
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--dtype", "float32"]
+        + ["--shape", "tiny,tiny-moe"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -72,8 +72,9 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 def compare_one_call_decode(engine: LLMEngine, monkeypatch: Any) -> list[bool]:
     """From now on each decode-only step of `engine` also runs through the Python layer loop (the
-    one-call decode turned off, engine/device/model.py) on the same inputs; returns a list that gets, per
-    such step, whether the two gave the same logits bit for bit (K/V are rewritten alike)."""
+    one-call decode turned off, engine/device/models/decoder.py) on the same inputs; returns a list
+    that gets, per such step, whether the two gave the same logits bit for bit (K/V are rewritten
+    alike)."""
     llama = engine.runner.model
     assert llama.decode_weights is not None
     forward = type(llama).forward
@@ -92,3 +93,40 @@ def compare_one_call_decode(engine: LLMEngine, monkeypatch: Any) -> list[bool]:
 
     monkeypatch.setattr(type(llama), "forward", both)
     return compared
+
+
+def assert_greedy_matches(reference: Any, prompt: list[int], ours: list[int], label: str = "") -> None:
+    """`ours` equals transformers' greedy tokens after `prompt`, or departs from them only at a step
+    where the reference's top-2 logit gap is below 1e-3 (a tie the two may break apart)."""
+    want = hf_greedy(reference, prompt, len(ours))
+    if ours == want:
+        return
+    step = next(i for i, (a, b) in enumerate(zip(ours, want, strict=True)) if a != b)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + want[:step]])).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < 1e-3, f"{label}: departs from transformers at step {step} (gap {gap:.4f}): {ours} {want}"
+
+
+def teacher_forced(
+    engine: LLMEngine, reference: Any, prompts: list[list[int]], num_tokens: int
+) -> tuple[int, int, list[float]]:
+    """Issue 22's quality measure: the reference's greedy tokens after each prompt; the engine's
+    next-token choice after every prefix of them (so one early departure does not decide the
+    rest). Returns (agreeing steps, steps, the reference's top-2 logit gap at each disagreement)."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    agree, total, gaps = 0, 0, []
+    for prompt in prompts:
+        want = hf_greedy(reference, prompt, num_tokens)
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + want])).logits[0, len(prompt) - 1 : -1].float()
+        top2 = logits.topk(2).values
+        choices = [o[0] for o in engine.generate([prompt + want[:i] for i in range(num_tokens)], one)]
+        for i, (ours, theirs) in enumerate(zip(choices, want, strict=True)):
+            total += 1
+            if ours == theirs:
+                agree += 1
+            else:
+                gaps.append(float(top2[i, 0] - top2[i, 1]))
+    return agree, total, gaps

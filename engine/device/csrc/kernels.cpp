@@ -13,14 +13,17 @@
 // - set_caller_threads: the engine thread's OpenMP threads for one step.
 //
 // Decode attention:
-// One query token per sequence attends to its whole context, read block by block through its
-// block table: no gathered copy of K/V (the torch path copies every layer's context out of the
-// cache and reads it twice more). Work is split over (sequence, KV head) pairs; each pair's
-// `group` query heads share one pass over that head's keys and values. Softmax and sums in fp32.
+// One query token per sequence attends to its context, read block by block through its block
+// table: no gathered copy of K/V (the torch path copies every layer's context out of the cache
+// and reads it twice more). Work is split over (sequence, KV head) pairs; each pair's `group`
+// query heads share one pass over that head's keys and values. Softmax and sums in fp32.
+// A banded layer (window W > 0) reads only the last W positions of each context; attention sinks
+// (gpt-oss: a learned logit per query head) join each softmax's denominator, with no value.
 //
 // q:            [D, num_heads, head_dim]                      (bf16 / fp16 / fp32)
 // k/v_cache:    [num_kv_heads, num_blocks, block_size, head_dim] (q's dtype, or bf16 under fp32 q)
 // block_tables: [D, max_blocks] int64, context_lens: [D] int64
+// window:       0 (the whole context) or W;  sinks: none, or [num_heads] float32
 // returns:      [D, num_heads, head_dim]
 
 #include <ATen/ATen.h>
@@ -113,65 +116,74 @@ inline float fast_exp(float x) {
 // queries and outputs of type T, the caches of type C (T, or bf16 under float32 queries).
 template <typename T, typename C = T>
 struct PagedBatch {
-  int64_t num_seqs, num_heads, head_dim, num_kv, group, num_blocks, block_size, max_blocks;
+  int64_t num_seqs, num_heads, head_dim, num_kv, group, num_blocks, block_size, max_blocks, window;
   const T* q;
   const C *k, *v;
   const int64_t *tables, *lens;
+  const float* sinks;  // [num_heads], or null
   T* out;
 
   PagedBatch(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
-             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out_)
+             const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out_, int64_t window_ = 0,
+             const float* sinks_ = nullptr)
       : num_seqs(q_.size(0)), num_heads(q_.size(1)), head_dim(q_.size(2)), num_kv(k_cache.size(0)),
         group(q_.size(1) / k_cache.size(0)), num_blocks(k_cache.size(1)), block_size(k_cache.size(2)),
-        max_blocks(block_tables.size(1)), q(q_.data_ptr<T>()), k(k_cache.data_ptr<C>()),
+        max_blocks(block_tables.size(1)), window(window_), q(q_.data_ptr<T>()), k(k_cache.data_ptr<C>()),
         v(v_cache.data_ptr<C>()), tables(block_tables.data_ptr<int64_t>()),
-        lens(context_lens.data_ptr<int64_t>()), out(out_.data_ptr<T>()) {}
+        lens(context_lens.data_ptr<int64_t>()), sinks(sinks_), out(out_.data_ptr<T>()) {}
 
   const T* query(int64_t s, int64_t head) const { return q + (s * num_heads + head) * head_dim; }
   T* output(int64_t s, int64_t head) const { return out + (s * num_heads + head) * head_dim; }
+  // The first context position sequence s attends to: 0, or the window's first.
+  int64_t first(int64_t s) const { return window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0; }
+  // The sinks of KV head h's query heads, or null.
+  const float* sink(int64_t h) const { return sinks == nullptr ? nullptr : sinks + h * group; }
 
-  // f(s, h, ctx, scores) for each (sequence, KV head) pair, the pairs split over the threads;
-  // `scores` is the pair's scratch of rows x ctx floats (ctx: sequence s's context length).
+  // f(s, h, n, scores) for each (sequence, KV head) pair, the pairs split over the threads;
+  // `scores` is the pair's scratch of rows x n floats (n: the positions sequence s attends to).
   template <typename F>
   void for_each_pair(int64_t rows, F&& f) const {
     at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t work = begin; work < end; ++work) {
-        const int64_t s = work / num_kv;
-        scores.resize(rows * lens[s]);
-        f(s, work % num_kv, lens[s], scores.data());
+        const int64_t s = work / num_kv, n = lens[s] - first(s);
+        scores.resize(rows * n);
+        f(s, work % num_kv, n, scores.data());
       }
     });
   }
 
-  // f(t0, rows, n) for each block of sequence s's context in KV head h of `cache` (k or v): the
-  // block's first context position, its rows [n, head_dim], and how many of them are context.
-  // The next block's lines are asked for while f runs: blocks are scattered, each its own run
-  // of memory that the hardware prefetcher would find only after the first misses.
+  // f(t0, rows, n) for each block of the positions sequence s attends to in KV head h of `cache`
+  // (k or v): t0 the first one's index among them, its rows [n, head_dim]. The next block's lines
+  // are asked for while f runs: blocks are scattered, each its own run of memory that the
+  // hardware prefetcher would find only after the first misses.
   template <typename F>
   void for_each_block(const C* cache, int64_t s, int64_t h, F&& f) const {
-    const int64_t ctx = lens[s];
+    const int64_t ctx = lens[s], from = first(s);
     const int64_t* table = tables + s * max_blocks;
     const C* head = cache + h * num_blocks * block_size * head_dim;
     const int64_t block_bytes = block_size * head_dim * static_cast<int64_t>(sizeof(C));
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-      if (t0 + block_size < ctx) {
-        const char* next = reinterpret_cast<const char*>(head + table[t0 / block_size + 1] * block_size * head_dim);
+    for (int64_t p0 = from - from % block_size; p0 < ctx; p0 += block_size) {
+      if (p0 + block_size < ctx) {
+        const char* next = reinterpret_cast<const char*>(head + table[p0 / block_size + 1] * block_size * head_dim);
         for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(next + line);
       }
-      f(t0, head + table[t0 / block_size] * block_size * head_dim, std::min(block_size, ctx - t0));
+      const int64_t lo = std::max(p0, from);
+      f(lo - from, head + (table[p0 / block_size] * block_size + lo - p0) * head_dim,
+        std::min(p0 + block_size, ctx) - lo);
     }
   }
 };
 
-// Softmax of each of `rows` rows of `n` scores, in place.
-inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+// Softmax of each of `rows` rows of `n` scores, in place; `sink` (null: none) adds row g's sink
+// logit sink[g] to its denominator.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, const float* sink = nullptr) {
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sink == nullptr ? -std::numeric_limits<float>::infinity() : sink[g];
 #pragma omp simd reduction(max : m)
     for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
+    float sum = sink == nullptr ? 0.f : fast_exp(sink[g] - m);
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
       sg[t] = fast_exp(sg[t] - m);
@@ -197,11 +209,11 @@ inline __m512 load_bf16x16(const c10::BFloat16* p) {
 template <int G, int HD>
 void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
-                           at::Tensor& out) {
+                           at::Tensor& out, int64_t window, const float* sinks) {
   constexpr int KR = HD / 32;  // zmm registers of bf16 per row
   constexpr int VR = HD / 16;  // zmm registers of fp32 per row
   using T = c10::BFloat16;
-  const PagedBatch<T> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  const PagedBatch<T> b(q, k_cache, v_cache, block_tables, context_lens, out, window, sinks);
   b.for_each_pair(G, [&](int64_t s, int64_t h, int64_t ctx, float* sc) {
     __m512bh qv[G][KR];
     for (int g = 0; g < G; ++g)
@@ -217,7 +229,7 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
         }
       }
     });
-    softmax_rows(sc, G, ctx);
+    softmax_rows(sc, G, ctx, b.sink(h));
     __m512 acc[G][VR];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -241,13 +253,14 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
 
 template <int HD>
 bool decode_attention_bf16_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out) {
+                                 const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out,
+                                 int64_t w, const float* sk) {
   switch (group) {
-    case 1: decode_attention_bf16<1, HD>(q, k, v, tables, lens, scale, out); return true;
-    case 2: decode_attention_bf16<2, HD>(q, k, v, tables, lens, scale, out); return true;
-    case 3: decode_attention_bf16<3, HD>(q, k, v, tables, lens, scale, out); return true;
-    case 4: decode_attention_bf16<4, HD>(q, k, v, tables, lens, scale, out); return true;
-    case 8: decode_attention_bf16<8, HD>(q, k, v, tables, lens, scale, out); return true;
+    case 1: decode_attention_bf16<1, HD>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 2: decode_attention_bf16<2, HD>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 3: decode_attention_bf16<3, HD>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 4: decode_attention_bf16<4, HD>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 8: decode_attention_bf16<8, HD>(q, k, v, tables, lens, scale, out, w, sk); return true;
     default: return false;
   }
 }
@@ -276,10 +289,10 @@ inline __m256 fast_exp8(__m256 x) {
 
 // softmax_rows with the exponentials 8 at a time (the compiler leaves fast_exp scalar where the
 // attention kernel inlines it).
-inline void softmax_rows8(float* scores, int64_t rows, int64_t n) {
+inline void softmax_rows8(float* scores, int64_t rows, int64_t n, const float* sink) {
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sink == nullptr ? -std::numeric_limits<float>::infinity() : sink[g];
     for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum8 = _mm256_setzero_ps();
@@ -289,7 +302,7 @@ inline void softmax_rows8(float* scores, int64_t rows, int64_t n) {
       _mm256_storeu_ps(sg + t, e);
       sum8 = _mm256_add_ps(sum8, e);
     }
-    float sum = hsum8(sum8);
+    float sum = hsum8(sum8) + (sink == nullptr ? 0.f : fast_exp(sink[g] - m));
     for (; t < n; ++t) {
       sg[t] = fast_exp(sg[t] - m);
       sum += sg[t];
@@ -313,10 +326,10 @@ inline __m256 load8(const c10::BFloat16* p) {
 template <int G, typename C>
 void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
-                          at::Tensor& out) {
+                          at::Tensor& out, int64_t window, const float* sinks) {
   constexpr int KA = G <= 4 ? 2 : 1;  // accumulators per query head for q . k
   constexpr int VW = G <= 3 ? 4 : 2;  // registers (of 8 floats) per query head for the values
-  const PagedBatch<float, C> b(q, k_cache, v_cache, block_tables, context_lens, out);
+  const PagedBatch<float, C> b(q, k_cache, v_cache, block_tables, context_lens, out, window, sinks);
   const int64_t hd = b.head_dim;
   b.for_each_pair(G, [&](int64_t s, int64_t h, int64_t ctx, float* sc) {
     const float* qg[G];
@@ -340,7 +353,7 @@ void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const 
         }
       }
     });
-    softmax_rows8(sc, G, ctx);
+    softmax_rows8(sc, G, ctx, b.sink(h));
     for (int64_t d0 = 0; d0 < hd; d0 += 8 * VW) {
       __m256 acc[G][VW];
       for (int g = 0; g < G; ++g)
@@ -363,14 +376,15 @@ void decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const 
 
 template <typename C>
 bool decode_attention_f32_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out) {
+                                const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out,
+                                int64_t w, const float* sk) {
   switch (group) {
-    case 1: decode_attention_f32<1, C>(q, k, v, tables, lens, scale, out); return true;
-    case 2: decode_attention_f32<2, C>(q, k, v, tables, lens, scale, out); return true;
-    case 3: decode_attention_f32<3, C>(q, k, v, tables, lens, scale, out); return true;
-    case 4: decode_attention_f32<4, C>(q, k, v, tables, lens, scale, out); return true;
-    case 6: decode_attention_f32<6, C>(q, k, v, tables, lens, scale, out); return true;
-    case 8: decode_attention_f32<8, C>(q, k, v, tables, lens, scale, out); return true;
+    case 1: decode_attention_f32<1, C>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 2: decode_attention_f32<2, C>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 3: decode_attention_f32<3, C>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 4: decode_attention_f32<4, C>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 6: decode_attention_f32<6, C>(q, k, v, tables, lens, scale, out, w, sk); return true;
+    case 8: decode_attention_f32<8, C>(q, k, v, tables, lens, scale, out, w, sk); return true;
     default: return false;
   }
 }
@@ -378,22 +392,22 @@ bool decode_attention_f32_group(int64_t group, const at::Tensor& q, const at::Te
 
 // The fast path's shapes where the CPU has it; false: use the portable kernel.
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
-                           const at::Tensor& lens, double scale, at::Tensor& out) {
+                           const at::Tensor& lens, double scale, at::Tensor& out, int64_t w, const float* sk) {
   const int64_t group = q.size(1) / k.size(0);
   const float fscale = static_cast<float>(scale);
 #ifdef BATCHGATE_AVX512_BF16
   if (q.scalar_type() == at::kBFloat16 && q.size(2) == 64)
-    return decode_attention_bf16_group<64>(group, q, k, v, tables, lens, fscale, out);
+    return decode_attention_bf16_group<64>(group, q, k, v, tables, lens, fscale, out, w, sk);
   if (q.scalar_type() == at::kBFloat16 && q.size(2) == 128)
-    return decode_attention_bf16_group<128>(group, q, k, v, tables, lens, fscale, out);
+    return decode_attention_bf16_group<128>(group, q, k, v, tables, lens, fscale, out, w, sk);
 #endif
 #ifdef BATCHGATE_AVX2_FMA
   if (q.scalar_type() == at::kFloat && q.size(2) % 32 == 0)
     return k.scalar_type() == at::kFloat
-               ? decode_attention_f32_group<float>(group, q, k, v, tables, lens, fscale, out)
-               : decode_attention_f32_group<c10::BFloat16>(group, q, k, v, tables, lens, fscale, out);
+               ? decode_attention_f32_group<float>(group, q, k, v, tables, lens, fscale, out, w, sk)
+               : decode_attention_f32_group<c10::BFloat16>(group, q, k, v, tables, lens, fscale, out, w, sk);
 #endif
-  (void)group, (void)fscale;
+  (void)group, (void)fscale, (void)w, (void)sk;
   (void)q, (void)k, (void)v, (void)tables, (void)lens, (void)scale, (void)out;
   return false;
 }
@@ -401,8 +415,8 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k, const at::T
 template <typename T, typename C = T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                      at::Tensor& out) {
-  const PagedBatch<T, C> b(q, k_cache, v_cache, block_tables, context_lens, out);
+                      at::Tensor& out, int64_t window, const float* sinks) {
+  const PagedBatch<T, C> b(q, k_cache, v_cache, block_tables, context_lens, out, window, sinks);
   const int64_t group = b.group, head_dim = b.head_dim;
   const float fscale = static_cast<float>(scale);
 
@@ -410,10 +424,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / b.num_kv, h = work % b.num_kv;
-      const int64_t ctx = b.lens[s];
+      const int64_t ctx = b.lens[s] - b.first(s);
       scores.assign(group * ctx, 0.f);
       for (int64_t g = 0; g < group; ++g) load_row(b.query(s, h * group + g), qf.data() + g * head_dim, head_dim);
-      // Visits the context's rows of one head's cache in order, converted to fp32 in `row`:
+      // Visits the attended rows of one head's cache in order, converted to fp32 in `row`:
       // f(t, row) for t in [0, ctx).
       auto for_each_row = [&](const C* cache, auto&& f) {
         b.for_each_block(cache, s, h, [&](int64_t t0, const C* rows, int64_t n) {
@@ -427,7 +441,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       for_each_row(b.k, [&](int64_t t, const float* r) {
         for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot(qf.data() + g * head_dim, r, head_dim) * fscale;
       });
-      softmax_rows(scores.data(), group, ctx);
+      softmax_rows(scores.data(), group, ctx, b.sink(h));
       // Weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(b.v, [&](int64_t t, const float* r) {
@@ -449,8 +463,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -461,6 +475,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "batch mismatch");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                                     sinks->size(0) == q.size(1)),
+              "sinks must be [num_heads] float32");
+  const at::Tensor sinks_c = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  const float* sk = sinks.has_value() ? sinks_c.data_ptr<float>() : nullptr;
   auto qc = q.contiguous();
   auto kc = k_cache.contiguous();
   auto vc = v_cache.contiguous();
@@ -475,15 +495,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(t[s * max_blocks + b] >= 0 && t[s * max_blocks + b] < k_cache.size(1), "block id out of range");
   }
   auto out = at::empty_like(qc);
-  if (decode_attention_fast(qc, kc, vc, tables, lens, scale, out)) return out;
+  if (decode_attention_fast(qc, kc, vc, tables, lens, scale, out, window, sk)) return out;
   if (q.scalar_type() != k_cache.scalar_type()) {
-    decode_attention<float, c10::BFloat16>(qc, kc, vc, tables, lens, scale, out);
+    decode_attention<float, c10::BFloat16>(qc, kc, vc, tables, lens, scale, out, window, sk);
     return out;
   }
   switch (q.scalar_type()) {
-    case at::kBFloat16: decode_attention<c10::BFloat16>(qc, kc, vc, tables, lens, scale, out); break;
-    case at::kHalf: decode_attention<c10::Half>(qc, kc, vc, tables, lens, scale, out); break;
-    case at::kFloat: decode_attention<float>(qc, kc, vc, tables, lens, scale, out); break;
+    case at::kBFloat16: decode_attention<c10::BFloat16>(qc, kc, vc, tables, lens, scale, out, window, sk); break;
+    case at::kHalf: decode_attention<c10::Half>(qc, kc, vc, tables, lens, scale, out, window, sk); break;
+    case at::kFloat: decode_attention<float>(qc, kc, vc, tables, lens, scale, out, window, sk); break;
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -548,6 +568,40 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
                             out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
+}
+
+// In place on the first w.size(0) heads of each row of qkv [T, heads_total * D] (q's, then k's):
+// each head's D values RMS-normalized and multiplied by its row of w [heads, D], rounded as
+// rms_norm rounds (Qwen3's and Gemma 3's q/k norms, one weight row per head).
+template <typename T>
+void head_rms_norm_rows(T* base, const T* w, int64_t rows, int64_t stride, int64_t heads, int64_t d, float eps) {
+  at::parallel_for(0, rows, row_grain(heads * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> v(d);
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = base + r * stride + h * d;
+        const T* wh = w + h * d;
+        float sum = 0.f;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) v[c] = to_float(x[c]);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t c = 0; c < d; ++c) sum += v[c] * v[c];
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) x[c] = round_to<T>(to_float(wh[c]) * to_float(round_to<T>(v[c] * inv)));
+      }
+  });
+}
+
+void head_rms_norm_(at::Tensor qkv, const at::Tensor& w, int64_t head_dim, double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && w.dim() == 2 && w.is_contiguous() && w.size(1) == head_dim &&
+                  qkv.size(1) >= w.size(0) * head_dim,
+              "head_rms_norm_: bad shapes");
+  TORCH_CHECK(qkv.scalar_type() == w.scalar_type(), "head_rms_norm_: qkv and w must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "head_rms_norm_", [&] {
+    head_rms_norm_rows<scalar_t>(qkv.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), qkv.size(0), qkv.size(1), w.size(0),
+                                 head_dim, static_cast<float>(eps));
+  });
 }
 
 // In place on the first `num_heads` heads of each row of qkv [T, heads_total * D] (q's heads, then
@@ -783,7 +837,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 TORCH_LIBRARY(batchgate, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, Tensor? sinks=None) -> Tensor");
+  m.def("head_rms_norm_(Tensor(a!) qkv, Tensor w, int head_dim, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
@@ -797,6 +852,7 @@ TORCH_LIBRARY(batchgate, m) {
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("head_rms_norm_", &head_rms_norm_);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("write_kv_", &write_kv_);

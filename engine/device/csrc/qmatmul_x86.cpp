@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -614,6 +615,110 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const 
   return qlinear(x, w, n, bias, outlier_ratio, kQ8);
 }
 
+// An expert's rows take the two-block tiles from this many: a decode step's few rows per expert
+// (32 streams, top 2 of 8: ~8) run them ~1.7x faster than one block at a time
+// (bench/moe_throughput.py), where a whole dense step of that few rows does not (kPairMinRows).
+constexpr int64_t kGroupedPairMinRows = kTileRows;
+
+// A mixture-of-experts layer's projection (engine/device/models/moe.py): rows offsets[e] ..
+// offsets[e + 1] - 1 of x (the tokens routed to expert e, grouped) times expert e's weight, one
+// call for every expert. w: [E, N / 8, K / 32, bytes], each expert packed as qlinear's; bias: none,
+// or [E, N] float32. The activations are quantized once; work items are (expert, chunk of its rows,
+// span of weight blocks), taken from a counter as qlinear's, so an expert's weights are read once
+// for all its rows and experts with no rows cost nothing.
+at::Tensor qlinear_grouped(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& offsets,
+                           const c10::optional<at::Tensor>& bias, double outlier_ratio, const Kernel& kernel) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear_grouped: x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(3) == kernel.group_bytes,
+              "qlinear_grouped: w must be packed [E, N / 8, K / 32, ", kernel.group_bytes, "] uint8");
+  const int64_t experts = w.size(0), blocks = w.size(1);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == experts + 1,
+              "qlinear_grouped: offsets must be [E + 1] int64");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 2 &&
+                                    bias->size(0) == experts && bias->size(1) == n),
+              "qlinear_grouped: bias must be [E, N] float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && w.size(2) == groups, "qlinear_grouped: K must match the packed weight");
+  TORCH_CHECK(n > (blocks - 1) * kBlockRows && n <= blocks * kBlockRows, "qlinear_grouped: n must match w");
+  const at::Tensor offs = offsets.contiguous();
+  const int64_t* op_rows = offs.data_ptr<int64_t>();
+  TORCH_CHECK(op_rows[0] == 0 && op_rows[experts] == m, "qlinear_grouped: offsets must run from 0 to M");
+  for (int64_t e = 0; e < experts; ++e) TORCH_CHECK(op_rows[e] <= op_rows[e + 1], "qlinear_grouped: offsets must grow");
+  const int64_t padded = blocks * kBlockRows;
+  at::Tensor out = at::empty({m, padded}, xc.options());
+  if (m == 0) return out.narrow(1, 0, n);
+  at::Tensor bytes = at::empty({2 * m * k + m * groups}, xc.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({2, m, groups}, xc.options());
+  at::Tensor sums = at::empty({m, groups}, xc.options().dtype(at::kInt));
+  int8_t* qp = bytes.data_ptr<int8_t>();
+  float* dp = scales.data_ptr<float>();
+  int32_t* qs = sums.data_ptr<int32_t>();
+  uint8_t* flags = reinterpret_cast<uint8_t*>(qp + 2 * m * k);
+  float* sp = dp + m * groups;
+  const float* xp = xc.data_ptr<float>();
+  const float ratio = static_cast<float>(outlier_ratio);
+  at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_group(xp + i * kGroup, qp + i * kGroup, qp + m * k + i * kGroup, dp + i, sp + i, qs + i, flags + i,
+                     ratio);
+  });
+  const Activations acts{qp, m * k, dp, sp, qs, flags, k, groups};
+  float* o = out.data_ptr<float>();
+  const at::Tensor wc = w.contiguous();
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const int64_t block_bytes = groups * kernel.group_bytes;
+  // The items: (expert, first row of a chunk, span start, span length), experts' rows in order.
+  struct Item {
+    int64_t expert, first, last, block, span;
+  };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t lo = op_rows[e], hi = op_rows[e + 1];
+    if (lo == hi) continue;
+    const int64_t span = kernel.pair_tiles[0] != nullptr && hi - lo >= kGroupedPairMinRows ? 2 : 1;
+    for (int64_t first = lo; first < hi; first += kChunkRows)
+      for (int64_t b = 0; b < blocks; b += span)
+        items.push_back({e, first, std::min(hi, first + kChunkRows), b, span});
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& it = items[i];
+      const uint8_t* wb = wp + (it.expert * blocks + it.block) * block_bytes;
+      for (int64_t r = it.first; r < it.last; r += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, it.last - r);
+        float* dst = o + r * padded + it.block * kBlockRows;
+        if (it.span == 2 && it.block + 1 < blocks)
+          kernel.pair_tiles[rows - 1](wb, wb + block_bytes, acts, r, dst, padded);
+        else
+          kernel.tiles[rows - 1](wb, acts, r, dst, padded);
+      }
+    }
+  });
+  if (padded != n) out = out.narrow(1, 0, n).contiguous();
+  if (bias.has_value()) {
+    const at::Tensor bc = bias->contiguous();
+    const float* bp = bc.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t r = op_rows[e]; r < op_rows[e + 1]; ++r)
+        for (int64_t j = 0; j < n; ++j) y[r * n + j] += bp[e * n + j];
+  }
+  return out;
+}
+
+at::Tensor q4_grouped_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& offsets,
+                             const c10::optional<at::Tensor>& bias, double outlier_ratio) {
+  return qlinear_grouped(x, w, n, offsets, bias, outlier_ratio, kQ4);
+}
+
+at::Tensor q8_grouped_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& offsets,
+                             const c10::optional<at::Tensor>& bias, double outlier_ratio) {
+  return qlinear_grouped(x, w, n, offsets, bias, outlier_ratio, kQ8);
+}
+
 #else  // no AVX2: the ops exist (so the library loads) but refuse; the engine never calls them
 
 void set_matmul_helpers(int64_t) {}
@@ -625,6 +730,14 @@ at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::o
 at::Tensor q8_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&, double) {
   TORCH_CHECK(false, "q8_linear: needs AVX2, FMA and F16C");
 }
+at::Tensor q4_grouped_linear(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                             const c10::optional<at::Tensor>&, double) {
+  TORCH_CHECK(false, "q4_grouped_linear: needs AVX2, FMA and F16C");
+}
+at::Tensor q8_grouped_linear(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                             const c10::optional<at::Tensor>&, double) {
+  TORCH_CHECK(false, "q8_grouped_linear: needs AVX2, FMA and F16C");
+}
 
 #endif
 
@@ -633,6 +746,8 @@ at::Tensor q8_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::o
 TORCH_LIBRARY_FRAGMENT(batchgate, m) {
   m.def("q4_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, int n, Tensor? bias, float outlier_ratio) -> Tensor");
+  m.def("q4_grouped_linear(Tensor x, Tensor w, int n, Tensor offsets, Tensor? bias, float outlier_ratio) -> Tensor");
+  m.def("q8_grouped_linear(Tensor x, Tensor w, int n, Tensor offsets, Tensor? bias, float outlier_ratio) -> Tensor");
   m.def("has_qmatmul() -> bool", &has_qmatmul);
   m.def("qmatmul_isa() -> str", &qmatmul_isa);
   m.def("set_matmul_helpers(int n) -> ()", &set_matmul_helpers);  // no tensors: catch-all kernels
@@ -642,4 +757,6 @@ TORCH_LIBRARY_FRAGMENT(batchgate, m) {
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
+  m.impl("q4_grouped_linear", &q4_grouped_linear);
+  m.impl("q8_grouped_linear", &q8_grouped_linear);
 }

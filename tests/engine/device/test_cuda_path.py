@@ -38,24 +38,40 @@ CASES = [
     (4, 2, 64, 16, [5, 64, 65, 150]),
     (9, 3, 64, 16, [1, 17, 200]),
 ]
+# (case, window, sinks): banded layers whose window starts mid-block and mid-tile (and one longer
+# than some contexts), attention sinks alone and with a window (gpt-oss's layers).
+BANDED = [(CASES[0], 6, False), (CASES[1], 70, True), (CASES[2], 0, True), (CASES[2], 33, False)]
 
 
 def reference_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The definition, one sequence and head at a time, in float64."""
+    """The definition, one sequence and head at a time, in float64: each query over its context's
+    last `window` positions (0: all), with `sinks` [H] (each head's logit in its softmax) or none."""
     num_kv, _, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv
     out = torch.empty(q.shape, dtype=torch.float64)
     for s, length in enumerate(lens.tolist()):
-        pos = torch.arange(length)
+        pos = torch.arange(max(0, length - window) if window else 0, length)
         slots = (tables[s].cpu()[pos // block_size] * block_size + pos % block_size).to(k_cache.device)
         keys = k_cache.reshape(num_kv, -1, head_dim)[:, slots].double().cpu()
         values = v_cache.reshape(num_kv, -1, head_dim)[:, slots].double().cpu()
         for h in range(q.shape[1]):
             scores = keys[h // group] @ q[s, h].double().cpu() * head_dim**-0.5
-            out[s, h] = scores.softmax(-1) @ values[h // group]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h : h + 1].double().cpu()])
+            out[s, h] = scores.softmax(-1)[: len(pos)] @ values[h // group]
     return out
+
+
+def _sinks(case: tuple[int, int, int, int, list[int]], device: str) -> torch.Tensor:
+    return (torch.randn(case[0], generator=torch.Generator().manual_seed(2)) * 2).to(device)
 
 
 def _case_tensors(
@@ -73,16 +89,17 @@ def _case_tensors(
 
 
 def check_in_interpreter() -> None:
-    """Every case through the kernel in Triton's interpreter; run in a process started with
-    TRITON_INTERPRET=1 (triton reads it when it is first imported)."""
+    """Every case through the kernel in Triton's interpreter, plain and banded or with sinks; run in
+    a process started with TRITON_INTERPRET=1 (triton reads it when it is first imported)."""
     from engine.device.triton_attention import paged_decode_attention
 
-    for case in CASES:
+    for case, window, with_sinks in [(case, 0, False) for case in CASES] + BANDED:
         q, k_cache, v_cache, tables, lens = _case_tensors(case, torch.float32, "cpu")
-        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
-        expected = reference_decode_attention(q, k_cache, v_cache, tables, lens)
+        sinks = _sinks(case, "cpu") if with_sinks else None
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5, window, sinks)
+        expected = reference_decode_attention(q, k_cache, v_cache, tables, lens, window, sinks)
         torch.testing.assert_close(
-            out.double(), expected, atol=1e-5, rtol=1e-5, msg=lambda m, case=case: f"{case}: {m}"
+            out.double(), expected, atol=1e-5, rtol=1e-5, msg=lambda m, c=(case, window): f"{c}: {m}"
         )
 
 
@@ -112,6 +129,22 @@ def test_triton_kernel_matches_the_reference_on_cuda(case: Any, dtype: torch.dty
     q, k_cache, v_cache, tables, lens = _case_tensors(case, dtype, "cuda")
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
     expected = reference_decode_attention(q, k_cache, v_cache, tables, lens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("case", "window", "with_sinks"), BANDED, ids=["w6", "w70-sinks", "sinks", "w33"])
+def test_triton_kernel_attends_to_the_window_and_sinks_on_cuda(
+    case: Any, window: int, with_sinks: bool, dtype: torch.dtype
+) -> None:
+    from engine.device.triton_attention import paged_decode_attention
+
+    q, k_cache, v_cache, tables, lens = _case_tensors(case, dtype, "cuda")
+    sinks = _sinks(case, "cuda") if with_sinks else None
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5, window, sinks)
+    expected = reference_decode_attention(q, k_cache, v_cache, tables, lens, window, sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
 

@@ -12,20 +12,44 @@ from engine.device.native import native_kernels
 from engine.resolve import resolve_kernels
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
-    """Attention of each sequence's one query over its context, gathered token by token."""
+def reference(q, k_cache, v_cache, tables, lens, scale, window=0, sinks=None):  # type: ignore[no-untyped-def]
+    """Attention of each sequence's one query over its context (its last `window` positions when
+    given), gathered token by token; `sinks` [H]: each head's sink logit joins its softmax."""
     num_kv, _, block_size, _ = k_cache.shape
     group = q.shape[1] // num_kv
     out = torch.empty_like(q, dtype=torch.float32)
     for s in range(q.shape[0]):
-        pos = torch.arange(int(lens[s]))
+        n = int(lens[s])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
         blocks = tables[s, pos // block_size]
         keys = k_cache[:, blocks, pos % block_size].float()  # [kv, ctx, hd]
         values = v_cache[:, blocks, pos % block_size].float()
         for h in range(q.shape[1]):
             scores = keys[h // group] @ q[s, h].float() * scale
-            out[s, h] = scores.softmax(-1) @ values[h // group]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h : h + 1]])
+            out[s, h] = scores.softmax(-1)[: len(pos)] @ values[h // group]
     return out
+
+
+def _paged_case(dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q, the caches, block tables and lengths: one token, exactly a block, ragged, longest."""
+    torch.manual_seed(0)
+    block_size, num_blocks = 4, 40
+    k_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
+    lens = torch.tensor([1, 4, 5, 13, 30])
+    max_blocks = -(-int(lens.max()) // block_size)
+    # Scattered, distinct blocks; padding past each sequence's blocks is block 0.
+    perm = torch.randperm(num_blocks)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    used = 0
+    for s, n in enumerate(lens.tolist()):
+        nb = -(-n // block_size)
+        tables[s, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    return q, k_cache, v_cache, tables, lens
 
 
 @pytest.mark.parametrize(
@@ -50,24 +74,33 @@ def test_kernel_matches_attention_over_the_gathered_context(
     dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, tol: float
 ) -> None:
     op = native_kernels().paged_decode_attention
-    torch.manual_seed(0)
-    block_size, num_blocks = 4, 40
-    k_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
-    v_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
-    lens = torch.tensor([1, 4, 5, 13, 30])  # one token, exactly a block, ragged, longest
-    max_blocks = -(-int(lens.max()) // block_size)
-    # Scattered, distinct blocks; padding past each sequence's blocks is block 0.
-    perm = torch.randperm(num_blocks)
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
-    used = 0
-    for s, n in enumerate(lens.tolist()):
-        nb = -(-n // block_size)
-        tables[s, :nb] = perm[used : used + nb]
-        used += nb
-    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    q, k_cache, v_cache, tables, lens = _paged_case(dtype, num_heads, num_kv, head_dim)
     got = op(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     want = reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    assert (got.float() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize(("window", "with_sinks"), [(0, True), (3, False), (6, True), (13, False)])
+@pytest.mark.parametrize(
+    ("dtype", "num_heads", "num_kv", "head_dim", "tol"),
+    [
+        (torch.float32, 4, 2, 16, 1e-5),  # the portable kernel
+        (torch.float32, 9, 3, 64, 1e-5),  # the AVX2 fp32 path where the CPU has it
+        (torch.bfloat16, 8, 2, 128, 2e-2),  # the AVX512-BF16 path where the CPU has it
+        (torch.bfloat16, 10, 2, 64, 2e-2),  # the portable kernel
+    ],
+)
+def test_kernel_attends_to_the_window_and_the_sinks(
+    dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, tol: float, window: int, with_sinks: bool
+) -> None:
+    """A banded layer's last `window` positions (a window that starts mid-block, and one longer than
+    some contexts), and attention sinks in each softmax's denominator, on every kernel path."""
+    op = native_kernels().paged_decode_attention
+    q, k_cache, v_cache, tables, lens = _paged_case(dtype, num_heads, num_kv, head_dim)
+    sinks = torch.randn(num_heads) * 2 if with_sinks else None
+    got = op(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, sinks)
+    want = reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, sinks)
     assert (got.float() - want).abs().max().item() <= tol
 
 
@@ -105,7 +138,7 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch: pyte
         resolve_kernels("native", torch.device("cpu"))
 
 
-# ---- the fused elementwise kernels: the torch ops they replace, as in engine/device/model.py ---------------
+# ---- the fused elementwise kernels: the torch ops they replace, as in engine/device/models/decoder.py --
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 
@@ -139,6 +172,22 @@ def test_rms_norm_and_residual_add(dtype: torch.dtype, rows: int) -> None:
     out = k.add_rms_norm(x, residual, w, 1e-5)
     assert torch.equal(residual, summed)  # updated in place, rounded as torch rounds
     assert ulps(out, torch_rms_norm(summed, w, 1e-5)) <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm_on_q_and_k_heads_only(dtype: torch.dtype) -> None:
+    """Qwen3's and Gemma 3's q/k norms: each of the first H + KV heads of a qkv row normalized
+    over its head_dim and scaled by its own weight row, in place; v untouched."""
+    torch.manual_seed(0)
+    t, h, kv, d = 5, 4, 2, 32
+    qkv = torch.randn(t, (h + 2 * kv) * d).to(dtype)
+    w = (torch.rand(h + kv, d) + 0.5).to(dtype)
+    heads = qkv.view(t, h + 2 * kv, d)
+    want = torch_rms_norm(heads[:, : h + kv].reshape(-1, d), w.repeat(t, 1), 1e-6).view(t, h + kv, d)
+    want_v = heads[:, h + kv :].clone()
+    native_kernels().head_rms_norm_(qkv, w, d, 1e-6)
+    assert ulps(heads[:, : h + kv], want) <= (4 if dtype == torch.float32 else 1)
+    assert torch.equal(heads[:, h + kv :], want_v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,7 +16,7 @@ from engine import step as step_module
 from engine.config import EngineConfig, WeightFormat
 from engine.device import quant
 from engine.device.loader import gguf_tensor_infos, is_q4_1_gguf
-from engine.device.model import LlamaModel
+from engine.device.models.decoder import DecoderModel
 from engine.device.native import native_kernels
 from engine.device.platform import CpuIsa, cpu_isa
 from engine.device.quant import Linear, dequantize, pack_q4, pack_q8
@@ -224,7 +224,7 @@ def test_weight_format_per_setting_dtype_and_cpu(tiny_model_dir: Path) -> None:
 
 def test_kv_cache_dtype_per_setting_and_device() -> None:
     """auto: bf16 under float32 activations on our int8 kernels (CPU), else the engine's dtype; an
-    explicit dtype only where the kernels and torch ops of engine/device/model.py read it."""
+    explicit dtype only where the kernels and torch ops of engine/device/models/decoder.py read it."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     cuda = torch.device("cuda")
     auto = EngineConfig()
@@ -405,20 +405,21 @@ def test_a_decode_step_in_one_native_call_gives_the_same_logits_bit_for_bit(
 def test_a_short_prefill_in_the_one_native_call_gives_the_same_logprobs_however_it_is_split(
     tmp_path: Path, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A short prefill runs its tokens as decode rows of the one-call layers (engine/device/model.py):
-    prefilled whole, in chunks of 5 beside a decoding sequence, or after a prefix-cache hit, a
-    prompt's logprobs are the same bit for bit, and no step goes through the Python layer loop."""
+    """A short prefill runs its tokens as decode rows of the one-call layers
+    (engine/device/models/decoder.py): prefilled whole, in chunks of 5 beside a decoding sequence,
+    or after a prefix-cache hit, a prompt's logprobs are the same bit for bit, and no step goes
+    through the Python layer loop."""
     model = make_tiny_model(
         tmp_path / "q4", real_model_dir, q4_1=True, hidden_size=128, intermediate_size=256
     )
     layer_loops: list[int] = []
-    python_layers = LlamaModel._layers
+    python_layers = DecoderModel._layers
 
-    def counted(self: LlamaModel, *args: Any) -> Any:
+    def counted(self: DecoderModel, *args: Any) -> Any:
         layer_loops.append(1)
         return python_layers(self, *args)
 
-    monkeypatch.setattr(LlamaModel, "_layers", counted)
+    monkeypatch.setattr(DecoderModel, "_layers", counted)
     prompt = list(range(200, 237))
     sampling = greedy(6, logprobs=True, top_logprobs=5)
 

@@ -1,9 +1,14 @@
-"""Our Llama-family forward pass (Llama / SmolLM2, Qwen2, Mistral shapes) over a paged KV cache.
+"""The decoder forward pass of every family (engine/device/models/registry.py) over a paged KV cache.
+
+It reads a checkpoint in the canonical names (Llama's; each family's module converts its own), and
+the model's `ModelSpec` for what differs between families: per-head q/k norms, Gemma's norms
+around attention and the MLP, GELU-tanh, scaled embeddings, a softmax scale, a window and a rope
+table per layer, attention sinks, experts in place of the MLP, a final logit softcap.
 
 One call runs a packed batch: the decode tokens of running sequences first, then prefill chunks.
 K/V of every new token are written into the paged cache first; attention then reads each
-sequence's whole context back through its slots, so a prefill chunk that continues an earlier one
-sees the earlier chunk's K/V exactly like a decode token does.
+sequence's context back through its slots (engine/device/models/attention.py), so a prefill
+chunk that continues an earlier one sees the earlier chunk's K/V exactly like a decode token does.
 
     tokens:  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]     (D decode tokens, then prefill chunks)
     slots:   flat index into a layer's cache viewed as [kv_heads, num_blocks * block_size, head_dim]
@@ -16,7 +21,6 @@ faster than gathering [tokens, kv_heads, head_dim] rows by slot).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,9 @@ import torch.nn.functional as F
 
 from engine.config import WeightFormat
 from engine.device.lora_weights import LoraWeights
+from engine.device.models.attention import AttentionShape, DecodeGather, PagedDecode, attend
+from engine.device.models.moe import Experts, GroupedLinear
+from engine.device.models.rope import rope_tables
 from engine.device.ops import tensor_op, tensor_pair_op
 from engine.device.quant import Linear
 from engine.lora import LoraAdapter
@@ -36,33 +43,14 @@ if TYPE_CHECKING:
     from engine.device.parallel import TensorParallel
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies, with the config's rope scaling (default, linear, llama3)."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = spec.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq.float()
-    if kind == "linear":
-        return (inv_freq / float(scaling["factor"])).float()
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope scaling type {kind!r}: expected default, linear or llama3")
-
-
 def _no_lora(y: torch.Tensor, x: torch.Tensor, layer: int, linear: str, batch: ForwardBatch) -> torch.Tensor:
     return y
+
+
+@dataclass
+class Mlp:
+    gate_up: Linear  # gate and up projections fused
+    down: Linear
 
 
 @dataclass
@@ -70,12 +58,27 @@ class Layer:
     input_norm: torch.Tensor
     qkv: Linear  # q, k, v projections fused
     o: Linear
-    post_norm: torch.Tensor
-    gate_up: Linear  # gate and up projections fused
-    down: Linear
+    post_norm: torch.Tensor  # the norm before the MLP (Gemma's pre_feedforward_layernorm)
+    mlp: Mlp | Experts
+    attention: AttentionShape
+    rope: int  # which cos/sin tables: 0 the model's, 1 the banded layers' own (Gemma 3)
+    qk_norm: torch.Tensor | None = None  # [H + KV, head_dim]: each query head's row, then each key head's
+    attn_out_norm: torch.Tensor | None = None  # Gemma: after attention, before the residual add
+    mlp_out_norm: torch.Tensor | None = None  # Gemma: after the MLP, before the residual add
+
+    # The dense MLP's linears, where the one-call decode and LoRA read them.
+    @property
+    def gate_up(self) -> Linear:
+        assert isinstance(self.mlp, Mlp)
+        return self.mlp.gate_up
+
+    @property
+    def down(self) -> Linear:
+        assert isinstance(self.mlp, Mlp)
+        return self.mlp.down
 
 
-class LlamaModel:
+class DecoderModel:
     """Weights plus the forward pass. Weights are fused (QKV, gate/up) at construction."""
 
     def __init__(
@@ -87,18 +90,19 @@ class LlamaModel:
         weight_format: WeightFormat | None = None,
         kernels: Any = None,
         tp: TensorParallel | None = None,
-        paged_decode: Callable[..., torch.Tensor] | None = None,
+        paged_decode: PagedDecode | None = None,
         max_loras: int = 0,
     ) -> None:
-        """`weights` are cast to `dtype` (default: theirs). `weight_format` (engine/device/quant.py): the
-        projections and LM head quantized from the weights as given (pass float32 for exact
-        recovery of a GGUF's groups).
-        `kernels`: the native CPU kernels (engine/device/native.py), or None for plain torch ops. `tp`: this
-        rank's share of a tensor-parallel replica, with `spec` and `weights` already this rank's shard
-        (engine/device/parallel.py); o_proj and down_proj then all-reduce their partial sums (with the
-        LoRA deltas: an adapter is sharded like the layers, `TensorParallel.shard_lora`). `paged_decode`:
-        a decode-attention kernel that reads the paged cache through the block table (the Triton one
-        on CUDA, engine/device/triton_attention.py), where `kernels` does not bring one. `max_loras`: the
+        """`weights`: in the canonical names (engine/device/models/registry.py's `canonical_weights`),
+        cast to `dtype` (default: theirs). `weight_format` (engine/device/quant.py): the projections,
+        experts and LM head quantized from the weights as given (pass float32 for exact recovery of
+        a GGUF's groups). `kernels`: the native CPU kernels (engine/device/native.py), or None for
+        plain torch ops. `tp`: this rank's share of a tensor-parallel replica, with `spec` and
+        `weights` already this rank's shard (engine/device/parallel.py); o_proj and the MLP's down
+        projections then all-reduce their partial sums (with the LoRA deltas: an adapter is sharded
+        like the layers, `TensorParallel.shard_lora`). `paged_decode`: a decode-attention kernel that
+        reads the paged cache through the block table (the Triton one on CUDA,
+        engine/device/triton_attention.py), where `kernels` does not bring one. `max_loras`: the
         LoRA slots a batch may mix (engine/lora.py), filled by `set_lora_slot`."""
         self.spec = spec
         self.kernels = kernels
@@ -113,18 +117,30 @@ class LlamaModel:
             and dtype == torch.bfloat16
             and bool(kernels.has_fast_silu_mul())
             and spec.intermediate_size % 16 == 0
+            and spec.hidden_act == "silu"
         )
 
-        def linear(names: list[str], bias: bool = False) -> Linear:
+        def linear(names: list[str]) -> Linear:
             source = (
                 torch.cat([w[n + ".weight"] for n in names]) if len(names) > 1 else w[names[0] + ".weight"]
             )
-            b = torch.cat([w[n + ".bias"] for n in names]).to(dtype) if bias else None
+            biases = [w.get(n + ".bias") for n in names]
+            b = None
+            if any(x is not None for x in biases):
+                b = torch.cat(
+                    [
+                        x if x is not None else source.new_zeros(w[n + ".weight"].shape[0])
+                        for x, n in zip(biases, names, strict=True)
+                    ]
+                ).to(dtype)
             if fmt.layers is not None:
                 return Linear.build(source, b, quant=fmt.layers)
             return Linear.build(source.to(dtype).contiguous(), b, fmt.int4_max_rows, source)
 
         self.embed = w["model.embed_tokens.weight"].to(dtype)
+        self.embed_scale = (
+            None if spec.embed_scale == 1.0 else torch.tensor(spec.embed_scale, dtype=torch.float32).to(dtype)
+        )
         lm_head = self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed).to(dtype)
         self.lm_head = (
             Linear.build(lm_head, quant=fmt.head) if fmt.head is not None else Linear.build(lm_head)
@@ -133,26 +149,78 @@ class LlamaModel:
         self.layers: list[Layer] = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            attn = p + "self_attn."
+            window = spec.windows[i]
+            sinks = w.get(attn + "sinks")
+            qk_norm = None
+            if spec.qk_norm:
+                q_w, k_w = w[attn + "q_norm.weight"].to(dtype), w[attn + "k_norm.weight"].to(dtype)
+                qk_norm = torch.cat(
+                    [q_w.expand(spec.num_heads, -1), k_w.expand(spec.num_kv_heads, -1)]
+                ).contiguous()
+            mlp: Mlp | Experts
+            if spec.is_sparse(i):
+                mlp = _experts(spec, w, p, dtype, fmt.layers)
+            else:
+                mlp = Mlp(
+                    gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                    down=linear([p + "mlp.down_proj"]),
+                )
+            sandwich = spec.sandwich_norms
             self.layers.append(
                 Layer(
                     input_norm=w[p + "input_layernorm.weight"].to(dtype),
-                    qkv=linear(attn, bias=spec.attention_bias and attn[0] + ".bias" in w),
-                    o=linear([p + "self_attn.o_proj"]),
-                    post_norm=w[p + "post_attention_layernorm.weight"].to(dtype),
-                    gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                    down=linear([p + "mlp.down_proj"]),
+                    qkv=linear([attn + f"{n}_proj" for n in "qkv"]),
+                    o=linear([attn + "o_proj"]),
+                    post_norm=w[
+                        p
+                        + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+                        + ".weight"
+                    ].to(dtype),
+                    mlp=mlp,
+                    attention=AttentionShape(
+                        spec.num_heads,
+                        spec.num_kv_heads,
+                        spec.head_dim,
+                        spec.scale,
+                        window,
+                        None if sinks is None else sinks.float().contiguous(),
+                    ),
+                    rope=1 if window and spec.local_rope_theta is not None else 0,
+                    qk_norm=qk_norm,
+                    attn_out_norm=w[p + "post_attention_layernorm.weight"].to(dtype) if sandwich else None,
+                    mlp_out_norm=w[p + "post_feedforward_layernorm.weight"].to(dtype) if sandwich else None,
                 )
             )
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        inv_freq = rope_inv_freq(spec).to(self.device)
-        t = torch.arange(max_positions, dtype=torch.float32, device=self.device)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(self.dtype)  # [max_positions, head_dim]
-        self.sin = emb.sin().to(self.dtype)
-        self.scale = spec.head_dim**-0.5
+        rotary = spec.rotary
+        tables = [
+            rope_tables(
+                spec.rope_theta,
+                rotary,
+                spec.rope_scaling,
+                max_positions,
+                spec.max_position_embeddings,
+                self.dtype,
+                self.device,
+            )
+        ]
+        if spec.local_rope_theta is not None:
+            tables.append(
+                rope_tables(
+                    spec.local_rope_theta,
+                    rotary,
+                    spec.local_rope_scaling,
+                    max_positions,
+                    spec.max_position_embeddings,
+                    self.dtype,
+                    self.device,
+                )
+            )
+        self.rope_tables = tables
+        self.cos, self.sin = tables[0]  # [max_positions, rotary_dim]
+        self.scale = spec.scale
         # The LoRA slots' weights, stacked per layer and linear (engine/lora.py); None: no slots.
         # Over quantized layers (lossy already) they are held in bfloat16: half the bytes a step
         # reads; float weights (the exact mode PEFT parity is tested in) keep the model's dtype.
@@ -163,9 +231,27 @@ class LlamaModel:
         self.decode_weights = self._native_decode_weights()
 
     def _native_decode_weights(self) -> tuple[list[torch.Tensor], list[int], list[int], float] | None:
-        """The layers' weights for the one-call decode op (engine/device/csrc/decode_layers.cpp): every
+        """The layers' weights for the one-call decode op (engine/device/csrc/decode_layers.cpp): a
+        Llama-shaped model (full rope, no q/k norms, Gemma norms, sinks or experts, SiLU) with every
         projection on our quantized kernels, without a bias, on one rank; else None."""
-        if self.kernels is None or self.tp is not None or not hasattr(self.kernels, "decode_layers"):
+        spec = self.spec
+        plain = (
+            not (
+                spec.qk_norm
+                or spec.sandwich_norms
+                or spec.attention_sinks
+                or spec.moe
+                or spec.rotary != spec.head_dim
+            )
+            and spec.hidden_act == "silu"
+            and len(self.rope_tables) == 1
+        )
+        if (
+            not plain
+            or self.kernels is None
+            or self.tp is not None
+            or not hasattr(self.kernels, "decode_layers")
+        ):
             return None
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
@@ -221,7 +307,7 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return tensor_op(self.kernels.rms_norm, x, weight, self.spec.rms_norm_eps)
+            return tensor_op(self.kernels.rms_norm, x.contiguous(), weight, self.spec.rms_norm_eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         return weight * (x.float() * torch.rsqrt(var + self.spec.rms_norm_eps)).to(x.dtype)
 
@@ -234,33 +320,47 @@ class LlamaModel:
         residual = residual + x
         return self._rms_norm(residual, weight), residual
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_silu_mul:
             return tensor_op(self.kernels.silu_mul, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.spec.hidden_act == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
-    def _rope_qkv(
-        self, qkv: torch.Tensor, positions: torch.Tensor
+    def _qkv_heads(
+        self, qkv: torch.Tensor, positions: torch.Tensor, layer: Layer
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (rotated) and v as [T, heads, head_dim] views or tensors."""
+        """q, k (normed where the layer norms them, rotated) and v as [T, heads, head_dim] views or
+        tensors."""
         spec = self.spec
         t, h, kv, d = qkv.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        cos, sin = self.rope_tables[layer.rope]
         if self.kernels is not None:
-            self.kernels.rope_(qkv, positions, self.cos, self.sin, h + kv, d)
+            if layer.qk_norm is not None:
+                self.kernels.head_rms_norm_(qkv, layer.qk_norm, d, spec.rms_norm_eps)
+            if spec.rotary == d:
+                self.kernels.rope_(qkv, positions, cos, sin, h + kv, d)
+                heads = qkv.view(t, h + 2 * kv, d)
+                return heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
+        elif layer.qk_norm is not None:
             heads = qkv.view(t, h + 2 * kv, d)
-            return heads[:, :h], heads[:, h : h + kv], heads[:, h + kv :]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        q = self._rope(qkv[:, : h * d].view(t, h, d), cos, sin)
-        k = self._rope(qkv[:, h * d : (h + kv) * d].view(t, kv, d), cos, sin)
+            heads[:, : h + kv] = self._rms_norm(heads[:, : h + kv], layer.qk_norm)
+        cos_t = cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
+        sin_t = sin[positions].unsqueeze(1)
+        q = self._rope(qkv[:, : h * d].view(t, h, d), cos_t, sin_t)
+        k = self._rope(qkv[:, h * d : (h + kv) * d].view(t, kv, d), cos_t, sin_t)
         return q, k, qkv[:, (h + kv) * d :].view(t, kv, d)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        """Rope over the first rotary_dim (cos's width) dimensions of each head, the rest as they are."""
+        dim = cos.shape[-1]
+        rot, rest = (x, None) if dim == x.shape[-1] else (x[..., :dim], x[..., dim:])
+        half = dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rest is None else torch.cat([out, rest], dim=-1)
 
     # ---- the forward pass ---------------------------------------------------------------------
 
@@ -273,6 +373,8 @@ class LlamaModel:
             if self.tp is None
             else self.tp.embed(batch.input_ids, self.embed)
         )
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         lora = self._add_lora if batch.lora_groups or batch.lora_decode is not None else _no_lora
         one_call = lora is _no_lora or self.lora is not None and self.lora.native
         # A short prefill (no adapter on its rows) runs in the one call too, each token as a decode
@@ -287,7 +389,9 @@ class LlamaModel:
         rows = batch.logits_indices
         last, _ = self._add_rms_norm(hidden.index_select(0, rows), residual.index_select(0, rows), self.norm)
         logits = self.lm_head(last)
-        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+        logits = (logits if self.tp is None else self.tp.gather_logits(logits)).float()
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layers(
         self,
@@ -297,11 +401,7 @@ class LlamaModel:
         lora: Callable[[torch.Tensor, torch.Tensor, int, str, ForwardBatch], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the batch; (hidden, residual) after the last."""
-        gathered = (
-            None
-            if self.paged_decode is not None
-            else self._decode_gather_plan(batch, kv_caches[0][0].shape[2])
-        )
+        gathered = None if self.paged_decode is not None else DecodeGather.of(batch, kv_caches[0][0].shape[2])
         # int4 weights only for steps that only decode: every prompt is prefilled on the same bf16
         # weights however it is chunked or however much of it the prefix cache held, so a
         # (greedy) request's answer does not depend on that. (The int4 copy holds the file's exact
@@ -315,14 +415,21 @@ class LlamaModel:
             else:
                 x, residual = self._add_rms_norm(hidden, residual, layer.input_norm)
             qkv = lora(layer.qkv(x, int4_ok), x, i, "qkv", batch)
-            q, k, v = self._rope_qkv(qkv, batch.positions)
+            q, k, v = self._qkv_heads(qkv, batch.positions, layer)
             self._write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            attn = self._attention(q, k, v, k_cache, v_cache, batch, gathered)
+            attn = attend(q, k, v, k_cache, v_cache, batch, layer.attention, gathered, self.paged_decode)
             o = self._row_sum(lora(layer.o(attn, int4_ok), attn, i, "o", batch))
+            if layer.attn_out_norm is not None:
+                o = self._rms_norm(o, layer.attn_out_norm)
             x, residual = self._add_rms_norm(o, residual, layer.post_norm)
-            gate_up = lora(layer.gate_up(x, int4_ok), x, i, "gate_up", batch)
-            act = self._silu_mul(gate_up)
-            hidden = self._row_sum(lora(layer.down(act, int4_ok), act, i, "down", batch))
+            if isinstance(layer.mlp, Experts):
+                hidden = self._row_sum(layer.mlp(x))
+            else:
+                gate_up = lora(layer.mlp.gate_up(x, int4_ok), x, i, "gate_up", batch)
+                act = self._act_mul(gate_up)
+                hidden = self._row_sum(lora(layer.mlp.down(act, int4_ok), act, i, "down", batch))
+            if layer.mlp_out_norm is not None:
+                hidden = self._rms_norm(hidden, layer.mlp_out_norm)
         assert residual is not None
         return hidden, residual
 
@@ -368,6 +475,7 @@ class LlamaModel:
             self.scale,
             spec.rms_norm_eps,
             outlier_ratio,
+            list(spec.windows),
             *lora,
         )
 
@@ -388,74 +496,28 @@ class LlamaModel:
         k_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.view(num_kv, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
-    @staticmethod
-    def _decode_gather_plan(batch: ForwardBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For the torch decode path: the blocks to gather, flat [D * B], and the additive mask
-        [1, D, 1, B * block_size] (0 on context, -inf on padding), built once per forward."""
-        if not batch.num_decode:
-            return None
-        assert batch.decode_tables is not None and batch.decode_lens is not None
-        d, width = batch.decode_tables.shape[0], batch.decode_tables.shape[1] * block_size
-        pad = torch.arange(width, device=batch.decode_lens.device).unsqueeze(
-            0
-        ) >= batch.decode_lens.unsqueeze(1)
-        bias = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
-        return batch.decode_tables.reshape(-1), bias.view(1, d, 1, width)
 
-    def _attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        gathered: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        spec = self.spec
-        num_heads, num_kv, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        group = num_heads // num_kv
-        out = torch.empty_like(q)
-        d = batch.num_decode
-        if d and self.paged_decode is not None:
-            assert batch.decode_tables is not None and batch.decode_lens is not None
-            out[:d] = self.paged_decode(
-                q[:d], k_cache, v_cache, batch.decode_tables, batch.decode_lens, self.scale
-            )
-        elif d:
-            assert gathered is not None
-            blocks, bias = gathered
-            ctx = bias.shape[-1]
-            by_block = (num_kv, k_cache.shape[1], -1)
-            keys = k_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim).to(q.dtype)
-            values = v_cache.view(by_block).index_select(1, blocks).view(num_kv, d, ctx, head_dim).to(q.dtype)
-            qg = q[:d].view(d, num_kv, group, head_dim).transpose(0, 1)  # [kv, D, g, hd]
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [kv, D, g, L]
-            scores = scores.mul_(self.scale).add_(bias)
-            probs = scores.softmax(dim=-1).to(q.dtype)
-            out[:d] = torch.matmul(probs, values).transpose(0, 1).reshape(d, num_heads, head_dim)
-        k_flat = k_cache.view(num_kv, -1, head_dim)
-        v_flat = v_cache.view(num_kv, -1, head_dim)
-        for p in batch.prefills:
-            q_len, ctx = p.end - p.start, p.slots.shape[0]
-            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
-            if ctx == q_len:
-                # No earlier context: the chunk's own K/V are all there is, no need to read the cache
-                # (rounded as the cache holds them, so a chunked prefill attends to the same values).
-                keys = k[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, kv, q, hd]
-                values = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                if k_cache.dtype != q.dtype:
-                    keys, values = keys.to(k_cache.dtype).to(q.dtype), values.to(v_cache.dtype).to(q.dtype)
-                o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
-            else:
-                keys = k_flat.index_select(1, p.slots).unsqueeze(0).to(q.dtype)  # [1, kv, ctx, hd]
-                values = v_flat.index_select(1, p.slots).unsqueeze(0).to(q.dtype)
-                # Query i (absolute position ctx - q_len + i) sees context slots j <= that position.
-                rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (ctx - q_len)
-                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-                o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
-            out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
-        return out.view(q.shape[0], num_heads * head_dim)
+def _experts(
+    spec: ModelSpec, w: dict[str, torch.Tensor], p: str, dtype: torch.dtype, quant: str | None
+) -> Experts:
+    """Layer `p`'s experts and router; their tensors are taken out of `w` as they are fused (a 30B
+    model's experts are then never in memory twice)."""
+    assert spec.moe is not None
+    ex = p + "mlp.experts."
+    gate_up = torch.cat([w.pop(ex + "gate_proj.weight"), w.pop(ex + "up_proj.weight")], dim=1)
+    gate_up_bias = None
+    if ex + "gate_proj.bias" in w:
+        gate_up_bias = torch.cat([w.pop(ex + "gate_proj.bias"), w.pop(ex + "up_proj.bias")], dim=1)
+    router_bias = w.get(p + "mlp.router.bias")
+    return Experts(
+        spec.moe,
+        router=w[p + "mlp.router.weight"].to(dtype),
+        router_bias=None if router_bias is None else router_bias.to(dtype),
+        gate_up=GroupedLinear.build(gate_up, gate_up_bias, dtype, quant),
+        down=GroupedLinear.build(
+            w.pop(ex + "down_proj.weight"), w.pop(ex + "down_proj.bias", None), dtype, quant
+        ),
+    )
 
 
 def _contiguous(linears: list[Linear]) -> None:
