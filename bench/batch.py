@@ -210,7 +210,13 @@ def interactive(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     hashes = {name: hash_key(key) for name, key in KEYS.items()}
     (workdir / "tenants.toml").write_text(TENANTS.format(**hashes))
-    extra = [*server_args(args, workdir), "--tenants", str(workdir / "tenants.toml")]
+    extra = [
+        *server_args(args, workdir),
+        "--tenants",
+        str(workdir / "tenants.toml"),
+        "--internal-token",
+        "bench",
+    ]
     spec = replace(batchgate_spec(args.dtype, args.concurrency, extra), start_timeout_s=900)
     timeout_s = args.phase_timeout
     t0 = time.perf_counter()

@@ -284,7 +284,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = [list(tokenizer.encode(t)) for t in texts[: args.prompts]]
     (work / "tenants.toml").write_text(tenants_toml(args.tenants))
     settings = Settings(
-        tenants=str(work / "tenants.toml"), admin_key_hash=hash_key(ADMIN_KEY), embedding_model="none"
+        tenants=str(work / "tenants.toml"),
+        admin_key_hash=hash_key(ADMIN_KEY),
+        embedding_model="none",
+        lora_roots=(str(work / "loras"),),
     )
     engine = AsyncEngine.from_config(
         EngineConfig.of(

@@ -99,10 +99,17 @@ def _token_matches(token: str | None, headers: Mapping[str, str]) -> bool:
     return hmac.compare_digest(given.encode(), token.encode())
 
 
-def check_internal(token: str | None, headers: Mapping[str, str]) -> None:
-    """Internal endpoints: open when no token is configured, else the token is required (401)."""
-    if token and not _token_matches(token, headers):
-        raise APIError(ErrorKind.INVALID_API_KEY, "This endpoint needs the internal token.")
+def check_internal(token: str | None, headers: Mapping[str, str], *, closed: bool = False) -> None:
+    """Internal endpoints: the token is required (401); with no token configured, open, unless
+    `closed` (tenants are configured: then nobody may call them)."""
+    if (token or closed) and not _token_matches(token, headers):
+        message = "This endpoint needs the internal token (--internal-token)."
+        raise APIError(ErrorKind.INVALID_API_KEY, message)
+
+
+def has_tenants(tenancy: Tenancy | None) -> bool:
+    """Whether tenants are configured (a tenants file): the internal routes are closed then."""
+    return tenancy is not None and not tenancy.open_mode
 
 
 ADMIN_KEY_MISSING = "The admin API needs the admin key (Authorization: Bearer <admin key>)."

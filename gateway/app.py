@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI's endpoints over the model registry's backends.
+"""The Starlette app: OpenAI's endpoints, and Anthropic's Messages API, over the model registry's
+backends.
 
     create_app(settings) -> backends (in process: gateway/local/; replicas: gateway/pool/relay.py)
                          -> ModelRegistry (gateway/registry.py) -> Pipeline (gateway/pipeline.py)
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,17 +23,24 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from gateway import admission, endpoints, loras, telemetry
 from gateway.admin import api as admin
 from gateway.admin import usage_routes as usage
-from gateway.admin.webhooks import BudgetWebhook
-from gateway.backend import Backend, Endpoint, Task
-from gateway.batches.api import build_batches
+from gateway.admin.batches import AdminBatches
+from gateway.admin.internal import InternalRoutes
+from gateway.admin.state import StateRoutes
+from gateway.admin.webhooks import BudgetAlerts, BudgetWebhook
+from gateway.anthropic import models as anthropic_models
+from gateway.anthropic.errors import ANTHROPIC
+from gateway.backend import Backend, Endpoint, Task, new_id
+from gateway.batches.api import build_batches, num_lines
+from gateway.bounds import bounds_of, take_request
+from gateway.console.routes import Console
 from gateway.drain import Drain, DrainMiddleware
 from gateway.endpoints import LOCAL_ROUTES
-from gateway.errors import EXCEPTION_HANDLERS, APIError, ErrorKind, model_not_found
+from gateway.errors import OPENAI, APIError, Dialects, exception_handlers, model_not_found
 from gateway.local.embedding_backend import EmbeddingBackend, EmbeddingService
 from gateway.local.engine_backend import (
     EngineBackend,
@@ -40,7 +48,7 @@ from gateway.local.engine_backend import (
     default_engine_factory,
     freeze_startup_heap,
 )
-from gateway.metrics import BudgetUse, Metrics, MetricsMiddleware
+from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.openai import bodies
 from gateway.openapi.document import build_openapi
 from gateway.pipeline import Pipeline
@@ -54,8 +62,6 @@ from gateway.settings import Settings
 if TYPE_CHECKING:
     from engine.client import EngineClient
     from tenancy.service import Tenancy
-
-logger = logging.getLogger("batchgate.gateway")
 
 
 class Gateway:
@@ -71,8 +77,10 @@ class Gateway:
         engine: EngineClient | None = None,
         engine_factory: EngineFactory = default_engine_factory,
         embedder: EmbeddingService | None = None,
+        on_load_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.on_load_failure = on_load_failure
         self.tenancy = tenancy
         self.owns_tenancy = owns_tenancy
         self.engines: list[EngineBackend] = []
@@ -117,10 +125,15 @@ class Gateway:
         self.backends: list[Backend] = [*self.engines, *self.embedders]
         if self.replicas is not None:
             self.backends.append(self.replicas)
-        self.registry = ModelRegistry(self.backends)
+        self.registry = ModelRegistry(self.backends, settings.model_aliases())
+        # Each protocol's errors in its own words (gateway/errors.py): by the endpoint's dialect.
+        self.dialects = Dialects.of_routes(
+            {e.path: e.dialect for e in endpoints.ENDPOINTS if e.dialect is not OPENAI}
+        )
         self.drain = Drain()
-        store = build_store(settings, self.metrics)
-        self.conversations = Conversations(store, settings.max_body_bytes)
+        self.bounds = functools.partial(bounds_of, settings)  # a caller's tenant's (gateway/bounds.py)
+        store = build_store(settings, self.metrics, self._stored_bound)
+        self.conversations = Conversations(store, settings.max_body_bytes, self.bounds)
         background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
         self.responses = ResponsesState(
             store, self.conversations, background, settings.keep_alive_s, self.metrics.state_lookup.observe
@@ -131,41 +144,56 @@ class Gateway:
         audit = None if tenancy is None or tenancy.admin is None else tenancy.admin.record
         pool = self.replicas.adapters if self.replicas is not None else None
         self.loras = loras.LoraRoutes(
-            self.engines, settings.admin_key_hash, records, audit, settings.internal_token, pool
+            self.engines,
+            settings.admin_key_hash,
+            records,
+            audit,
+            settings.internal_token,
+            pool,
+            roots=settings.lora_roots,
+            tenant_exists=self._tenant_exists if admission.has_tenants(tenancy) else None,
         )
         self.metrics.state.draining = lambda: self.drain.draining
         self.metrics.state.redis_up = lambda: None if self.tenancy is None else self.tenancy.redis_up
-        self.webhook = BudgetWebhook(settings.budget_webhook_url) if settings.budget_webhook_url else None
+        self.webhook = None
+        if settings.budget_webhook_url:
+            self.webhook = BudgetWebhook(settings.budget_webhook_url, settings.budget_webhook_secret)
         if tenancy is not None:
-            tenancy.on_soft_limit(self._soft_limit_crossed)
-            self.metrics.state.read_budget_use = self._read_budget_use
+            alerts = BudgetAlerts(tenancy, self.metrics, self.webhook)
+            tenancy.on_soft_limit(alerts.crossed)
+            self.metrics.state.read_budget_use = alerts.read_use
 
-    def _plan_label(self, tenant: Any) -> str:
-        """A tenant's plan as a metrics label (bounded: paid, free, open)."""
-        return "open" if tenant is None else ("free" if tenant.plan.priority == "free" else "paid")
+    def batch_tenants(self) -> list[str]:
+        """Whose batches the admin lists: every configured tenant (open mode: the open caller, "")."""
+        names = self.tenancy.tenant_names() if self.tenancy is not None else []
+        return names or [""]
 
-    def _soft_limit_crossed(self, tenant_name: str, budget: Any) -> None:
+    def _tenant_exists(self, name: str) -> bool:
+        return self.tenancy is not None and self.tenancy.config.tenant(name) is not None
+
+    def _stored_bound(self, tenant_name: str) -> int:
+        """A tenant's most stored responses and conversations (its plan's, else the setting)."""
         tenant = self.tenancy.config.tenant(tenant_name) if self.tenancy is not None else None
-        plan = self._plan_label(tenant)
-        self.metrics.soft_crossed(plan, budget.metric)
-        logger.info("tenant %s crossed the soft threshold of its %s budget", tenant_name, budget.name)
-        if self.webhook is not None:
-            self.webhook.crossed(tenant_name, budget)
+        own = tenant.plan.responses_max_stored if tenant is not None else None
+        return own or self.settings.responses_max_stored
 
-    async def _read_budget_use(self) -> dict[tuple[str, str], BudgetUse]:
-        """Every tenant's budgets now, summed by plan and metric (the budget gauges)."""
-        assert self.tenancy is not None
-        out: dict[tuple[str, str], BudgetUse] = {}
-        for tenant in list(self.tenancy.config.tenants.values()):
-            if not self.tenancy.budgets_of(tenant):
-                continue
-            for state in await self.tenancy.budget_states(tenant):
-                row = out.setdefault((self._plan_label(tenant), state.budget.metric), BudgetUse())
-                row.used += state.used
-                row.limit += state.budget.limit
-                if state.budget.limit:
-                    row.max_ratio = max(row.max_ratio, state.used / state.budget.limit)
-        return out
+    async def limits_report(self, caller: admission.Caller) -> dict[str, dict[str, int | None]]:
+        """The caller's tenant's bounds (gateway/bounds.py) and its use of each now: /v1/usage's
+        `limits`."""
+        bounds = self.bounds(caller)
+        num_files, num_bytes = await self.files.store.file_usage(caller.name)
+        open_batches = [b.body for b in await self.batches.store.unfinished() if b.tenant == caller.name]
+        used: dict[str, int | None] = {
+            "responses_max_stored": await self.responses.store.num_stored(caller.name),
+            "conversation_max_items": None,  # per conversation
+            "conversation_max_bytes": None,
+            "max_files": num_files,
+            "storage_quota_bytes": num_bytes,
+            "batch_max_open": len(open_batches),
+            "batch_max_queued_lines": sum(num_lines(b) for b in open_batches),
+            "batch_max_running_per_tenant": self.batches.runner.slots.running(caller.name),
+        }
+        return {name: {"limit": getattr(bounds, name), "used": used[name]} for name in used}
 
     @property
     def engine(self) -> EngineClient | None:
@@ -208,6 +236,11 @@ class Gateway:
 
     async def _after_loading(self, loading: Sequence[asyncio.Future[None]]) -> None:
         await asyncio.gather(*loading, return_exceptions=True)
+        loaded: list[EngineBackend | EmbeddingBackend] = [*self.engines, *self.embedders]
+        failed = [b.problem() for b in loaded if b.load_error is not None]
+        if failed and self.on_load_failure is not None:
+            self.on_load_failure("; ".join(p for p in failed if p))  # `batchgate serve` exits
+            return
         await self.loras.restore()
         await self.batches.resume()
 
@@ -220,13 +253,31 @@ class Gateway:
         return handle
 
     def stored(
-        self, handle: Callable[[admission.Caller, Request], Awaitable[Response]]
+        self, handle: Callable[[admission.Caller, Request], Awaitable[Response]], charged: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
-        """A route over the tenant's stored responses: authenticated like the model endpoints."""
+        """A route over the tenant's stored state: authenticated like the model endpoints; one that
+        `charged` (it creates or grows state) costs a request of the tenant's request budget and
+        holds a concurrency slot while it runs, as a chat request does (gateway/bounds.py)."""
 
         async def route(request: Request) -> Response:
             caller = await self.pipeline.authenticate(request.headers, None)
-            return await handle(caller, request)
+            if not charged:
+                return await handle(caller, request)
+            try:
+                hold, headers = await take_request(self.tenancy, caller, new_id("req_"))
+            except APIError as exc:
+                if exc.refusal is not None:
+                    self.metrics.refused(exc.refusal)
+                raise
+            try:
+                response = await handle(caller, request)
+            except APIError as exc:
+                exc.headers = {**headers, **exc.headers}
+                raise
+            finally:
+                await hold.release()
+            response.headers.update(headers)
+            return response
 
         return route
 
@@ -262,13 +313,28 @@ class Gateway:
     async def _caller(self, request: Request) -> admission.Caller:
         """Who lists the models: with tenants configured the key's tenant (a 401 without one, as
         OpenAI's /v1/models), so each tenant sees its own adapters; else the open caller."""
-        return await self.pipeline.authenticate(request.headers, None)
+        dialect = self.dialects.of(request.url.path, request.headers)
+        return await self.pipeline.authenticate(request.headers, None, dialect)
+
+    def _anthropic(self, request: Request) -> bool:
+        """An Anthropic SDK's request (its `anthropic-version`): answered in Anthropic's shape."""
+        return self.dialects.of(request.url.path, request.headers) is ANTHROPIC
 
     async def list_models(self, request: Request) -> Response:
-        """Every model the caller may use now; a 503 while none is, because they load or failed."""
-        cards = self.registry.cards(await self._caller(request))
+        """Every model the caller may use now; a 503 while none is, because they load or failed.
+        An Anthropic client also gets the aliases that name one model id (not a pattern)."""
+        caller = await self._caller(request)
+        cards = self.registry.cards(caller)
         if not cards:
             await self._raise_unless_ready()
+        if self._anthropic(request):
+            served = {c.id: c.created for c in cards}
+            infos = [anthropic_models.model_info(c.id, c.created) for c in cards]
+            for alias in self.registry.aliases:
+                exact = not any(ch in alias.name for ch in "*?[")
+                if exact and alias.model in served and alias.name not in served:
+                    infos.append(anthropic_models.model_info(alias.name, served[alias.model]))
+            return JSONResponse(anthropic_models.model_list(infos))
         return JSONResponse(bodies.model_list([bodies.model_card(c.id, c.created) for c in cards]))
 
     async def _raise_unless_ready(self) -> None:
@@ -278,14 +344,17 @@ class Gateway:
                 raise not_ready.error()
 
     async def get_model(self, request: Request) -> Response:
-        """One model's card (no task check: any served model)."""
+        """One model's card (no task check: any served model; an alias, as the model it names)."""
         model = request.path_params["model"]
         caller = await self._caller(request)
+        target = self.registry.alias_of(model, caller) or model
         if self.replicas is not None:
-            await self.replicas.find(model)  # probes replicas marked down when none serves it
+            await self.replicas.find(target)  # probes replicas marked down when none serves it
         for card in self.registry.cards(caller):
-            if card.id == model:
-                return JSONResponse(bodies.model_card(card.id, card.created))
+            if card.id == target:
+                if self._anthropic(request):
+                    return JSONResponse(anthropic_models.model_info(model, card.created))
+                return JSONResponse(bodies.model_card(model, card.created))
         await self._raise_unless_ready()
         raise model_not_found(model)
 
@@ -300,49 +369,21 @@ class Gateway:
         embedding = next((b.service for b in self.embedders if b.service is not None), None)
         return JSONResponse(build_openapi(names, vocab_size, embedding=embedding, generate=True))
 
-    # -- internal routes (gateway <-> replica) ---------------------------------------------------
 
-    async def internal_stats(self, request: Request) -> Response:
-        """engine.stats() as JSON, for gateways routing by outstanding work, with what each
-        served model does (`tasks`), so a gateway refuses a model sent to the wrong endpoint
-        before admission, as this server would, and the LoRA adapters held (`loras`, by name:
-        owner, model, resident, version, content hash) for a gateway's adapter routing."""
-        admission.check_internal(self.settings.internal_token, request.headers)
-        everything = admission.Caller(name="", internal=True)
-        tasks = {c.id: c.task.value for c in self.registry.cards(everything) if c.task is not None}
-        if not self.engines:  # an embedding-only replica: the pool routes by its own in-flight count
-            return JSONResponse({"num_waiting_tokens": 0, "num_running_tokens": 0, "tasks": tasks})
-        held = {"loras": loras.held_report(self.engines), "chat_model": self.engines[0].name}
-        return JSONResponse({**self.engines[0].stats(), "tasks": tasks, **held})
-
-    async def internal_usage(self, request: Request) -> Response:
-        """The usage this replica kept for a gateway's request (gateway/reports.py); 404 when none
-        came within the wait."""
-        admission.check_internal(self.settings.internal_token, request.headers)
-        report = await self.pipeline.reports.take(request.path_params["request_id"])
-        if report is None:
-            raise APIError(ErrorKind.NOT_FOUND, "No usage report for this request id.")
-        return JSONResponse(report.body())
-
-    async def internal_count(self, request: Request) -> Response:
-        """`{"prompt_tokens": n}`: the exact prompt of the chat or completions request in the body
-        (the endpoint's path in `x-batchgate-path`), for a gateway's budget hold (gateway/pool/relay.py)."""
-        path = request.headers.get(admission.PATH_HEADER, "")
-        endpoint = next((e for e in endpoints.ENDPOINTS if e.countable and e.path == path), None)
-        if endpoint is None:
-            raise APIError(ErrorKind.NOT_FOUND, f"No countable endpoint {path[:100]!r}.")
-        return JSONResponse({"prompt_tokens": await self.pipeline.count(endpoint, request)})
-
-    async def upstreams(self, request: Request) -> Response:
-        admission.check_internal(self.settings.internal_token, request.headers)
-        if self.replicas is None:
-            return JSONResponse([])
-        return JSONResponse(self.replicas.replicas.snapshot())
+# The stored-state routes that create or grow state: each costs a request of the tenant's budget.
+CHARGED = {
+    ("POST", "/v1/conversations"),
+    ("POST", "/v1/conversations/{conversation_id}"),
+    ("POST", "/v1/conversations/{conversation_id}/items"),
+    ("POST", "/v1/files"),
+    ("POST", "/v1/batches"),
+}
 
 
 def stored_routes(gateway: Gateway) -> list[Route]:
     """The routes over a tenant's stored state: responses and conversations (gateway/responses/),
-    files and batches (gateway/batches/); each is authenticated like the model endpoints
+    files and batches (gateway/batches/); each is authenticated like the model endpoints, and
+    each that creates or grows state (`CHARGED`) costs a request of the tenant's budget
     (`Gateway.stored`)."""
     r, c, files, batches = gateway.responses, gateway.conversations, gateway.files, gateway.batches
     table: list[tuple[str, str, Callable[[admission.Caller, Request], Awaitable[Response]]]] = [
@@ -368,12 +409,15 @@ def stored_routes(gateway: Gateway) -> list[Route]:
         ("GET", "/v1/batches/{batch_id}", batches.retrieve),
         ("POST", "/v1/batches/{batch_id}/cancel", batches.cancel),
     ]
-    return [Route(path, gateway.stored(handle), methods=[method]) for method, path, handle in table]
+    return [
+        Route(path, gateway.stored(handle, (method, path) in CHARGED), methods=[method])
+        for method, path, handle in table
+    ]
 
 
 def usage_routes(gateway: Gateway) -> list[Route]:
     """The usage ledger's routes (gateway/admin/usage_routes.py)."""
-    routes = usage.UsageRoutes(gateway.tenancy, gateway.settings.admin_key_hash)
+    routes = usage.UsageRoutes(gateway.tenancy, gateway.settings.admin_key_hash, gateway.limits_report)
     return [
         Route("/v1/usage", routes.own, methods=["GET"]),
         Route("/v1/organization/usage/completions", routes.organization, methods=["GET"]),
@@ -389,6 +433,7 @@ def create_app(
     engine_factory: EngineFactory = default_engine_factory,
     owns_tenancy: bool = False,
     embedder: EmbeddingService | None = None,
+    on_load_failure: Callable[[str], None] | None = None,
 ) -> Starlette:
     """Build the app.
 
@@ -399,6 +444,9 @@ def create_app(
     started embedding service (the caller owns it), or None to load `settings.embedding_model` at
     start-up beside the engine (none: no embedding model). With `settings.upstreams` and no
     `engine`, the app is a gateway in front of those replicas (gateway/pool/relay.py).
+    `on_load_failure`: called (on the event loop) with what failed and why once a model it loads
+    failed to load (`batchgate serve` then exits: gateway/cli.py); without it the app stays up,
+    /health and /ready answering 503 with the reason.
     """
     gateway = Gateway(
         settings,
@@ -407,8 +455,9 @@ def create_app(
         engine=engine,
         engine_factory=engine_factory,
         embedder=embedder,
+        on_load_failure=on_load_failure,
     )
-    routes = [
+    routes: list[BaseRoute] = [
         *(Route(e.path, gateway.route(e), methods=["POST"]) for e in endpoints.ENDPOINTS),
         *stored_routes(gateway),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
@@ -417,23 +466,34 @@ def create_app(
         Route("/ready", gateway.ready, methods=["GET"]),
         Route("/openapi.json", gateway.openapi, methods=["GET"]),
         Route("/metrics", gateway.metrics.endpoint, methods=["GET"]),
-        Route("/v1/internal/stats", gateway.internal_stats, methods=["GET"]),
-        Route("/v1/internal/upstreams", gateway.upstreams, methods=["GET"]),
-        Route("/v1/internal/usage/{request_id}", gateway.internal_usage, methods=["GET"]),
-        Route("/v1/internal/count", gateway.internal_count, methods=["POST"]),
+        *InternalRoutes(
+            settings, gateway.tenancy, gateway.registry, gateway.engines, gateway.pipeline, gateway.replicas
+        ).routes(),
         *usage_routes(gateway),
         *admin.AdminRoutes(gateway.tenancy, settings.admin_key_hash).routes(),
+        *AdminBatches(gateway.batches, settings.admin_key_hash, gateway.batch_tenants).routes(),
+        *StateRoutes(settings.admin_key_hash, gateway.engines, gateway.replicas).routes(),
         *gateway.loras.routes(),
     ]
+    # The admin console (gateway/console/): only with an admin key; else /ui is a 404 as any unknown path.
+    console = None
+    if settings.admin_key_hash:
+        console = Console(
+            settings.admin_key_hash,
+            idle_s=settings.console_session_idle_s,
+            max_s=settings.console_session_max_s,
+        )
+        routes += console.routes()
     app = Starlette(
         routes=routes,
-        exception_handlers=EXCEPTION_HANDLERS,
+        exception_handlers=exception_handlers(gateway.dialects),
         lifespan=gateway.lifespan,
         middleware=[
             *telemetry.asgi_middleware(),
             Middleware(MetricsMiddleware, metrics=gateway.metrics),
-            Middleware(DrainMiddleware, drain=gateway.drain),
+            Middleware(DrainMiddleware, drain=gateway.drain, dialects=gateway.dialects),
         ],
     )
     app.state.gateway = gateway
+    app.state.console = console
     return app

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Caller
-from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind
+from gateway.errors import OPENAI, UNAVAILABLE_RETRY_AFTER_S, APIError, Dialect, ErrorKind
 from gateway.telemetry import ChatSpan
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class Endpoint:
     relay_hold: Callable[[Work, TokenCounter], Awaitable[RelayHold]] | None = None
     countable: bool = False  # a replica counts its exact prompt for a gateway (`/v1/internal/count`)
     usage_in_stream: bool = False  # its stream's terminal event carries usage unasked
+    dialect: Dialect = OPENAI  # its protocol's errors, stream end and key header (gateway/errors.py)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 and, once it is read, watching the connection for the client leaving.
 
 Every failure is an APIError in OpenAI's shape: 415 for a Content-Type that is not JSON, 413 for
-a body over the limit, 400 for anything that does not decode (bad JSON, bad UTF-8, NaN, absurd
-nesting, half a surrogate pair).
+a body over the limit, 400 for anything that does not decode (bad JSON, bad UTF-8, NaN, nesting
+deeper than `MAX_JSON_DEPTH`, half a surrogate pair). `decode_json` is that decoding alone, also
+what a Batch API line goes through (gateway/batches/input.py), so a line is refused exactly as the
+same body would be.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from gateway.errors import APIError, ErrorKind, invalid_request
 # finishes sending and reads the answer instead of seeing a reset connection.
 _DRAIN_MAX_BYTES = 16 * 1024 * 1024
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Deeper JSON than this is refused (no request needs it; orjson, which writes stored state and
+# batch outputs, stops at 255, and Python's parser at about 1,000).
+MAX_JSON_DEPTH = 128
 
 T = TypeVar("T")
 
@@ -67,14 +72,23 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
     body = b"".join(chunks)
     if not body.strip():
         raise invalid_request("The request body is empty; expected a JSON object.")
+    return decode_json(body)
+
+
+def decode_json(body: bytes, what: str = "the JSON body of your request") -> Any:
+    """`body` decoded; APIError 400 (saying what failed in `what`) for bad JSON or UTF-8, NaN,
+    nesting deeper than MAX_JSON_DEPTH, or half a surrogate pair."""
     try:
         value = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         # UnicodeDecodeError is a ValueError; RecursionError comes from absurdly deep nesting.
+        if isinstance(exc, RecursionError):
+            raise invalid_request(_too_deep(what)) from None
         raise invalid_request(
-            f"We could not parse the JSON body of your request ({type(exc).__name__}: {exc}). "
-            "The OpenAI API expects a JSON payload."
+            f"We could not parse {what} ({type(exc).__name__}: {exc}). The OpenAI API expects a JSON payload."
         ) from None
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
+        raise invalid_request(_too_deep(what))
     # JSON may escape half a surrogate pair ("\ud800"); Python accepts it into a str that no
     # tokenizer (nor UTF-8) can encode. Only a body with such an escape pays for the full check.
     if _ESCAPED_SURROGATE.search(body):
@@ -82,9 +96,29 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise invalid_request(
-                "The request body contains invalid Unicode: an unpaired surrogate escape such as \\ud800."
+                f"{what[0].upper()}{what[1:]} contains invalid Unicode: an unpaired surrogate escape "
+                "such as \\ud800."
             ) from None
     return value
+
+
+def _too_deep(what: str) -> str:
+    return f"We could not parse {what}: its arrays and objects nest deeper than {MAX_JSON_DEPTH} levels."
+
+
+def _depth(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

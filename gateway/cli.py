@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import logging
 import os
 import sys
@@ -123,9 +124,33 @@ def _stop_when_engine_fails(engine: AsyncEngine, stop: Callable[[], None], poll_
     threading.Thread(target=watch, name="batchgate-engine-watch", daemon=True).start()
 
 
+def check_model_types(settings: Settings) -> None:
+    """ValueError (one line: the model, its `model_type`, the families served) for a model folder
+    whose config names a model_type the engine cannot serve: refused before anything loads, in
+    well under a second, instead of after the server started (engine/model_spec.py)."""
+    from engine.model_spec import ModelSpec, UnsupportedModelError
+
+    models = [("--model", settings.model)]
+    models += [(f"model {m.name!r}", m.source) for m in settings.served_models() if m.task == "generate"]
+    for what, model in models:
+        if model is None or model in ("none", "bundled"):
+            continue
+        config = Path(model).expanduser() / "config.json"
+        if not config.is_file():
+            continue  # a GGUF file, or no config: the load says what is wrong
+        try:
+            ModelSpec.from_config(json.loads(config.read_text()))
+        except UnsupportedModelError as exc:
+            raise ValueError(f"{what} {model}: {exc}") from None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a config the load reads and refuses with its own message
+
+
 def serve(settings: Settings, tenancy: Tenancy | None) -> int:
     """Serve until SIGTERM/SIGINT, then drain (see gateway/drain.py); the exit status: 0, or 1
-    after a tensor-parallel engine failed."""
+    after a tensor-parallel engine failed or a model failed to load (the server stops as soon as
+    the load fails, the reason the last line of stderr: never a live process that cannot get
+    ready)."""
     import uvicorn
 
     from gateway import telemetry
@@ -134,10 +159,16 @@ def serve(settings: Settings, tenancy: Tenancy | None) -> int:
     from gateway.local.engine_backend import default_engine_factory
 
     engine_failed = threading.Event()
+    load_failures: list[str] = []
     server: uvicorn.Server | None = None
 
     def stop_failed() -> None:
         engine_failed.set()
+        if server is not None:
+            server.should_exit = True
+
+    def stop_unloaded(why: str) -> None:  # on the event loop, once the background load failed
+        load_failures.append(why)
         if server is not None:
             server.should_exit = True
 
@@ -154,7 +185,13 @@ def serve(settings: Settings, tenancy: Tenancy | None) -> int:
     # stderr before the process dies, instead of leaving an empty log.
     faulthandler.enable()
     telemetry.setup()  # only when OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER ask for traces
-    app = create_app(settings, tenancy=tenancy, owns_tenancy=True, engine_factory=engine_factory)
+    app = create_app(
+        settings,
+        tenancy=tenancy,
+        owns_tenancy=True,
+        engine_factory=engine_factory,
+        on_load_failure=stop_unloaded,
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -167,6 +204,9 @@ def serve(settings: Settings, tenancy: Tenancy | None) -> int:
         server.run()
     finally:
         telemetry.shutdown()
+    if load_failures:
+        print(f"batchgate: error: {load_failures[0]}", file=sys.stderr)
+        return 1
     return 1 if engine_failed.is_set() else 0
 
 
@@ -183,10 +223,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                 Path(settings.embedding_model).expanduser().exists()
             ):
                 raise ValueError(f"--embedding-model: {settings.embedding_model} does not exist")
+            check_model_types(settings)
             nothing = settings.model == "none" and settings.embedding_model == "none"
             if nothing and not settings.upstreams and not settings.served_models():
                 raise ValueError("--model none and --embedding-model none: nothing to serve")
             tenancy = build_tenancy(settings)
+            if settings.tenants and not settings.internal_token:
+                raise ValueError(
+                    "--tenants needs --internal-token (BATCHGATE_INTERNAL_TOKEN): with tenants, the "
+                    "internal routes (/v1/internal/*) take only callers with the token"
+                )
         except ValueError as exc:
             print(f"batchgate: error: {exc}", file=sys.stderr)
             return 2

@@ -7,6 +7,9 @@
                a response not yet started is answered 503
             -> uvicorn is told to exit; the lifespan shuts the engine down; exit status 0
 
+Each refusal and error event is in the protocol's words (gateway/errors.py `Dialect`): for the
+Messages API a 529 `overloaded_error`, and an `error` event that ends the stream.
+
 `Drain` is the state (shared by the app's handlers, its middleware and the server);
 `DrainMiddleware` counts generation requests in flight and refuses new ones while draining;
 `DrainingServer` is uvicorn's server with the signal handling taken over. A second signal
@@ -26,9 +29,10 @@ from types import FrameType
 
 import anyio
 import uvicorn
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError, ErrorKind, sse_error_event
+from gateway.errors import APIError, Dialects, ErrorKind
 from gateway.metrics import MODEL_PATHS  # the requests a drain waits for and refuses
 
 logger = logging.getLogger("batchgate.gateway")
@@ -58,11 +62,6 @@ def deadline_error() -> APIError:
         "The server shut down before this request finished; retry the request.",
         retry_after_s=DRAIN_RETRY_AFTER_S,
     )
-
-
-def deadline_frame() -> bytes:
-    """The SSE error event a stream still running at the drain deadline ends with (then [DONE])."""
-    return sse_error_event(deadline_error())
 
 
 class Drain:
@@ -134,18 +133,21 @@ class DrainMiddleware:
     """ASGI middleware over the model endpoints: counts them in flight for the drain,
     refuses new ones while draining (503, Retry-After), and at the drain deadline answers 503 to
     those whose response has not started yet (the handler is cancelled: its cleanup aborts the
-    engine sequence and settles the lease). Started streams end themselves (see sse.py)."""
+    engine sequence and settles the lease). Started streams end themselves (see sse.py). Each
+    refusal is in the dialect of the request's protocol (`dialects`; OpenAI's by default)."""
 
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+    def __init__(self, app: ASGIApp, drain: Drain, dialects: Dialects | None = None) -> None:
         self.app = app
         self.drain = drain
+        self.dialects = dialects or Dialects({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") not in MODEL_PATHS:
             await self.app(scope, receive, send)
             return
+        dialect = self.dialects.of(scope["path"], Headers(scope=scope))
         if self.drain.draining:
-            await draining_error().to_response()(scope, receive, send)
+            await dialect.error_response(draining_error())(scope, receive, send)
             return
         started = False
         cancel_scope = anyio.CancelScope()
@@ -165,7 +167,7 @@ class DrainMiddleware:
             with cancel_scope, self.drain.on_stop(cut_short):
                 await self.app(scope, receive, send_and_watch)
             if cancel_scope.cancelled_caught and not started:
-                await deadline_error().to_response()(scope, receive, send)
+                await dialect.error_response(deadline_error())(scope, receive, send)
         finally:
             self.drain.exit()
 

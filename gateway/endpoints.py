@@ -5,6 +5,9 @@ holds for it). Everything else is the one pipeline (gateway/pipeline.py).
 `/v1/generate` is the seed-style alias of `/v1/completions`: `{model, prompt, max_tokens,
 temperature, stream}` and nothing else, answered exactly as a completion (a replica gets it at
 /v1/completions).
+
+`/v1/messages` and `/v1/messages/count_tokens` are Anthropic's Messages API (gateway/anthropic/):
+planned as the chat request they render, in Anthropic's dialect (errors, key header, stream end).
 """
 
 from __future__ import annotations
@@ -14,14 +17,23 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from gateway.backend import APIRequest, Endpoint, Plan, RelayHold, Task, Work
+from gateway.anthropic import chat_form as messages_form
+from gateway.anthropic import output as messages_output
+from gateway.anthropic.errors import ANTHROPIC
+from gateway.anthropic.request import (
+    CountTokensRequest,
+    MessagesRequest,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
+from gateway.backend import APIRequest, Body, Call, Endpoint, Plan, RelayHold, Reply, Task, Work
 from gateway.errors import APIError, ErrorKind
 from gateway.local.hooks import Answer, LocalPlanner, LocalRoute
 from gateway.openai import bodies, generation, protocol
 from gateway.openai.generation import Job, Outputs
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from gateway.responses import output as responses_output
-from gateway.responses.chat_form import drop_oldest, to_chat
+from gateway.responses.chat_form import drop_oldest, dumps, to_chat
 from gateway.responses.custom_tools import plan_output
 from gateway.responses.request import ResponsesRequest, parse_input_tokens_request, parse_responses_request
 from gateway.telemetry import ChatSpan
@@ -31,7 +43,17 @@ if TYPE_CHECKING:
 
     from tenancy.tokens import TokenCounter
 
-_Request = TypeVar("_Request", ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, ResponsesRequest)
+_Request = TypeVar(
+    "_Request",
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    ResponsesRequest,
+    MessagesRequest,
+    CountTokensRequest,
+)
+# Why a Messages request names fields it does not use: the response header (as the Responses API's).
+IGNORED_HEADER = "x-batchgate-ignored"
 
 # Reserved against the tenant when a relayed chat request names no max_tokens (no model here to
 # say how much context is left); settlement refunds what was not used.
@@ -84,6 +106,31 @@ def _responses_span(work: Work) -> ChatSpan:
     return _chat_span(work, req, req.max_output_tokens, messages)
 
 
+def _messages_span(work: Work) -> ChatSpan:
+    """A Messages request's span: its sampling parameters, system and messages as sent, and its
+    end user (`metadata.user_id`)."""
+    req = work.request
+    assert isinstance(req, MessagesRequest | CountTokensRequest)
+    messages: list[object] = []
+    if req.system:
+        messages.append({"role": "system", "content": [b.model_dump(exclude_none=True) for b in req.system]})
+    messages += [m.model_dump(exclude_none=True) for m in req.messages]
+    sampled = req if isinstance(req, MessagesRequest) else None
+    span = ChatSpan(
+        work.endpoint.operation,
+        work.model,
+        max_tokens=sampled.max_tokens if sampled else None,
+        temperature=sampled.temperature if sampled else None,
+        top_p=sampled.top_p if sampled else None,
+        tenant=work.caller.name,
+        priority=work.caller.priority.name.lower(),
+        messages=messages,
+    )
+    if req.user is not None:
+        span.set("user.id", req.user)
+    return span
+
+
 def _embeddings_span(work: Work) -> ChatSpan:
     """The `embeddings {model}` span with the GenAI attributes (no sampling parameters)."""
     req = _as(EmbeddingsRequest, work.request)
@@ -120,7 +167,7 @@ async def _plan_response(backend: LocalPlanner, work: Work) -> Plan:
     while True:
         try:
             chat = to_chat(req)
-            output = plan_output(req, chat, backend.closed_arguments)
+            output = plan_output(req, chat, backend.closed_arguments, backend.chat_format)
             return await backend.plan_chat(work, chat, param="input", output=output)
         except APIError as exc:
             # truncation "auto": the oldest items go until the conversation fits (OpenAI's rule)
@@ -132,6 +179,38 @@ async def _plan_response(backend: LocalPlanner, work: Work) -> Plan:
 
 async def _plan_input_tokens(backend: LocalPlanner, work: Work) -> Plan:
     return await backend.plan_count(to_chat(_as(ResponsesRequest, work.request)))
+
+
+async def _plan_message(backend: LocalPlanner, work: Work) -> Plan:
+    """A Messages request is planned as the chat request it renders, under its own window rule
+    (a max_tokens over the window's room is cut to it: said in a header); the fields it ignores
+    are named in another."""
+    req = _as(MessagesRequest, work.request)
+    window = messages_form.Window(req.max_tokens)
+    plan = await backend.plan_chat(work, messages_form.to_chat(req), param="messages", fit=window.fit)
+    headers = window.headers
+    if req.ignored:
+        headers[IGNORED_HEADER] = ", ".join(req.ignored)
+    if not headers:
+        return plan
+    execute = plan.execute
+
+    async def run(call: Call) -> Reply:
+        reply = await execute(call)
+        reply.headers.update(headers)
+        return reply
+
+    return Plan(plan.num_prompt_tokens, plan.max_num_tokens, run)
+
+
+async def _plan_count_tokens(backend: LocalPlanner, work: Work) -> Plan:
+    """The prompt's tokens as a message request with the same fields would hold them."""
+    plan = await backend.plan_count(messages_form.to_chat(_as(CountTokensRequest, work.request)))
+
+    async def execute(call: Call) -> Reply:
+        return Body({"input_tokens": plan.num_prompt_tokens})
+
+    return Plan(plan.num_prompt_tokens, 0, execute)
 
 
 # -- answers from the in-process engine's outputs -----------------------------------------------
@@ -155,9 +234,18 @@ def _answer_of_job(
     )
 
 
+def _message_events(req: APIRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
+    return messages_output.message_events(_as(MessagesRequest, req), outputs, job)
+
+
+def _message_body(req: APIRequest, job: Job, choices: list[bodies.Choice]) -> Mapping[str, object]:
+    return messages_output.message_body(_as(MessagesRequest, req), job, choices[0])
+
+
 CHAT_ANSWER = _answer_of_job(generation.chat_events, generation.chat_body)
 COMPLETION_ANSWER = _answer_of_job(generation.completion_events, generation.completion_body)
 RESPONSE_ANSWER = Answer(_response_events, _response_body)
+MESSAGE_ANSWER = Answer(_message_events, _message_body)
 
 
 # -- holds of a relaying gateway (gateway/pool/relay.py): its own token counts ------------------------
@@ -189,6 +277,23 @@ async def _hold_response(work: Work, counter: TokenCounter) -> RelayHold:
     num_prompt = await anyio.to_thread.run_sync(counter.count_messages, messages)
     max_tokens = 0 if work.endpoint.count_only else req.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS
     return RelayHold(num_prompt, max_tokens, req.requested_max_tokens or 0)
+
+
+async def _hold_message(work: Work, counter: TokenCounter) -> RelayHold:
+    """The rendered chat messages and the tools' definitions, by the gateway's counter; the
+    completion tokens asked for (the replica cuts them to its window's room: settled after)."""
+    req = work.request
+    assert isinstance(req, MessagesRequest | CountTokensRequest)
+    chat = messages_form.to_chat(req)  # a 400 here, before admission, as the replica's
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()]
+
+    def count() -> int:
+        return counter.count_messages(messages) + (counter.count(dumps(tools)) if tools else 0)
+
+    num_prompt = await anyio.to_thread.run_sync(count)
+    max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else 0
+    return RelayHold(num_prompt, max_tokens, max_tokens)
 
 
 async def _hold_embeddings(work: Work, counter: TokenCounter) -> RelayHold:
@@ -265,7 +370,43 @@ RESPONSE_INPUT_TOKENS = Endpoint(
     relay_hold=_hold_response,
 )
 
-ENDPOINTS = (CHAT, COMPLETIONS, GENERATE, EMBEDDINGS, RESPONSES, RESPONSE_INPUT_TOKENS)
+MESSAGES = Endpoint(
+    path="/v1/messages",
+    upstream_path="/v1/messages",
+    task=Task.GENERATE,
+    operation="chat",
+    id_prefix="msg_",
+    parse=parse_messages_request,
+    span=_messages_span,
+    relay_hold=_hold_message,
+    countable=True,
+    usage_in_stream=True,
+    dialect=ANTHROPIC,
+)
+
+MESSAGES_COUNT_TOKENS = Endpoint(
+    path="/v1/messages/count_tokens",
+    upstream_path="/v1/messages/count_tokens",
+    task=Task.GENERATE,
+    operation="chat",
+    id_prefix="msg_",
+    parse=parse_count_tokens_request,
+    span=_messages_span,
+    count_only=True,
+    relay_hold=_hold_message,
+    dialect=ANTHROPIC,
+)
+
+ENDPOINTS = (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    EMBEDDINGS,
+    RESPONSES,
+    RESPONSE_INPUT_TOKENS,
+    MESSAGES,
+    MESSAGES_COUNT_TOKENS,
+)
 
 # The endpoints the in-process generation engine serves (gateway/local/engine_backend.py), by path.
 LOCAL_ROUTES = {
@@ -274,4 +415,6 @@ LOCAL_ROUTES = {
     GENERATE.path: LocalRoute(_plan_completion, COMPLETION_ANSWER),
     RESPONSES.path: LocalRoute(_plan_response, RESPONSE_ANSWER),
     RESPONSE_INPUT_TOKENS.path: LocalRoute(_plan_input_tokens),
+    MESSAGES.path: LocalRoute(_plan_message, MESSAGE_ANSWER),
+    MESSAGES_COUNT_TOKENS.path: LocalRoute(_plan_count_tokens),
 }

@@ -8,6 +8,12 @@ Every error a client can see, from a malformed body to an engine failure, leaves
 `ERROR_TABLE` decides status, `type` and `code` per `ErrorKind`; engine errors map onto kinds by
 their stable `code` (`ENGINE_ERROR_KINDS`), Starlette's own HTTP errors (unknown route, wrong
 method) by status. Only a bug of ours is a 500 (`ErrorKind.INTERNAL`).
+
+Another protocol says the same errors in its own words: a `Dialect` (OpenAI's is `OPENAI`;
+Anthropic's, gateway/anthropic/errors.py) renders an `APIError` as a whole response and as an
+event of a started stream, and says how its streams end. `Dialects` picks one per request, by
+the route (and, on the routes every protocol shares, by the protocol's own header), for what the
+core writes itself: the exception handlers, the drain's refusals, a relay's failure mid-stream.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -24,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from typing_extensions import TypedDict
 
 from engine.types import EngineError, EngineOverloadedError, InvalidRequestError
-from gateway.sse import encode_event
+from gateway.sse import DONE, encode_event
 
 logger = logging.getLogger(__name__)
 
@@ -234,33 +241,129 @@ def sse_error_event(error: APIError) -> bytes:
     return encode_event(error.body())
 
 
+# -- dialects: the same errors in another protocol's words ----------------------------------------
+
+
+class Dialect(Protocol):
+    """How one API family writes what the core writes on its behalf: an error as a whole response
+    and as an event of a stream already started, the end of its streams, and where its API key
+    comes in."""
+
+    @property
+    def end_frame(self) -> bytes:
+        """The frame a complete stream ends with; the request is settled before it goes out."""
+        ...
+
+    @property
+    def end_after_error(self) -> bool:
+        """Whether a stream ended by an error event still ends with `end_frame` (OpenAI's
+        `[DONE]` does; Anthropic's `message_stop` does not)."""
+        ...
+
+    def is_last(self, frame: bytes) -> bool:
+        """Whether `frame` ends a stream (a relay reads no further)."""
+        ...
+
+    def error_response(self, error: APIError) -> Response: ...
+
+    def error_event(self, error: APIError) -> bytes: ...
+
+    def authorization(self, headers: Mapping[str, str]) -> str | None:
+        """The `Authorization` value the request's API key is read from (None: no key)."""
+        ...
+
+    @property
+    def marker(self) -> str | None:
+        """A header only this protocol's clients send: on the routes every protocol shares,
+        a request that carries it is answered in this dialect."""
+        ...
+
+
+class OpenAIDialect:
+    """OpenAI's: the error object above, `data: [DONE]` last (after an error event too), the key
+    as `Authorization: Bearer <key>`."""
+
+    end_frame = DONE
+    end_after_error = True
+    marker = None
+
+    def is_last(self, frame: bytes) -> bool:
+        return frame == DONE
+
+    def error_response(self, error: APIError) -> Response:
+        return error.to_response()
+
+    def error_event(self, error: APIError) -> bytes:
+        return sse_error_event(error)
+
+    def authorization(self, headers: Mapping[str, str]) -> str | None:
+        return headers.get("authorization")
+
+
+OPENAI = OpenAIDialect()
+
+
+@dataclass(frozen=True)
+class Dialects:
+    """The dialect of a request: a protocol's own routes (`routes`: a path and everything under
+    it), and on the routes every protocol shares (`shared`: /v1/models) the protocol whose header
+    the request carries (`markers`: the Anthropic SDK sends `anthropic-version` on every call);
+    OpenAI's elsewhere."""
+
+    routes: Mapping[str, Dialect]
+    markers: Mapping[str, Dialect] = field(default_factory=dict)
+    shared: tuple[str, ...] = ("/v1/models",)
+
+    @classmethod
+    def of_routes(cls, routes: Mapping[str, Dialect]) -> Dialects:
+        """The dialects of these routes, each also where its marker header comes."""
+        markers = {d.marker: d for d in routes.values() if d.marker is not None}
+        return cls(routes, markers)
+
+    def of(self, path: str, headers: Mapping[str, str]) -> Dialect:
+        for route, dialect in self.routes.items():
+            if path == route or path.startswith(route + "/"):
+                return dialect
+        if any(path == route or path.startswith(route + "/") for route in self.shared):
+            for header, dialect in self.markers.items():
+                if header in headers:
+                    return dialect
+        return OPENAI
+
+
 # -- Starlette exception handlers ------------------------------------------------------------
 
 
-async def _handle_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return exc.to_response()
+def exception_handlers(dialects: Dialects) -> dict[Any, Any]:
+    """Starlette's exception handlers: every error in the dialect of the request it answers."""
+
+    def respond(request: Request, error: APIError) -> Response:
+        return dialects.of(request.url.path, request.headers).error_response(error)
+
+    async def handle_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return respond(request, exc)
+
+    async def handle_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error = from_http_exception(exc)
+        if error.kind is ErrorKind.NOT_FOUND:
+            error.message = f"Unknown request URL: {request.method} {request.url.path}."
+        elif error.kind is ErrorKind.METHOD_NOT_ALLOWED:
+            error.message = f"Method {request.method} is not allowed for {request.url.path}."
+        return respond(request, error)
+
+    async def handle_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        error = APIError(ErrorKind.INTERNAL, "The server had an error while processing your request.")
+        return respond(request, error)
+
+    handlers: dict[Any, Callable[[Request, Exception], Any]] = {
+        APIError: handle_api_error,
+        HTTPException: handle_http_exception,
+        Exception: handle_unexpected,
+    }
+    return handlers
 
 
-async def _handle_http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    error = from_http_exception(exc)
-    if error.kind is ErrorKind.NOT_FOUND:
-        error.message = f"Unknown request URL: {request.method} {request.url.path}."
-    elif error.kind is ErrorKind.METHOD_NOT_ALLOWED:
-        error.message = f"Method {request.method} is not allowed for {request.url.path}."
-    return error.to_response()
-
-
-async def _handle_unexpected(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(
-        ErrorKind.INTERNAL, "The server had an error while processing your request."
-    ).to_response()
-
-
-EXCEPTION_HANDLERS: dict[Any, Any] = {
-    APIError: _handle_api_error,
-    HTTPException: _handle_http_exception,
-    Exception: _handle_unexpected,
-}
+EXCEPTION_HANDLERS = exception_handlers(Dialects({}))

@@ -7,8 +7,9 @@ to tail, and/or OpenTelemetry log records sent over OTLP/HTTP.
 Each admitted request that the gateway settles (tenancy on; not the replicas of a pool, whose
 gateway settles) is written once, when it ends, with what the ledger was charged: request id,
 tenant, key id, model, input (cached included), cached and output tokens, cost in micro-dollars,
-whether it was served, and its start and end (Unix seconds). The file is appended to, line by
-line (a reader never sees half a line); rotate it with copytruncate.
+whether it was served, and its start and end (Unix seconds); and, where the request named its
+end user (OpenAI's `user`, Anthropic's `metadata.user_id`), `user`. The file is appended to, line
+by line (a reader never sees half a line); rotate it with copytruncate.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class UsageEvent:
     status: str  # "served" (charged what it used) or "not_served" (refunded whole)
     started_at: float
     ended_at: float
+    user: str | None = None  # the end user the request named; left out of the record when none
+
+    def fields(self) -> dict[str, Any]:
+        """The record's fields, `user` only where there is one."""
+        fields = asdict(self)
+        if self.user is None:
+            del fields["user"]
+        return fields
 
 
 class UsageEvents:
@@ -47,7 +56,7 @@ class UsageEvents:
         self._lock = threading.Lock()
 
     def write(self, event: UsageEvent) -> None:
-        line = json.dumps(asdict(event), separators=(",", ":")) + "\n"
+        line = json.dumps(event.fields(), separators=(",", ":")) + "\n"
         with self._lock:
             self._file.write(line)
 
@@ -77,7 +86,7 @@ class OTLPUsageEvents:
         self._logger = self._provider.get_logger(EVENT_NAME)
 
     def write(self, event: UsageEvent) -> None:
-        fields = asdict(event)
+        fields = event.fields()
         self._logger.emit(
             timestamp=int(event.ended_at * 1e9),
             body=json.dumps(fields, separators=(",", ":")),

@@ -14,6 +14,11 @@ any other caller gets the same 404 as for a name nobody serves.
                                          the answer waits (up to ?timeout_s=, default 30) for the last
                                          running one, saying whether its memory was released
 
+The admin API loads only from folders under `--lora-root` (the path resolved, symlinks
+followed, before anything is opened: a path elsewhere is refused with the same 400 whether or not
+it exists), and only for a tenant that exists (with tenants configured; without, adapters are
+public). A gateway in front (its internal token) checked both before it asked this replica.
+
 A replace is a new version: requests that started keep the version they pinned. In pool mode
 (no in-process chat model for it) the same routes act on the replicas (gateway/pool/adapters.py),
 and a replica takes them from its gateway with the internal token as well as the admin key. Each load, replace
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
@@ -195,10 +201,15 @@ class LoraRoutes:
         audit: Audit | None = None,
         internal_token: str | None = None,
         pool: PoolHost | None = None,
+        roots: Sequence[str] = (),
+        tenant_exists: Callable[[str], bool] | None = None,
     ) -> None:
         """`internal_token`: a gateway in front calls these with it (pool mode); its loads are not
         recorded (the gateway owns them). `pool`: the replicas' adapters, where no in-process
-        chat model is named."""
+        chat model is named. `roots`: the folders the admin API may load from (--lora-root);
+        `tenant_exists`: whether an owner names a tenant (None: no tenants are configured)."""
+        self.roots = tuple(os.path.realpath(root) for root in roots)
+        self.tenant_exists = tenant_exists
         self.engines = engines
         self.admin_key_hash = admin_key_hash
         self.records = records
@@ -268,20 +279,53 @@ class LoraRoutes:
         tenant, model = body.get("tenant"), body.get("model")
         if not isinstance(tenant, str | None) or not isinstance(model, str | None):
             raise invalid_request("`tenant` and `model` must be strings.")
+        path = body["path"]
+        if not self._by_gateway(request):  # a gateway in front checked these before it asked
+            path = self._within_roots(path)
+            self._check_owner(tenant)
         backend = self._local(model)
         if backend is None:
             replaced = self._pool().serves(name)
-            answer = await self._pool().load(name, body["path"], tenant, model)
+            answer = await self._pool().load(name, path, tenant, model)
         else:
             replaced = name in backend.lora_owners
-            adapter = await backend.load_lora(name, body["path"], tenant)
+            adapter = await backend.load_lora(name, path, tenant)
             answer = adapter_body(adapter, tenant, backend.name)
         if not self._by_gateway(request):  # a gateway's load is its own to restore
-            self.records.put(AdapterRecord(name, body["path"], tenant, model))
+            self.records.put(AdapterRecord(name, path, tenant, model))
         logger.info("%s loaded LoRA %s for %s", self._actor(request), name, tenant or "everyone")
         detail = {k: v for k, v in answer.items() if k != "object"}
         await self._audit(request, "lora.replace" if replaced else "lora.load", name, detail)
         return JSONResponse(answer)
+
+    def _within_roots(self, path: str) -> str:
+        """`path` resolved (symlinks followed) when it is inside one of the roots; else a 400 that
+        says the same whether or not anything is there."""
+        if not self.roots:
+            raise invalid_request(
+                "The admin API loads adapters only from folders under --lora-root, and none is set.",
+                param="path",
+            )
+        resolved = os.path.realpath(path) if os.path.isabs(path) else None
+        inside = resolved is not None and any(
+            os.path.commonpath((resolved, root)) == root for root in self.roots
+        )
+        if resolved is None or not inside:
+            raise invalid_request(
+                "`path` must be an absolute path inside one of the adapter roots (--lora-root).",
+                param="path",
+            )
+        return resolved
+
+    def _check_owner(self, tenant: str | None) -> None:
+        if tenant is None:
+            return
+        if self.tenant_exists is None:
+            raise invalid_request(
+                f"No tenant named {tenant!r}: tenants are not configured (--tenants).", param="tenant"
+            )
+        if not self.tenant_exists(tenant):
+            raise invalid_request(f"No tenant named {tenant!r}.", param="tenant")
 
     async def unload(self, request: Request) -> Response:
         name = request.path_params["name"]

@@ -93,7 +93,7 @@ BUDGET_GAUGE_TTL_S = 10.0
 CODE_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 BATCH_LINE_STATUSES = ("completed", "failed", "expired", "cancelled", "insufficient_quota")
 # The endpoints that run a model: counted by status, waited for and refused by a drain.
-MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/generate", "/v1/embeddings")
+MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/generate", "/v1/embeddings", "/v1/messages")
 STEP_STAGES = tuple(stage.value for stage in StepStage)
 # What a scrape reads for the engine when there is none (gateway-only mode, or while it loads).
 _NO_ENGINE = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0)  # every count 0

@@ -33,8 +33,8 @@ from starlette.responses import JSONResponse, Response
 from gateway import admission
 from gateway.backend import APIRequest, Body, Call, Endpoint, Plan, Reply, State, Usage, Work, new_id
 from gateway.body import read_json, unless_disconnected
-from gateway.drain import Drain, deadline_frame
-from gateway.errors import APIError, ErrorKind
+from gateway.drain import Drain, deadline_error
+from gateway.errors import OPENAI, APIError, Dialect, ErrorKind
 from gateway.events import UsageEvent, build_sinks
 from gateway.metrics import Metrics
 from gateway.registry import ModelRegistry
@@ -73,13 +73,16 @@ class Pipeline:
         self.events = build_sinks(settings.usage_events_file, settings.usage_events_exporter)
         self.state = state
 
-    async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
+    async def authenticate(
+        self, headers: Mapping[str, str], user: str | None, dialect: Dialect = OPENAI
+    ) -> admission.Caller:
         """A gateway in front of this replica already authenticated and admitted the request (its
-        internal token says so); else the tenant of the API key, or the open caller."""
+        internal token says so); else the tenant of the API key (where the request's protocol
+        takes it: `dialect`), or the open caller."""
         internal = admission.internal_caller(self.settings.internal_token, headers, user)
         if internal is not None:
             return internal
-        return await admission.authenticate(self.tenancy, headers.get("authorization"), user)
+        return await admission.authenticate(self.tenancy, dialect.authorization(headers), user)
 
     async def _admitted(
         self,
@@ -92,9 +95,8 @@ class Pipeline:
     ) -> _Lifetime:
         """Resolve, plan and admit one parsed request: its lifetime, to execute then close."""
         served = await self.registry.resolve(req.model, endpoint, caller)
-        work = Work(
-            endpoint, req, body, caller, req.model, request_id or new_id(endpoint.id_prefix)
-        )
+        request_id = request_id or new_id(endpoint.id_prefix)
+        work = Work(endpoint, req, _as_served(body, served.name), caller, served.name, request_id)
         state = self.state if endpoint.stateful else None
         try:
             if state is not None:
@@ -131,7 +133,7 @@ class Pipeline:
     async def handle(self, endpoint: Endpoint, http: Request) -> Response:
         body = await read_json(http, self.settings.max_body_bytes)
         req = endpoint.parse(body)
-        caller = await self.authenticate(http.headers, req.user)
+        caller = await self.authenticate(http.headers, req.user, endpoint.dialect)
         lifetime = await self._admitted(endpoint, req, body, caller, http)
         work, span = lifetime.call.work, lifetime.span
         handed_over = False
@@ -153,6 +155,7 @@ class Pipeline:
                         reply.payload, reply.status, headers=headers, media_type="application/json"
                     )
                 return JSONResponse(reply.payload, reply.status, headers=headers)
+            dialect = endpoint.dialect
             response = EventStreamResponse(
                 reply.frames,
                 keep_alive_s=self.settings.keep_alive_s,
@@ -161,7 +164,9 @@ class Pipeline:
                 before_done=lifetime.settle_if_final,
                 keep_alive_first=not reply.ready,
                 stop=self.drain,
-                stop_frame=reply.stop_frame or deadline_frame(),
+                stop_frame=reply.stop_frame or (lambda: dialect.error_event(deadline_error())),
+                end_frame=dialect.end_frame,
+                stop_end_frame=dialect.end_frame if dialect.end_after_error else b"",
             )
             handed_over = True  # the response closes the lifetime when the stream ends
             return response
@@ -179,18 +184,25 @@ class Pipeline:
         a gateway in front asks (`POST /v1/internal/count`) so that a hard budget holds the exact
         prompt, not its estimate. Only for a gateway (its internal token), and only for
         endpoints without stored state."""
-        admission.check_internal(self.settings.internal_token, http.headers)
+        closed = admission.has_tenants(self.tenancy)
+        admission.check_internal(self.settings.internal_token, http.headers, closed=closed)
         body = await read_json(http, self.settings.max_body_bytes)
         req = endpoint.parse(body)
-        caller = await self.authenticate(http.headers, req.user)
+        caller = await self.authenticate(http.headers, req.user, endpoint.dialect)
         served = await self.registry.resolve(req.model, endpoint)
-        work = Work(endpoint, req, body, caller, req.model, new_id(endpoint.id_prefix))
+        request_id = new_id(endpoint.id_prefix)
+        work = Work(endpoint, req, _as_served(body, served.name), caller, served.name, request_id)
         plan = await served.backend.plan(work)
         return plan.num_prompt_tokens
 
     def _refused(self, exc: APIError) -> None:
         if exc.refusal is not None:
             self.metrics.refused(exc.refusal)
+
+
+def _as_served(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """The body a replica gets: the model a name's alias resolved to (gateway/registry.py)."""
+    return body if body.get("model") == name else {**body, "model": name}
 
 
 def _merge(*layers: Mapping[str, str]) -> dict[str, str]:
@@ -247,17 +259,24 @@ class _Lifetime:
     def call_plan(self) -> Awaitable[Reply]:
         return self.plan.execute(self.call)
 
+    @property
+    def served(self) -> bool:
+        """Whether the request is charged: it was answered and generated (counting does not)."""
+        return self.call.usage.served and not self.call.work.endpoint.count_only
+
     def settle(self) -> tuple[int, int, int]:
         """Send the hold's settlement with the tokens used as they stand (all refunded when
         nothing was served), once; the (prompt, completion, cached) tokens settled."""
         if self._settled is None:
             usage = self.call.usage
-            num_prompt = usage.num_prompt_tokens if usage.served else 0
-            num_completion = usage.num_completion_tokens if usage.served else 0
-            num_cached = min(usage.num_cached_tokens, num_prompt) if usage.served else 0
+            # Counting generates nothing: its hold is refunded whole, however it was answered.
+            served = self.served
+            num_prompt = usage.num_prompt_tokens if served else 0
+            num_completion = usage.num_completion_tokens if served else 0
+            num_cached = min(usage.num_cached_tokens, num_prompt) if served else 0
             self._settled = (num_prompt, num_completion, num_cached)
             if self._held is not None:
-                if usage.served:
+                if served:
                     self._held.record(
                         num_prompt_tokens=num_prompt,
                         num_completion_tokens=num_completion,
@@ -297,9 +316,10 @@ class _Lifetime:
                             cached_tokens=num_cached,
                             output_tokens=num_completion,
                             cost_micros=cost,
-                            status="served" if usage.served else "not_served",
+                            status="served" if self.served else "not_served",
                             started_at=self._started_at,
                             ended_at=time.time(),
+                            user=self.call.work.request.user,
                         )
                     )
             if caller.internal and caller.upstream_request_id:

@@ -7,6 +7,10 @@ front replica sets of different models). `/v1/models` lists them all. A name is 
 the caller is authenticated: an unknown one is a 404 `model_not_found`, or a 503 while a backend
 that might serve it is loading or has no healthy replica. A tenant's LoRA adapter (a card with an
 `owner`, gateway/loras.py) exists only for that tenant: listed to it alone, a 404 for anyone else.
+
+A name no model is served under may be an alias (the models file's `[[aliases]]`: a name or a
+pattern, such as Claude Code's `claude-*` ids): it resolves to the model the alias names, whose
+name the request then carries (its response's `model`, the ledger, a replica's body).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from dataclasses import dataclass
 
 from gateway.admission import Caller
 from gateway.backend import Backend, Endpoint, ModelCard, Task
-from gateway.errors import invalid_request, model_not_found
+from gateway.errors import APIError, ErrorKind, invalid_request, model_not_found
 from gateway.loras import visible
+from gateway.settings import ModelAlias
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,15 @@ class ServedModel:
 class ModelRegistry:
     """Backends in order of precedence: a name two of them serve goes to the first."""
 
-    def __init__(self, backends: Sequence[Backend]) -> None:
+    def __init__(self, backends: Sequence[Backend], aliases: Sequence[ModelAlias] = ()) -> None:
         self.backends = tuple(backends)
+        self.aliases = tuple(aliases)
+
+    def alias_of(self, model: str, caller: Caller | None = None) -> str | None:
+        """The model an alias maps `model` to, when no model is served under that name."""
+        if not self.aliases or self._lookup(model, caller) is not None:
+            return None
+        return next((a.model for a in self.aliases if a.matches(model)), None)
 
     def cards(self, caller: Caller | None = None) -> list[ModelCard]:
         """The models `caller` may use (None: the public ones)."""
@@ -49,10 +61,20 @@ class ModelRegistry:
                     return ServedModel(card.id, backend, card.task)
         return None
 
-    async def resolve(self, model: str, endpoint: Endpoint, caller: Caller | None = None) -> ServedModel:
+    async def resolve(
+        self, model: str, endpoint: Endpoint, caller: Caller | None = None, *, alias: bool = True
+    ) -> ServedModel:
         """The model `endpoint` asks for; APIError 404 (unknown, or another tenant's adapter), 400
         (it does not do what the endpoint asks), or 503 (unknown while a backend loads or has no
-        healthy replica)."""
+        healthy replica). An alias resolves to its model, which must be served."""
+        target = self.alias_of(model, caller) if alias else None
+        if target is not None:
+            try:
+                return await self.resolve(target, endpoint, caller, alias=False)
+            except APIError as exc:
+                if exc.kind is ErrorKind.MODEL_NOT_FOUND:
+                    exc.message = f"The model `{model}` is an alias of `{target}`, which is not served."
+                raise
         served = self._lookup(model, caller)
         if served is None:
             for backend in self.backends:

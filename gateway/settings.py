@@ -10,6 +10,7 @@ value is a ValueError naming the flag and the variable, raised before anything s
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -74,6 +75,11 @@ def _urls(text: str) -> tuple[str, ...]:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"expected an http(s) URL, got {url!r}")
     return urls
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    """'/a, /b' -> ('/a', '/b')."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _loras(text: str) -> tuple[str, ...]:
@@ -220,6 +226,17 @@ class Settings:
     max_file_bytes: int = _opt(
         200 * 1000 * 1000, parse_bytes, "largest file /v1/files accepts (OpenAI's: 200 MB)"
     )
+    max_files: int = _opt(
+        10_000,
+        _int,
+        "most files one tenant keeps (uploads and batch outputs), where its plan sets no max_files",
+    )
+    storage_quota_bytes: int = _opt(
+        10 * 1000**3,
+        parse_bytes,
+        "most bytes of files one tenant keeps (uploads and batch outputs), where its plan sets no "
+        "storage_quota_bytes",
+    )
     batch_max_lines: int = _opt(50_000, _int, "most requests in one batch's input file (OpenAI's: 50,000)")
     batch_max_concurrent_lines: int = _opt(
         64,
@@ -238,6 +255,23 @@ class Settings:
         _int,
         "batches this gateway runs at once; the others wait, validating (with --redis-url and a "
         "bucket, another gateway with room takes them)",
+    )
+    batch_max_running_per_tenant: int = _opt(
+        4,
+        _int,
+        "batches of one tenant this gateway runs at once, where its plan sets none; the run slots "
+        "go round the tenants with batches waiting",
+    )
+    batch_max_open: int = _opt(
+        100,
+        _int,
+        "most batches of one tenant not yet completed, failed, expired or cancelled, where its plan "
+        "sets no batch_max_open",
+    )
+    batch_max_queued_lines: int = _opt(
+        500_000,
+        _int,
+        "most lines of one tenant's open batches, where its plan sets no batch_max_queued_lines",
     )
     batch_lease_s: float = _opt(
         30.0,
@@ -267,11 +301,31 @@ class Settings:
         _str,
         "POST here when a settlement crosses a budget's soft threshold (once per window; retried)",
     )
+    budget_webhook_secret: str | None = _opt(
+        None,
+        _str,
+        "the budget webhook's signing secret (whsec_<base64>, or any other text as the key itself): "
+        "each POST carries webhook-id, webhook-timestamp and webhook-signature (HMAC-SHA256, as "
+        "Standard Webhooks and OpenAI's webhooks)",
+    )
     admin_key_hash: str | None = _opt(
         None,
         _str,
         "sha256:<hex> of the admin key that opens /admin/... and the all-tenant usage API "
         "(`batchgate keys hash`); without it those routes answer 401",
+    )
+    console_session_idle_s: float = _opt(
+        1800.0,
+        _float,
+        "the admin console (/ui, on with --admin-key-hash): a session ends after this many seconds "
+        "without a page opened or a change made",
+        flag="--console-session-idle",
+    )
+    console_session_max_s: float = _opt(
+        28800.0,
+        _float,
+        "the admin console: a session ends this many seconds after its login, however busy",
+        flag="--console-session-max",
     )
     keep_alive_s: float = _opt(15.0, _float, "seconds between SSE keep-alive comments", flag="--keep-alive")
     loras: tuple[str, ...] = _repeatable(
@@ -280,6 +334,12 @@ class Settings:
         "takes a comma-separated list), served as model NAME; tenant-owned ones: the models file's [[loras]]",
     )
     max_loras: int = _engine("max_loras")
+    lora_roots: tuple[str, ...] = _repeatable(
+        _paths,
+        "a folder the admin API (PUT /admin/loras/{name}) may load adapters from, with everything "
+        "under it (repeatable; the variable takes a comma-separated list); none: the admin API loads "
+        "no adapter from a path",
+    )
     upstreams: tuple[str, ...] = _repeatable(
         _urls,
         "gateway-only mode: an engine replica's base URL (repeatable; the variable takes a comma-separated "
@@ -357,8 +417,18 @@ class Settings:
     responses_max_stored: int = _opt(
         10_000,
         _int,
-        "most stored responses (/v1/responses with store) kept: in all in the storage directory, per "
-        "tenant in Redis; the least recently used go first",
+        "most stored responses and conversations one tenant keeps (in the storage directory or "
+        "Redis), where its plan sets no responses_max_stored; the tenant's least recently used go first",
+    )
+    conversation_max_items: int = _opt(
+        1_000,
+        _int,
+        "most items of one conversation, where the tenant's plan sets no conversation_max_items",
+    )
+    conversation_max_bytes: int = _opt(
+        4 * 1024 * 1024,
+        parse_bytes,
+        "most bytes of one conversation as stored, where the tenant's plan sets no conversation_max_bytes",
     )
     responses_ttl_s: int = _opt(
         30 * 24 * 3600,
@@ -402,6 +472,9 @@ class Settings:
                 "admin_key_hash must be 'sha256:' and 64 lowercase hex digits (from `batchgate keys hash`), "
                 "not the raw key"
             )
+        for name in ("console_session_idle_s", "console_session_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         if self.responses_max_stored < 1:
@@ -411,7 +484,8 @@ class Settings:
                 f"responses_background_lease_s must be > 0, got {self.responses_background_lease_s}"
             )
         batch_caps = ("batch_max_lines", "batch_max_concurrent_lines", "batch_max_in_flight")
-        for name in (*batch_caps, "batch_max_running"):
+        bounds = ("max_files", "batch_max_running_per_tenant", "batch_max_open", "batch_max_queued_lines")
+        for name in (*batch_caps, "batch_max_running", *bounds, "conversation_max_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_lease_s > 0:
@@ -458,6 +532,10 @@ class Settings:
     def served_models(self) -> list[ModelSpec]:
         """The models `models_file` declares (none without one); ValueError naming what is wrong."""
         return [] if self.models_file is None else load_models_file(self.models_file)
+
+    def model_aliases(self) -> list[ModelAlias]:
+        """The aliases `models_file` declares (none without one), in order."""
+        return [] if self.models_file is None else load_model_aliases(self.models_file)
 
     def for_model(self, spec: ModelSpec) -> Settings:
         """These settings with one declared model's own: its source, its name, its overrides."""
@@ -519,6 +597,18 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class ModelAlias:
+    """Another name for a served model: `name` is a model id or a glob pattern (`claude-*`: `*`,
+    `?` and `[...]` as in shell patterns) that requests may send for `model`."""
+
+    name: str
+    model: str
+
+    def matches(self, requested: str) -> bool:
+        return fnmatch.fnmatchcase(requested, self.name)
+
+
+@dataclass(frozen=True)
 class LoraSpec:
     """A LoRA adapter to load at start: served as `name`, owned by `tenant` (None: public), over
     the chat model named `model` (None: the main one, `--model`)."""
@@ -537,10 +627,33 @@ def _read_models_file(path: str) -> dict[str, Any]:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"models file {path}: {exc}") from None
-    extra = sorted(set(data) - {"models", "loras"})
-    if extra or not isinstance(data.get("models", []), list) or not isinstance(data.get("loras", []), list):
-        raise ValueError(f"models file {path}: expected only [[models]] and [[loras]] tables, got {extra}")
+    tables = ("models", "loras", "aliases")
+    extra = sorted(set(data) - set(tables))
+    if extra or not all(isinstance(data.get(t, []), list) for t in tables):
+        raise ValueError(
+            f"models file {path}: expected only [[models]], [[loras]] and [[aliases]] tables, got {extra}"
+        )
     return data
+
+
+def load_model_aliases(path: str) -> list[ModelAlias]:
+    """A models file's aliases, tried in order for a model name no model is served under::
+
+        [[aliases]]
+        name = "claude-*"                # a model id, or a pattern of them (Claude Code's ids)
+        model = "SmolLM2-135M-Instruct"  # the served model (or a replica's) that answers them
+    """
+    aliases: list[ModelAlias] = []
+    for i, entry in enumerate(_read_models_file(path).get("aliases", [])):
+        where = f"models file {path}, alias {i + 1}"
+        extra = sorted(set(entry) - {"name", "model"})
+        if extra:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(extra)}; expected name, model")
+        for key in ("name", "model"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise ValueError(f"{where}: needs a {key} (a string)")
+        aliases.append(ModelAlias(entry["name"], entry["model"]))
+    return aliases
 
 
 def load_lora_specs(path: str) -> list[LoraSpec]:

@@ -32,7 +32,8 @@ _GATEWAY_SECTIONS = {
     "Embeddings": "embedding_model embedding_max_batch_inputs embedding_max_batch_tokens "
     "embedding_max_wait_s",
     "Tenants, limits and billing": "tenants redis_url redis_policy request_lease_s ledger_retention_days "
-    "usage_events_file usage_events_exporter budget_webhook_url admin_key_hash",
+    "usage_events_file usage_events_exporter budget_webhook_url admin_key_hash "
+    "console_session_idle_s console_session_max_s",
     "Stored state": "storage_dir",
     "The Responses API": "responses_max_stored responses_ttl_s responses_background_lease_s",
     "The Batch API and files": "files_bucket s3_endpoint_url max_file_bytes batch_max_lines "

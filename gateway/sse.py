@@ -60,6 +60,10 @@ class EventStreamResponse(Response):
     `stop` fires (the server's drain deadline) before the stream ends, `events` is closed (the
     engine aborts) and the stream ends with `stop_frame` (an error event) and `data: [DONE]`
     instead of a cut connection.
+
+    Another protocol's stream ends otherwise: `end_frame` is its last frame (Anthropic's
+    `message_stop` event), before which `before_done` is called, and `stop_end_frame` what follows
+    `stop_frame` (nothing, for Anthropic's: an error event is its last).
     """
 
     def __init__(
@@ -73,6 +77,8 @@ class EventStreamResponse(Response):
         keep_alive_first: bool = False,
         stop: StopSignal | None = None,
         stop_frame: bytes | Callable[[], bytes] = b"",
+        end_frame: bytes = DONE,
+        stop_end_frame: bytes = DONE,
     ) -> None:
         if keep_alive_s <= 0:
             raise ValueError(f"keep_alive_s must be positive, got {keep_alive_s}")
@@ -91,6 +97,8 @@ class EventStreamResponse(Response):
         self.keep_alive_first = keep_alive_first  # the caller already waited keep_alive_s for a first event
         self.stop = stop
         self.stop_frame = stop_frame
+        self.end_frame = end_frame
+        self.stop_end_frame = stop_end_frame
         self.disconnected = False
         self.stopped = False
 
@@ -137,7 +145,7 @@ class EventStreamResponse(Response):
                                     frame = await receive_frames.receive()
                                 except anyio.EndOfStream:
                                     break
-                            if frame == DONE:
+                            if frame == self.end_frame:
                                 self._done_comes()
                             await send({"type": "http.response.body", "body": frame, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -150,7 +158,7 @@ class EventStreamResponse(Response):
                     await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 last = self.stop_frame() if callable(self.stop_frame) else self.stop_frame
                 self._done_comes()
-                for frame in (last, DONE):
+                for frame in (last, self.stop_end_frame):
                     if frame:
                         await send({"type": "http.response.body", "body": frame, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -133,11 +133,19 @@ class AdminStore:
         raw: dict[str, dict[str, Any]] = {section: dict(source.get(section, {})) for section in _SECTIONS}
         for section, tables in stored.items():
             for name, text in tables.items():
-                _apply(raw[section], name, json.loads(text))
+                _apply(raw[section], name, self._keeping_keys(section, name, json.loads(text)))
         for section, changes in (extra or {}).items():
             for name, table in changes.items():
-                _apply(raw[section], name, table)
+                _apply(raw[section], name, self._keeping_keys(section, name, table))
         return config_from_dict({k: v for k, v in raw.items() if v or k != "prices"})
+
+    def _keeping_keys(self, section: str, name: str, table: Any) -> Any:
+        """A tenant's stored table with the keys the file declares for it: a run-time change of a
+        tenant (which holds no keys: they go through the key verbs) keeps the file's keys."""
+        if section != "tenants" or not isinstance(table, dict) or "keys" in table:
+            return table
+        keys = self.base.source.get("tenants", {}).get(name, {}).get("keys")
+        return table if not keys else {**table, "keys": list(keys)}
 
     async def config(self) -> TenancyConfig:
         """The configuration to serve now."""

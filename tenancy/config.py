@@ -11,7 +11,10 @@ The file looks like::
     batch_max_concurrent_lines = 64   # optional Batch API limits (gateway/batches/api.py), a lane of
     batch_tokens_per_minute = 2000000 # their own beside the interactive limits: lines in flight,
     batch_enqueued_tokens = 20000000  # tokens a minute, prompt tokens of unfinished batches per
-    storage_quota_bytes = 10000000000 # model, bytes of files; unset: no limit
+                                      # model; unset: no limit
+    storage_quota_bytes = 10000000000 # optional bounds on what the tenant makes the server keep
+    max_files = 10000                 # (gateway/bounds.py); unset: the gateway's default
+                                      # (--storage-quota-bytes, --max-files, ...)
 
     budget_usd = 500.0                # optional: or budget_tokens = 2000000 (or both)
     budget_window = "monthly"         # "daily", "monthly" or "none"; UTC calendar windows
@@ -65,9 +68,20 @@ _PLAN_BATCH_FIELDS = (
     "batch_tokens_per_minute",
     "batch_max_concurrent_lines",
     "batch_enqueued_tokens",
-    "storage_quota_bytes",
 )
-_PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS | set(_PLAN_BATCH_FIELDS)
+# Optional bounds on what a tenant makes the server keep (gateway/bounds.py); unset: the gateway's
+# setting of the same name (--storage-quota-bytes, --max-files, ...).
+PLAN_BOUND_FIELDS = (
+    "responses_max_stored",
+    "conversation_max_items",
+    "conversation_max_bytes",
+    "max_files",
+    "storage_quota_bytes",
+    "batch_max_open",
+    "batch_max_queued_lines",
+    "batch_max_running_per_tenant",
+)
+_PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS | set(_PLAN_BATCH_FIELDS) | set(PLAN_BOUND_FIELDS)
 _TENANT_FIELDS = {"plan", "keys"} | _BUDGET_FIELDS
 _PRICE_FIELDS = {"input", "cached_input", "output", "batch_multiplier"}
 
@@ -92,7 +106,15 @@ class Plan:
     # Prompt tokens of its unfinished batches, per model (OpenAI's batch queue limit): a batch that
     # would go over fails validation with `token_limit_exceeded`.
     batch_enqueued_tokens: int | None = None
-    storage_quota_bytes: int | None = None  # bytes of its files (/v1/files, batch outputs)
+    # Bounds on what it makes the server keep (gateway/bounds.py; None: the gateway's default).
+    responses_max_stored: int | None = None  # stored responses and conversations (the LRU evicts)
+    conversation_max_items: int | None = None  # items of one conversation
+    conversation_max_bytes: int | None = None  # bytes of one conversation as stored
+    max_files: int | None = None  # its files (/v1/files, batch outputs)
+    storage_quota_bytes: int | None = None  # bytes of its files
+    batch_max_open: int | None = None  # its batches not yet completed, failed, expired or cancelled
+    batch_max_queued_lines: int | None = None  # the lines of those batches
+    batch_max_running_per_tenant: int | None = None  # of them running at once on one gateway
 
     @property
     def unlimited(self) -> bool:
@@ -255,7 +277,7 @@ def _parse_plan(name: str, body: object) -> Plan:
     if priority not in PRIORITIES:
         raise TenancyConfigError(f"{path}.priority: must be 'paid' or 'free', got {priority!r}")
     limits = {key: _integer(table, key, path) for key in _PLAN_INT_FIELDS}
-    for key in _PLAN_BATCH_FIELDS:
+    for key in (*_PLAN_BATCH_FIELDS, *PLAN_BOUND_FIELDS):
         if table.get(key) is not None:
             _integer(table, key, path)
     deadline = table["queue_deadline_seconds"]
@@ -269,7 +291,7 @@ def _parse_plan(name: str, body: object) -> Plan:
         max_concurrent_requests=limits["max_concurrent_requests"],
         queue_deadline_seconds=float(deadline),
         budgets=_budgets(_budget_fields(table, path, f"plan {name}"), path, _both(f"plan {name}")),
-        **{key: table[key] for key in _PLAN_BATCH_FIELDS if key in table},
+        **{key: table[key] for key in (*_PLAN_BATCH_FIELDS, *PLAN_BOUND_FIELDS) if key in table},
     )
 
 

@@ -272,6 +272,12 @@ class Limiter(Protocol):
 
     async def renew(self, lease: Lease) -> bool: ...
 
+    async def release(self, lease: Lease) -> None:
+        """Drop a live lease that reserved no tokens and no budget (a request to the routes over
+        stored state: ``Tenancy.take_request``) without settling it: no refund, no budget charge,
+        no ledger row. Never raises for an unreachable store (the lease then ends by its TTL)."""
+        ...
+
     async def usage(self) -> dict[str, TenantUsage]: ...
 
     async def budgets(self, tenant: str, budgets: tuple[Budget, ...]) -> list[BudgetState]:
@@ -494,6 +500,11 @@ class MemoryLimiter:
             return False
         leases[lease.lease_id] = now + lease.ttl_s
         return True
+
+    async def release(self, lease: Lease) -> None:
+        state = self._tenants.get(lease.tenant)
+        if state is not None and lease.tracked:
+            state.lane(lease.charge.batch).leases.pop(lease.lease_id, None)
 
     async def usage(self) -> dict[str, TenantUsage]:
         return self._usage.snapshot()

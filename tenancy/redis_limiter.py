@@ -461,6 +461,16 @@ class RedisLimiter:
             logger.warning("tenancy: could not renew the lease of %s (%s)", lease.request_id, exc)
             return False
 
+    async def release(self, lease: Lease) -> None:
+        if not lease.tracked:
+            return
+        key = leases_key(lease.tenant, lease.charge.batch)
+        try:
+            dropped = asyncio.wait_for(self._client.zrem(key, lease.lease_id), self._deadline_s)
+            await self._reply("release", dropped)
+        except LimiterUnavailableError as exc:
+            logger.warning("tenancy: could not release the lease of %s (%s)", lease.request_id, exc)
+
     async def usage(self) -> dict[str, TenantUsage]:
         """Every tenant's usage; raises LimiterUnavailableError when Redis is away."""
         await self.settled()

@@ -308,6 +308,17 @@ class Tenancy:
             tenant.name, tenant.plan, prompt_tokens + max_tokens, request_id, charge
         )
 
+    async def take_request(self, tenant: Tenant, request_id: str) -> Decision:
+        """One request of ``tenant``'s request budget and a concurrency lease, no tokens and no
+        budget: what a request to the routes over stored state (conversations, files, batches)
+        costs. Refused as :meth:`admit` refuses; admitted -> :meth:`release` the lease when the
+        request ends (nothing is settled: it used no tokens and is no model request)."""
+        return await self.limiter.admit(tenant.name, tenant.plan, 0, request_id)
+
+    async def release(self, lease: Lease) -> None:
+        """End a lease of :meth:`take_request` (never raises; see ``Limiter.release``)."""
+        await self.limiter.release(lease)
+
     def hold(self, lease: Lease) -> LeaseHolder:
         """An async context manager that renews ``lease`` while the request runs and settles it."""
         return LeaseHolder(self.limiter, lease, sleep=self._sleep)

@@ -116,6 +116,10 @@ def test_the_installed_wheel_compiles_and_loads_the_native_kernels(tmp_path: Pat
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     missing = [str(p) for p in csrc_files if p.as_posix() not in in_wheel]
     assert not missing, f"the wheel lacks {missing}"
+    # The admin console's templates and vendored assets (issue 44): a wheel serves /ui as it is.
+    console = [p for p in _checkout_files() if p.parts[:2] == ("gateway", "console") and p.suffix != ".py"]
+    missing = [str(p) for p in console if p.as_posix() not in in_wheel]
+    assert console and not missing, f"the wheel lacks the console's {missing}"
 
     # A new environment with the test venv's packages on its path, and the wheel in its own.
     env_dir = tmp_path / "env"

@@ -1,6 +1,7 @@
 """Reading the usage ledger over HTTP: a tenant's own, and every tenant's for the operator.
 
-    GET /v1/usage                            a tenant's key: its buckets and its budgets' state
+    GET /v1/usage                            a tenant's key: its buckets, its budgets' state and its
+                                             bounds with their use (`limits`: gateway/bounds.py)
     GET /v1/organization/usage/completions   the admin key: OpenAI's organization Usage API shape,
                                              every tenant (`project_id` is the tenant)
     GET /admin/usage.csv                     the admin key: the same rows as CSV, one per bucket
@@ -19,7 +20,7 @@ import csv
 import io
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -137,9 +138,15 @@ def _unavailable(exc: Exception) -> APIError:
 class UsageRoutes:
     """The usage endpoints over one `tenancy.Tenancy` (None: open mode, where they answer 404)."""
 
-    def __init__(self, tenancy: Tenancy | None, admin_key_hash: str | None) -> None:
+    def __init__(
+        self,
+        tenancy: Tenancy | None,
+        admin_key_hash: str | None,
+        limits: Callable[[admission.Caller], Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
         self.tenancy = tenancy
         self.admin_key_hash = admin_key_hash
+        self.limits = limits  # a caller's tenant's bounds and their use now
 
     def _tenancy(self) -> Tenancy:
         if self.tenancy is None:
@@ -159,6 +166,8 @@ class UsageRoutes:
         except LimiterUnavailableError as exc:
             raise _unavailable(exc) from None
         body = _page(query.buckets(sums), budgets=[s.body() for s in states])
+        if self.limits is not None:
+            body["limits"] = await self.limits(caller)
         for bucket in body["data"]:
             for result in bucket["results"]:
                 result["object"] = "usage.completions.result"

@@ -7,10 +7,15 @@
     POST /v1/batches/{id}/cancel   -> Batch (`cancelling`, then `cancelled`)
 
 The batches run in gateway/batches/batch_runner.py; its docstring says how (life, limits, leases).
+A create is refused (400, naming the bound: gateway/bounds.py) when the tenant would have more than
+its `batch_max_open` batches not yet final or `batch_max_queued_lines` lines in them, or when it
+is at its `max_files` or `storage_quota_bytes` (no room for the batch's output).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import shutil
 import tempfile
@@ -37,6 +42,7 @@ from gateway.batches.store import (
     StoredBatch,
 )
 from gateway.body import read_json
+from gateway.bounds import bounds_of, exceeded
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.openai.listing import list_page, list_params
@@ -50,6 +56,12 @@ if TYPE_CHECKING:
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_BATCH_LIST_LIMIT, DEFAULT_BATCH_LIST_LIMIT = 100, 20
+_LINES = "_num_lines"  # a batch's requests, counted at create (kept with it, not shown)
+
+
+def num_lines(body: dict[str, Any]) -> int:
+    """A batch's requests (counted at create; a batch created before: as validated)."""
+    return int(body.get(_LINES) or body["request_counts"]["total"])
 
 
 def public(body: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +76,8 @@ class Batches:
         self.store = runner.store
         self.files = runner.files
         self.max_body_bytes = max_body_bytes
+        # Per tenant: its bounds checked and its batch recorded as one (on this gateway).
+        self._create_locks: dict[str, asyncio.Lock] = {}
 
     @property
     def clock(self) -> Callable[[], int]:
@@ -92,6 +106,29 @@ class Batches:
                 "a batch needs purpose 'batch'.",
                 param="input_file_id",
             )
+        lock = self._create_locks.setdefault(caller.name, asyncio.Lock())
+        async with lock:
+            num_lines = await self._check_bounds(caller, req.input_file_id)
+            return await self._create(caller, req, num_lines)
+
+    async def _check_bounds(self, caller: Caller, input_file_id: str) -> int:
+        """The batch's requests (lines); APIError 400 naming the bound the batch would pass."""
+        bounds = self.runner.bounds(caller)
+        mine = [b.body for b in await self.store.unfinished() if b.tenant == caller.name]
+        if len(mine) + 1 > bounds.batch_max_open:
+            what = f"This would be your open batch number {len(mine) + 1:,}"
+            raise exceeded("batch_max_open", bounds.batch_max_open, what, "input_file_id")
+        data = await self.files.read(caller, input_file_id, "input_file_id")
+        num_requests = sum(1 for line in data.splitlines() if line.strip())
+        queued = sum(num_lines(b) for b in mine)
+        if queued + num_requests > bounds.batch_max_queued_lines:
+            total = queued + num_requests
+            what = f"This batch's {num_requests:,} requests would take your open batches to {total:,}"
+            raise exceeded("batch_max_queued_lines", bounds.batch_max_queued_lines, what, "input_file_id")
+        await self.files.check_room(caller, 0, "input_file_id", "This batch's output file")
+        return num_requests
+
+    async def _create(self, caller: Caller, req: BatchCreateRequest, num_lines: int) -> Response:
         now = self.clock()
         batch: dict[str, Any] = {
             "id": f"batch_{hashlib.sha256(f'{caller.name}{time.time_ns()}'.encode()).hexdigest()[:32]}",
@@ -117,6 +154,7 @@ class Batches:
             "usage": usage_object(0, 0, 0),
             "metadata": None if req.metadata is None else dict(req.metadata),
             PRIVATE: None if req.output_expires_after is None else req.output_expires_after.seconds,
+            _LINES: num_lines,
         }
         stored = StoredBatch(caller.name, caller.key_id, batch)
         await self.store.put_batch(stored)
@@ -183,9 +221,7 @@ def build_batches(
     if storage is None:
         weakref.finalize(store, shutil.rmtree, root, True)  # the temporary files go with the store
 
-    def quota(caller: Caller) -> int | None:
-        return caller.tenant.plan.storage_quota_bytes if caller.tenant is not None else None
-
+    bounds = functools.partial(bounds_of, settings)
     blobs: Blobs
     if settings.files_bucket:
         blobs = S3Blobs(settings.files_bucket, settings.s3_endpoint_url)
@@ -196,7 +232,7 @@ def build_batches(
         blobs,
         max_file_bytes=settings.max_file_bytes,
         max_lines=settings.batch_max_lines,
-        quota=quota,
+        bounds=bounds,
     )
     runner = BatchRunner(
         store,
@@ -208,6 +244,7 @@ def build_batches(
         max_concurrent_lines=settings.batch_max_concurrent_lines,
         max_in_flight=settings.batch_max_in_flight,
         max_running=settings.batch_max_running,
+        bounds=bounds,
         lease_s=settings.batch_lease_s,
     )
     batches = Batches(runner, settings.max_body_bytes)

@@ -18,9 +18,11 @@ its interactive requests, tokens a minute or concurrency: the plan's `batch_toke
 shared with interactive traffic. Per model, the prompt tokens of a tenant's unfinished batches stay
 within the plan's `batch_enqueued_tokens` (OpenAI's batch queue limit): a batch that would go over
 fails validation with `token_limit_exceeded`. On each gateway: at most `--batch-max-running`
-batches run at once (the others wait, `validating`, or go to a gateway with room), at most
-`--batch-max-in-flight` lines of all of them, and at most `--batch-max-concurrent-lines` of one
-tenant's (or its plan's `batch_max_concurrent_lines`). Refusals that pass (rate limits, overload, a
+batches run at once, shared among tenants in turns, at most the tenant's
+`batch_max_running_per_tenant` of one tenant's (gateway/batches/slots.py; the others wait,
+`validating`, or go to a gateway with room), at most `--batch-max-in-flight` lines of all of them,
+and at most `--batch-max-concurrent-lines` of one tenant's (or its plan's
+`batch_max_concurrent_lines`). Refusals that pass (rate limits, overload, a
 loading model) are retried after their Retry-After; the line keeps its place. A refusal that
 waiting cannot cure (a line larger than the batch tokens a minute) is that line's error.
 
@@ -67,12 +69,14 @@ from gateway.batches.lines import (
     retry_wait,
     stopped,
 )
+from gateway.batches.slots import RunSlots
 from gateway.batches.store import (
     FINAL_STATUSES,
     BatchStore,
     LineResult,
     StoredBatch,
 )
+from gateway.bounds import Bounds
 from gateway.errors import APIError, ErrorKind
 from gateway.metrics import Metrics
 from gateway.openai import bodies
@@ -102,6 +106,7 @@ class BatchRunner:
         max_concurrent_lines: int,
         max_in_flight: int,
         max_running: int,
+        bounds: Callable[[Caller | None], Bounds],
         lease_s: float = 30.0,
         clock: Callable[[], int] = bodies.now,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -127,7 +132,8 @@ class BatchRunner:
         self._quota_stopped: set[str] = set()
         self._lanes: dict[str, asyncio.Semaphore] = {}  # per tenant: its lines in flight here
         self._in_flight = asyncio.Semaphore(max_in_flight)  # every batch's lines in flight here
-        self._run_slots = asyncio.Semaphore(max_running)  # batches this gateway runs at once
+        self.bounds = bounds  # a tenant's bounds (its batches running at once)
+        self.slots = RunSlots(max_running)  # batches this gateway runs at once, tenants in turns
         self._enqueue_lock = asyncio.Lock()  # the queue limit's check and the batch's record
         self._started = asyncio.Event()  # set by `resume`: the models are loaded
 
@@ -217,7 +223,8 @@ class BatchRunner:
 
     async def _run(self, stored: StoredBatch) -> None:
         await self._started.wait()
-        async with self._run_slots:
+        cap = self.bounds(self._caller(stored)).batch_max_running_per_tenant
+        async with self.slots.slot(stored.tenant, cap):
             await self._run_held(stored)
 
     async def _run_held(self, stored: StoredBatch) -> None:

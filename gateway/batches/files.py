@@ -6,10 +6,11 @@
     GET    /v1/files/{id}/content    -> the bytes
     DELETE /v1/files/{id}            -> {id, object: "file", deleted: true}
 
-Limits: `--max-file-bytes` (413), `--batch-max-lines` for a `batch` file (400), and the plan's
-`storage_quota_bytes` over all the tenant's files, batch outputs included (400). Metadata is in
-gateway/batches/store.py, bytes in gateway/batches/blobs.py. Batch outputs are `batch_output` files the
-runner writes (gateway/batches/api.py) through `Files.write`.
+Limits: `--max-file-bytes` (413, counted as the upload streams: gateway/batches/upload.py),
+`--batch-max-lines` for a `batch` file (400), and the tenant's `max_files` and
+`storage_quota_bytes` over all its files, batch outputs included (400; gateway/bounds.py).
+Metadata is in gateway/batches/store.py, bytes in gateway/batches/blobs.py. Batch outputs are
+`batch_output` files the runner writes (gateway/batches/api.py) through `Files.write`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,6 +26,8 @@ from gateway.admission import Caller
 from gateway.batches.blobs import Blobs
 from gateway.batches.input import ExpiresAfter
 from gateway.batches.store import BatchStore
+from gateway.batches.upload import read_upload
+from gateway.bounds import Bounds, exceeded
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.openai import bodies
 from gateway.openai.listing import list_page, list_params
@@ -59,25 +61,30 @@ class Files:
         *,
         max_file_bytes: int,
         max_lines: int,
-        quota: Callable[[Caller], int | None],
+        bounds: Callable[[Caller], Bounds],
     ) -> None:
         self.store = store
         self.blobs = blobs
         self.max_file_bytes = max_file_bytes
         self.max_lines = max_lines
-        self._quota = quota  # bytes the caller's tenant may store, or None (no quota)
+        self.bounds = bounds  # the caller's tenant's max_files and storage_quota_bytes
 
-    async def _check_quota(self, caller: Caller, size: int) -> None:
-        quota = self._quota(caller)
-        if quota is None:
-            return
-        used = await self.store.used_bytes(caller.name)
-        if used + size > quota:
-            raise invalid_request(
-                f"This file ({size} bytes) would take your storage to {used + size} bytes, over your "
-                f"plan's quota of {quota} bytes. Delete files you no longer need.",
-                param="file",
+    async def check_room(
+        self, caller: Caller, size: int, param: str = "file", what: str = "This file"
+    ) -> None:
+        """APIError 400 naming the bound when `size` more bytes in one more file would take the
+        caller's tenant past its `max_files` or `storage_quota_bytes`."""
+        bounds = self.bounds(caller)
+        num_files, num_bytes = await self.store.file_usage(caller.name)
+        if num_files + 1 > bounds.max_files:
+            message = f"{what} would be your file number {num_files + 1:,}; delete files you no longer need"
+            raise exceeded("max_files", bounds.max_files, message, param)
+        if num_bytes + size > bounds.storage_quota_bytes:
+            message = (
+                f"{what} ({size:,} bytes) would take your files to {num_bytes + size:,} bytes; delete "
+                "files you no longer need"
             )
+            raise exceeded("storage_quota_bytes", bounds.storage_quota_bytes, message, param)
 
     async def write(
         self,
@@ -94,7 +101,7 @@ class Files:
         a batch's output, which counts toward the quota but is never refused (it is the result
         of work done and billed). `file_id`: that id (written again, it is replaced), else a new one."""
         if check_quota:
-            await self._check_quota(caller, len(data))
+            await self.check_room(caller, len(data))
         body: dict[str, Any] = {
             "id": file_id or new_file_id(),
             "object": "file",
@@ -126,34 +133,23 @@ class Files:
     # -- routes ----------------------------------------------------------------------------------
 
     async def create(self, caller: Caller, request: Request) -> Response:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_file_bytes + 64 * 1024:
-            raise self._too_large()
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "multipart/form-data":
-            raise APIError(
-                ErrorKind.UNSUPPORTED_MEDIA_TYPE,
-                f"Uploads are multipart/form-data, got {media_type or 'nothing'!r}.",
+        form = await read_upload(request, self.max_file_bytes)
+        names = set(form.fields) | ({form.file_field} if form.file_field else set())
+        unknown = sorted(names - FORM_FIELDS)
+        if unknown:
+            raise invalid_request(f"Unrecognized form field: {unknown[0]!r}.", param=unknown[0])
+        data = form.file
+        purpose = form.fields.get("purpose")
+        if data is None or form.file_field != "file":
+            raise invalid_request("'file' is required: the file to upload.", param="file")
+        if purpose not in UPLOAD_PURPOSES:
+            raise invalid_request(
+                f"'purpose' must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}.",
+                param="purpose",
             )
-        async with request.form(max_files=1, max_fields=8) as form:
-            unknown = sorted(set(form) - FORM_FIELDS)
-            if unknown:
-                raise invalid_request(f"Unrecognized form field: {unknown[0]!r}.", param=unknown[0])
-            upload = form.get("file")
-            purpose = form.get("purpose")
-            if not isinstance(upload, UploadFile):
-                raise invalid_request("'file' is required: the file to upload.", param="file")
-            if purpose not in UPLOAD_PURPOSES:
-                raise invalid_request(
-                    f"'purpose' must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}.",
-                    param="purpose",
-                )
-            data = await upload.read(self.max_file_bytes + 1)
-            filename = upload.filename or "upload"
-            anchor = form.get("expires_after[anchor]")
-            seconds = form.get("expires_after[seconds]")
-        if len(data) > self.max_file_bytes:
-            raise self._too_large()
+        filename = form.filename or "upload"
+        anchor = form.fields.get("expires_after[anchor]")
+        seconds = form.fields.get("expires_after[seconds]")
         if purpose == "batch":
             self._check_batch_file(data)
         after = None
@@ -167,12 +163,6 @@ class Files:
         expiry = expires_at(after, bodies.now())
         return JSONResponse(
             await self.write(caller, data, filename=filename, purpose=purpose, expires_at=expiry)
-        )
-
-    def _too_large(self) -> APIError:
-        return APIError(
-            ErrorKind.REQUEST_TOO_LARGE,
-            f"The file is larger than this server accepts ({self.max_file_bytes} bytes).",
         )
 
     def _check_batch_file(self, data: bytes) -> None:

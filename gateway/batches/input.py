@@ -1,7 +1,10 @@
 """A batch's input file, validated line by line before anything runs (as OpenAI does): each line
-`{"custom_id", "method": "POST", "url", "body"}`, its url the batch's endpoint, its body what that
-endpoint accepts (the endpoint's own parser, so a line is refused here exactly as the same request
-would be interactively), its custom_id unique, no `stream`, and its model served (`unserved`).
+`{"custom_id", "method": "POST", "url", "body"}`, decoded as an interactive request's body is
+(gateway/body.py's `decode_json`: nesting deeper than its limit or half a surrogate pair is that
+line's `invalid_json_line`, never the batch's internal error), its url the batch's endpoint, its
+body what that endpoint accepts (the endpoint's own parser, so a line is refused here exactly as
+the same request would be interactively), its custom_id unique, no `stream`, and its model served
+(`unserved`).
 
     parse_lines(data, endpoint) -> (lines, errors)   errors: OpenAI's `errors.data` items
     unserved(lines, endpoint, registry) -> errors
@@ -9,7 +12,6 @@ would be interactively), its custom_id unique, no `stream`, and its model served
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -18,6 +20,7 @@ from pydantic import Field
 from gateway import endpoints
 from gateway.admission import Caller
 from gateway.backend import Endpoint
+from gateway.body import decode_json
 from gateway.errors import APIError
 from gateway.openai.protocol import StrictModel
 from gateway.registry import ModelRegistry
@@ -63,9 +66,9 @@ def _error(code: str, line: int, message: str, param: str | None = None) -> dict
 
 def _line(number: int, raw: bytes, endpoint: Endpoint) -> Line | dict[str, Any]:
     try:
-        item = json.loads(raw)
-    except ValueError:
-        return _error("invalid_json_line", number, "This line is not parseable as valid JSON.")
+        item = decode_json(raw, "this line")
+    except APIError as exc:
+        return _error("invalid_json_line", number, exc.message)
     if not isinstance(item, dict):
         return _error("invalid_json_line", number, "Each line must be a JSON object.")
     for field in ("custom_id", "method", "url", "body"):

@@ -139,9 +139,9 @@ class RedisBatchStore:
             deleted, _ = await pipe.execute()
         return bool(deleted)
 
-    async def used_bytes(self, tenant: str) -> int:
+    async def file_usage(self, tenant: str) -> tuple[int, int]:
         rows = await self._client.hvals(f"{tenant_tag(tenant)}:files")
-        return sum(int(orjson.loads(r)["bytes"]) for r in rows)
+        return len(rows), sum(int(orjson.loads(r)["bytes"]) for r in rows)
 
     # -- batches -------------------------------------------------------------------------------
 

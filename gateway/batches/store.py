@@ -88,7 +88,7 @@ class BatchStore(Protocol):
         self, tenant: str, *, purpose: str | None, after: str | None, limit: int, ascending: bool
     ) -> list[dict[str, Any]]: ...
     async def delete_file(self, tenant: str, file_id: str) -> bool: ...
-    async def used_bytes(self, tenant: str) -> int: ...
+    async def file_usage(self, tenant: str) -> tuple[int, int]: ...
     async def put_batch(self, batch: StoredBatch) -> None: ...
     async def get_batch(self, tenant: str, batch_id: str) -> StoredBatch | None: ...
     async def list_batches(self, tenant: str, *, after: str | None, limit: int) -> list[dict[str, Any]]: ...
@@ -155,10 +155,14 @@ class SQLiteBatchStore:
 
         return await self._run(delete)
 
-    async def used_bytes(self, tenant: str) -> int:
-        def used() -> int:
-            row = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?", (tenant,))
-            return int(row.fetchone()[0])
+    async def file_usage(self, tenant: str) -> tuple[int, int]:
+        """The tenant's files: how many, and their bytes."""
+
+        def used() -> tuple[int, int]:
+            row = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?", (tenant,)
+            ).fetchone()
+            return int(row[0]), int(row[1])
 
         return await self._run(used)
 

@@ -25,10 +25,11 @@ from engine.types import EngineError, GenerationRequest, LoraError, SamplingPara
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
-from gateway.local.hooks import LocalRoute
+from gateway.local.hooks import Fit, LocalRoute
 from gateway.loras import wait_released
 from gateway.metrics import Metrics, TimedStream
 from gateway.openai import generation, protocol, tools
+from gateway.openai.formats import ChatFormat
 from gateway.openai.tokenizer import Tokenizer, inline_or_thread
 from gateway.settings import LoraSpec, Settings
 
@@ -77,7 +78,7 @@ class EngineBackend:
         self.routes = routes
         self.lora_owners: dict[str, str | None] = {}  # adapter name -> its tenant (None: public)
         if engine is not None:
-            self.tokenizer = Tokenizer(engine.tokenizer)
+            self.tokenizer = Tokenizer(engine.tokenizer, engine.model_type)
             self.engine = engine
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -90,11 +91,14 @@ class EngineBackend:
             return
         try:
             engine = await anyio.to_thread.run_sync(self.engine_factory, self.settings)
-            tokenizer = await anyio.to_thread.run_sync(Tokenizer, engine.tokenizer)
+            tokenizer = await anyio.to_thread.run_sync(Tokenizer, engine.tokenizer, engine.model_type)
             await self._load_start_loras(engine)
         except Exception as exc:  # noqa: BLE001 - reported by /health and /ready, and logged
-            logger.exception("loading the model failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError | OSError):  # the model or a setting: its message says it
+                logger.error("loading the model failed: %s", self.load_error)
+            else:
+                logger.exception("loading the model failed")
             return
         self.tokenizer = tokenizer
         self.engine = engine
@@ -163,7 +167,7 @@ class EngineBackend:
 
     def problem(self) -> str | None:
         if self.load_error is not None:
-            return f"model failed to load: {self.load_error}"
+            return f"model {self.settings.model or 'bundled'} failed to load: {self.load_error}"
         if self.engine is not None:
             return self.engine.health().problem(self.settings.engine_stall_timeout_s)
         return None
@@ -229,16 +233,23 @@ class EngineBackend:
         *,
         param: str,
         output: tools.OutputPlan | None = None,
+        fit: Fit | None = None,
     ) -> Plan:
         """A chat request's plan; a Responses request is planned as the chat request it renders
-        (with its own `output` plan: custom tools, its field names)."""
+        (with its own `output` plan: custom tools, its field names), a Messages request too (with
+        its own rule for a max_tokens over the window's room: `fit`)."""
         engine, tokenizer = self._running()
-        if output is None:  # response_format and tools (gateway/openai/tools.py)
-            output = tools.plan_output(req, closed_arguments=self.closed_arguments)
+        fmt = tokenizer.format  # the model family's calls and reasoning (gateway/openai/formats.py)
+        if output is None:  # response_format and tools, in the family's syntax
+            output = fmt.plan_output(req, closed_arguments=self.closed_arguments)
         size = sum(len(m.text) for m in req.messages)
+        template_kwargs = req.chat_template_kwargs
         prompt = await inline_or_thread(
-            lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
+            lambda ms: tokenizer.encode_chat(ms, output.tools, template_kwargs), req.messages, size
         )
+        if fit is not None:
+            max_tokens = fit(len(prompt), engine.max_model_len)
+            req = req.model_copy(update={"max_tokens": max_tokens, "max_completion_tokens": None})
         params = protocol.sampling_params(
             req,
             num_prompt_tokens=len(prompt),
@@ -251,9 +262,17 @@ class EngineBackend:
         if output.grammar is not None:
             await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
             params = dataclasses.replace(params, grammar=output.grammar)
+        if fmt.keep_special_tokens:  # its markers are special tokens: the parser reads them
+            params = dataclasses.replace(params, skip_special_tokens=False)
         job = self._job(work, params, params.n, len(prompt), tokenizer)
         job.parse_tool_calls = output.parse_tool_calls
+        job.parser = fmt.parser(output, fmt.reasoning(template_kwargs))
         return self._plan(work, job, [prompt], params, param=param)
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The served model's chat conventions (its tool-call syntax, its reasoning)."""
+        return self._running()[1].format
 
     @property
     def closed_arguments(self) -> bool:
@@ -265,7 +284,7 @@ class EngineBackend:
         output = tools.plan_output(req)
         size = sum(len(m.text) for m in req.messages)
         prompt = await inline_or_thread(
-            lambda ms: tokenizer.encode_chat(ms, output.tools), req.messages, size
+            lambda ms: tokenizer.encode_chat(ms, output.tools, req.chat_template_kwargs), req.messages, size
         )
 
         async def execute(call: Call) -> Reply:

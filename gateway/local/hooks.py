@@ -13,8 +13,14 @@ from gateway.openai.bodies import Choice
 from gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
+    from gateway.openai.formats import ChatFormat
     from gateway.openai.generation import Job, Outputs
     from gateway.openai.tools import OutputPlan
+
+
+# (prompt tokens, the model's window) -> the completion tokens a request runs with, or APIError:
+# another protocol's rule where chat's (refuse what does not fit) is not its own.
+Fit = Callable[[int, int], int]
 
 
 class LocalPlanner(Protocol):
@@ -23,8 +29,17 @@ class LocalPlanner(Protocol):
     @property
     def closed_arguments(self) -> bool: ...
 
+    @property
+    def chat_format(self) -> ChatFormat: ...
+
     async def plan_chat(
-        self, work: Work, req: ChatCompletionRequest, *, param: str, output: OutputPlan | None = None
+        self,
+        work: Work,
+        req: ChatCompletionRequest,
+        *,
+        param: str,
+        output: OutputPlan | None = None,
+        fit: Fit | None = None,
     ) -> Plan: ...
 
     async def plan_completion(self, work: Work, req: CompletionRequest) -> Plan: ...

@@ -65,9 +65,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_output_tokens: int = 0
     finish_reason: schemas.CompletionFinishReason | None = None
+    token_ids: list[int] = field(default_factory=list)  # as generated (a matched stop string's too)
 
     def add(self, out: RequestOutput) -> None:
         self.parts.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs)
         self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
         reason = finish_reason_of(out)

@@ -22,7 +22,8 @@ import anyio
 
 from engine.types import EngineError, FinishReason, RequestOutput
 from gateway.errors import APIError, ErrorKind, from_engine_error, sse_error_event
-from gateway.openai import bodies, schemas, tools
+from gateway.openai import bodies, parsers, schemas
+from gateway.openai.parsers import DeltaParser
 from gateway.openai.tokenizer import Tokenizer
 from gateway.sse import DONE, encode_event
 
@@ -153,6 +154,9 @@ class Job:
     # Prompt tokens found in the prefix cache, per engine request (its choices share the prompt).
     cached_by_request: dict[str, int] = field(default_factory=dict)
     parse_tool_calls: bool = False  # chat with tools: calls become `tool_calls` (gateway/openai/tools.py)
+    # How each choice's text is read: its calls and reasoning in the model family's format
+    # (gateway/openai/formats.py); None: as text.
+    parser: Callable[[], DeltaParser] | None = None
 
     def observe(self, out: RequestOutput) -> None:
         seen = self.cached_by_request.get(out.request_id, 0)
@@ -191,13 +195,15 @@ def chat_body(job: Job, choices: Sequence[bodies.Choice]) -> schemas.ChatComplet
         with_logprobs=job.logprobs,
         num_cached_tokens=job.num_cached_tokens,
     )
-    if job.parse_tool_calls:
+    if job.parser is not None:
         for choice in body["choices"]:
-            content, calls = tools.parse_message(choice["message"]["content"] or "")
-            if calls:
-                choice["message"]["content"] = content
-                choice["message"]["tool_calls"] = calls
-                choice["finish_reason"] = _with_calls(choice["finish_reason"], len(calls))
+            message = parsers.read_whole(job.parser(), choice["message"]["content"] or "")
+            choice["message"]["content"] = message.content
+            if message.reasoning is not None:
+                choice["message"]["reasoning_content"] = message.reasoning
+            if message.calls:
+                choice["message"]["tool_calls"] = message.calls
+                choice["finish_reason"] = _with_calls(choice["finish_reason"], len(message.calls))
     return body
 
 
@@ -254,7 +260,7 @@ def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     """`chat.completion.chunk` events: per choice a role delta, content deltas, a finish chunk;
     then the usage chunk (include_usage) and `[DONE]`. An error becomes an error event."""
     started = [False] * job.num_choices
-    parsers = [tools.ToolCallParser() for _ in range(job.num_choices)] if job.parse_tool_calls else None
+    readers = [job.parser() for _ in range(job.num_choices)] if job.parser is not None else None
 
     def chunks(index: int, out: RequestOutput) -> Iterator[Sequence[schemas.ChatCompletionChunkChoice]]:
         if not started[index]:
@@ -262,18 +268,18 @@ def chat_events(outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
             yield [bodies.chat_delta(index, {"role": "assistant", "content": "", "refusal": None})]
         logprobs = bodies.chat_logprobs(job.tokenizer, out.logprobs) if job.logprobs else None
         deltas: list[schemas.ChatCompletionDelta]
-        if parsers is None:
+        if readers is None:
             deltas = [{"content": out.new_text}] if out.new_text else []
-        else:  # text and tool-call deltas, as OpenAI streams them
-            deltas = parsers[index].feed(out.new_text, final=out.finished)
+        else:  # text, reasoning and tool-call deltas, as OpenAI (and vLLM) stream them
+            deltas = readers[index].feed(out.new_text, final=out.finished)
         if not deltas and job.logprobs and out.logprobs:
             deltas = [{"content": ""}]
         for k, delta in enumerate(deltas):
             yield [bodies.chat_delta(index, delta, logprobs=logprobs if k == 0 else None)]
         if out.finished:
             reason: schemas.ChatFinishReason | None = bodies.finish_reason_of(out)
-            if parsers is not None:
-                reason = _with_calls(reason, parsers[index].num_calls)
+            if readers is not None:
+                reason = _with_calls(reason, readers[index].num_calls)
             yield [bodies.chat_delta(index, {}, finish_reason=reason)]
 
     return _events(outputs, job, bodies.chat_chunk, chunks)

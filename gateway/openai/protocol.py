@@ -239,6 +239,9 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant message's reasoning, as this server returns it (and vLLM takes it back): given
+    # to templates that render it (Qwen3's, gpt-oss's), dropped by the others.
+    reasoning_content: str | None = None
 
     @property
     def text(self) -> str:
@@ -314,6 +317,44 @@ def _tool_choice(value: Any) -> Any:
 
 ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_tool_choice)]
 
+# apply_chat_template's own arguments, and what the server renders itself: not variables a request
+# may set through `chat_template_kwargs`.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "sanitize_control_tokens",
+    }
+)
+
+
+def _template_kwargs(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object of the chat template's variables")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} is set by the server, not by a request")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, BeforeValidator(_template_kwargs)]
+
 
 class _SamplingFields(StrictModel):
     """Fields shared by chat and completions, with OpenAI's ranges (and vLLM's extensions)."""
@@ -354,6 +395,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: variables for the model's chat template (Qwen3's `enable_thinking`,
+    # gpt-oss's `reasoning_effort`).
+    chat_template_kwargs: TemplateKwargs = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -109,6 +109,9 @@ class ChatCompletionMessage(TypedDict):
     content: str | None
     refusal: NotRequired[str | None]
     tool_calls: NotRequired[list[MessageToolCall]]
+    # The model's reasoning before its answer (Qwen3's <think>, gpt-oss's analysis channel), as
+    # vLLM and DeepSeek name it; only where the model reasoned.
+    reasoning_content: NotRequired[str]
 
 
 class ChatCompletionChoice(TypedDict):
@@ -136,6 +139,7 @@ class ChatCompletionDelta(TypedDict):
     content: NotRequired[str | None]
     refusal: NotRequired[str | None]
     tool_calls: NotRequired[list[ToolCallDelta]]
+    reasoning_content: NotRequired[str]
 
 
 class ChatCompletionChunkChoice(TypedDict):
@@ -509,8 +513,9 @@ class BudgetFields(TypedDict):
 
 @with_config(ConfigDict(extra="forbid"))
 class PlanTable(BudgetFields):
-    """A plan's limits (the tenants file's `[plans.NAME]`); the batch_* fields and the storage
-    quota are optional (unset: no limit)."""
+    """A plan's limits (the tenants file's `[plans.NAME]`); the batch lane's fields are optional
+    (unset: no limit), and so are the bounds on what a tenant keeps (unset: the gateway's setting
+    of the same name; gateway/bounds.py)."""
 
     priority: Literal["paid", "free"]
     tokens_per_minute: PositiveInt
@@ -520,7 +525,14 @@ class PlanTable(BudgetFields):
     batch_tokens_per_minute: NotRequired[PositiveInt]
     batch_max_concurrent_lines: NotRequired[PositiveInt]
     batch_enqueued_tokens: NotRequired[PositiveInt]
+    responses_max_stored: NotRequired[PositiveInt]
+    conversation_max_items: NotRequired[PositiveInt]
+    conversation_max_bytes: NotRequired[PositiveInt]
+    max_files: NotRequired[PositiveInt]
     storage_quota_bytes: NotRequired[PositiveInt]
+    batch_max_open: NotRequired[PositiveInt]
+    batch_max_queued_lines: NotRequired[PositiveInt]
+    batch_max_running_per_tenant: NotRequired[PositiveInt]
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -716,6 +728,85 @@ class LoraDeleted(TypedDict):
     released: bool
 
 
+class AdminBatch(Batch):
+    """A batch as its tenant's `/v1/batches` answers it, with the tenant (the admin's routes)."""
+
+    tenant: str
+
+
+class AdminBatchList(TypedDict):
+    object: Literal["list"]
+    data: list[AdminBatch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class PriorityCounts(TypedDict):
+    paid: NonNegativeInt
+    free: NonNegativeInt
+    batch: NonNegativeInt
+
+
+class EngineCounts(TypedDict):
+    """An engine's counts now: requests by priority class, KV-cache blocks (`kv_cache_usage`:
+    the share in use), the last step's batch, output tokens/s over a recent window."""
+
+    running: PriorityCounts
+    waiting: PriorityCounts
+    num_running: NonNegativeInt
+    num_waiting: NonNegativeInt
+    num_total_blocks: NonNegativeInt
+    num_free_blocks: NonNegativeInt
+    kv_cache_usage: Annotated[float, Field(ge=0, le=1)]
+    last_batch_size: NonNegativeInt
+    output_tokens_per_s: Annotated[float, Field(ge=0)]
+    num_preemptions: NonNegativeInt
+    total_steps: NonNegativeInt
+    loras_resident: list[str]
+
+
+class EngineState(TypedDict):
+    """An in-process chat model: `status` ready, loading, error or unavailable (`detail`: why);
+    `stats` null until its engine has loaded."""
+
+    object: Literal["engine"]
+    model: str | None
+    status: str
+    detail: str | None
+    stats: EngineCounts | None
+
+
+class EngineStateList(TypedDict):
+    object: Literal["list"]
+    data: list[EngineState]
+
+
+class ReplicaAdapter(TypedDict):
+    resident: bool
+    version: NonNegativeInt
+
+
+class Replica(TypedDict):
+    """A pool replica as this gateway sees it: routed to (`healthy`) or not (`last_error`), the
+    tokens it last reported waiting and running, the requests this gateway has open there."""
+
+    url: str
+    healthy: bool
+    models: list[str]
+    long_prompts: bool
+    loras: dict[str, ReplicaAdapter]
+    reported_tokens: NonNegativeInt
+    inflight: NonNegativeInt
+    num_sent: NonNegativeInt
+    last_error: str | None
+
+
+class ReplicaList(TypedDict):
+    object: Literal["list"]
+    data: list[Replica]
+
+
 # The bodies the document names as responses; their nested classes come along as components.
 RESPONSE_TYPES: tuple[type, ...] = (
     ChatCompletion,
@@ -759,4 +850,8 @@ RESPONSE_TYPES: tuple[type, ...] = (
     LoraAdapter,
     LoraList,
     LoraDeleted,
+    AdminBatch,
+    AdminBatchList,
+    EngineStateList,
+    ReplicaList,
 )

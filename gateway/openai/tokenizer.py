@@ -17,7 +17,7 @@ import anyio
 from jinja2 import TemplateError
 
 from gateway.errors import invalid_request
-from gateway.openai import tools as tool_prompt
+from gateway.openai.formats import ChatFormat
 from gateway.openai.protocol import ChatMessage, Tool
 
 if TYPE_CHECKING:
@@ -71,19 +71,27 @@ class Tokenizer:
     token ids; control tokens typed by a user inside message content are encoded as plain text,
     so a message cannot forge a turn boundary. `token(id)` returns OpenAI's logprob pair: the
     token's text and its raw UTF-8 bytes (a token that is only part of a character shows as
-    `bytes:\\xe2\\x80`, as OpenAI does).
+    `bytes:\\xe2\\x80`, as OpenAI does). `format` is the model family's conventions (its tool calls,
+    its reasoning: gateway/openai/formats.py), read from the template and the config's `model_type`.
     """
 
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, model_type: str = "llama") -> None:
         self.hf = hf_tokenizer
         self.vocab_size = len(hf_tokenizer)
         self._byte_level = _is_byte_level(hf_tokenizer)
-        self.renders_tools = tool_prompt.template_renders_tools(hf_tokenizer)
+        self.format = ChatFormat(hf_tokenizer, model_type)
+        self.renders_tools = self.format.native_tools
         self.token = functools.lru_cache(maxsize=65536)(self._token)
 
-    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Tool] = ()) -> list[int]:
-        """`messages` (and the `tools` shown to the model, gateway/openai/tools.py) rendered and encoded."""
-        conversation, template_tools = tool_prompt.conversation(messages, tools, self.renders_tools)
+    def encode_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Tool] = (),
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """`messages` (and the `tools` shown to the model, gateway/openai/tools.py) rendered and
+        encoded; `template_kwargs`: the request's variables for the template (`enable_thinking`)."""
+        conversation, template_tools = self.format.conversation(messages, tools)
         # the template takes JSON schemas or functions; ours are schemas (a list is invariant)
         schemas: list[dict[Any, Any] | Callable[..., Any]] | None = (
             None if template_tools is None else list(template_tools)
@@ -96,6 +104,7 @@ class Tokenizer:
                 tokenize=True,
                 return_dict=False,
                 sanitize_control_tokens=True,
+                **(template_kwargs or {}),
             )
         except (TemplateError, ValueError) as exc:
             # Templates reject conversations with `raise_exception(...)` (a TemplateError), e.g.
@@ -103,6 +112,14 @@ class Tokenizer:
             # this request's messages, not a fault of the server.
             raise invalid_request(
                 f"The chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        except TypeError as exc:
+            if not template_kwargs:
+                raise
+            # a variable of a type the template cannot use (a string where it compares numbers)
+            raise invalid_request(
+                f"The chat template failed with these chat_template_kwargs: {exc}",
+                param="chat_template_kwargs",
             ) from None
         return list(ids)
 

@@ -28,7 +28,7 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,9 @@ class OutputPlan:
     checks: tuple[tuple[GrammarSpec, str], ...] = ()
     tools: tuple[Tool, ...] = ()  # shown to the model
     parse_tool_calls: bool = False
+    # The call syntax the grammar writes (gateway/openai/formats.py): "hermes" (this module's
+    # `<tool_call>` blocks), "mistral", "llama3_json" or "harmony".
+    syntax: str = "hermes"
 
 
 def plan_output(req: ChatCompletionRequest, closed_arguments: bool = True) -> OutputPlan:
@@ -77,7 +80,7 @@ def plan_output(req: ChatCompletionRequest, closed_arguments: bool = True) -> Ou
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if tools and choice != "none":
         checks = tuple((parameters_spec(t), f"tools[{i}].function.parameters") for i, t in enumerate(tools))
-        answer = _answer_schema(fmt) if choice == "auto" else None
+        answer = answer_schema(fmt) if choice == "auto" else None
         grammar = GrammarSpec.lark(
             tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, answer, closed_arguments),
             json_only=choice != "auto" or answer is not None,
@@ -95,7 +98,7 @@ def plan_output(req: ChatCompletionRequest, closed_arguments: bool = True) -> Ou
     return OutputPlan(spec, ((spec, "response_format.json_schema.schema"),))
 
 
-def _answer_schema(fmt: Any) -> dict[str, Any] | None:
+def answer_schema(fmt: Any) -> dict[str, Any] | None:
     """The JSON schema a text answer must match beside tool calls (response_format), or None."""
     if fmt is None or fmt.type == "text":
         return None
@@ -131,17 +134,12 @@ def closed_schema(schema: Any) -> Any:
     return out
 
 
-def tool_call_grammar(
-    tools: Sequence[Tool],
-    choice: Any,
-    parallel: bool,
-    answer: dict[str, Any] | None = None,
-    closed_arguments: bool = True,
-    other_calls: Sequence[tuple[str, str]] = (),
-) -> str:
-    """A Lark grammar (llguidance's dialect) for the calls `choice` allows, or (auto) free text, or
-    with `answer` (a JSON schema: response_format beside tools) a JSON answer instead.
-    `other_calls`: further kinds of call, each a rule's name and its Lark lines (custom tools)."""
+def call_schema(
+    tools: Sequence[Tool], choice: Any, closed_arguments: bool = True, arguments_key: str = "arguments"
+) -> dict[str, Any]:
+    """The JSON schema of one call of the tools `choice` allows, `{"name": ..., "arguments": ...}`
+    (Llama 3.1 names them "parameters"), compact, with llguidance's options; its `anyOf` is empty
+    when no function is allowed."""
     close = closed_schema if closed_arguments else (lambda schema: schema)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
@@ -150,45 +148,100 @@ def tool_call_grammar(
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": bound_schema(close(_parameters(t))),
+                arguments_key: bound_schema(close(_parameters(t))),
             },
-            "required": ["name", "arguments"],
+            "required": ["name", arguments_key],
             "additionalProperties": False,
         }
         for t in tools
     ]
     lenient = any(t.function.strict is False for t in tools)
-    schema = {"anyOf": options, "x-guidance": {**_COMPACT, **({"lenient": True} if lenient else {})}}
+    return {"anyOf": options, "x-guidance": {**_COMPACT, **({"lenient": True} if lenient else {})}}
+
+
+def arguments_schema(tool: Tool, closed_arguments: bool = True) -> dict[str, Any]:
+    """The JSON schema of one function's arguments as its calls are generated (bounded, and
+    closed where `closed_arguments`), compact, with llguidance's options."""
+    schema = _parameters(tool)
+    schema = bound_schema(closed_schema(schema) if closed_arguments else schema)
+    lenient = {"lenient": True} if tool.function.strict is False else {}
+    return {**schema, "x-guidance": {**_COMPACT, **lenient}}
+
+
+def answer_rule(answer: dict[str, Any], lenient: bool = False) -> str:
+    """The Lark rule `answer`: a JSON text of the `answer` schema, compact (`lenient`: keywords
+    the grammar engine does not implement are ignored)."""
+    options = {**_COMPACT, **({"lenient": True} if lenient else {})}
+    return f"answer: %json {json.dumps({**answer, 'x-guidance': options})}"
+
+
+def tool_call_grammar(
+    tools: Sequence[Tool],
+    choice: Any,
+    parallel: bool,
+    answer: dict[str, Any] | None = None,
+    closed_arguments: bool = True,
+    other_calls: Sequence[tuple[str, str]] = (),
+    *,
+    wrap: tuple[str, str] = (json.dumps(TOOL_CALL_OPEN), json.dumps(TOOL_CALL_CLOSE)),
+    prefix: tuple[str, Sequence[str]] | None = None,
+) -> str:
+    """A Lark grammar (llguidance's dialect) for the calls `choice` allows, or (auto) free text, or
+    with `answer` (a JSON schema: response_format beside tools) a JSON answer instead.
+    `other_calls`: further kinds of call, each a rule's name and its Lark lines (custom tools).
+    `wrap`: the Lark of what opens and closes each call (Qwen's templates write newlines inside);
+    `prefix`: what the output starts with first (a Lark expression, and the lines of its rules:
+    a model's reasoning, gateway/openai/formats.py)."""
+    schema = call_schema(tools, choice, closed_arguments)
     kinds = [name for name, _ in other_calls]
     lines = [line for _, rule in other_calls for line in rule.splitlines()]
-    if options:
+    if schema["anyOf"]:
         kinds.insert(0, "function_call")
-        call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
-        lines.append(f"function_call: {call}")
+        lines.append(f"function_call: {wrap[0]} %json {json.dumps(schema)} {wrap[1]}")
     lines += [
         f"call: {' | '.join(kinds)}",
         f'calls: call ("\\n" call)~0..{MAX_PARALLEL_TOOL_CALLS - 1}' if parallel else "calls: call",
     ]
+    if prefix is not None:
+        lines += prefix[1]
+
+    def start(body: str) -> str:
+        return f"start: {prefix[0]} ({body})" if prefix is not None else f"start: {body}"
+
     if choice == "auto" and answer is not None:
-        lines = [
-            "start: calls | answer",
-            f"answer: %json {json.dumps({**answer, 'x-guidance': _COMPACT})}",
-            *lines,
-        ]
+        lines = [start("calls | answer"), answer_rule(answer), *lines]
     elif choice == "auto":
         # Text that does not start like a call; once the output starts with "<", a call it is.
-        lines = ["start: calls | TEXT", r"TEXT: /[^<](.|\n)*/", *lines]
+        lines = [start("calls | TEXT"), r"TEXT: /[^<](.|\n)*/", *lines]
     else:
-        lines = ["start: calls", *lines]
+        lines = [start("calls"), *lines]
     return "\n".join(lines) + "\n"
 
 
 # -- the prompt -----------------------------------------------------------------------------------
 
 
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe_function", "parameters": {"type": "object", "properties": {}}},
+}
+
+
 def template_renders_tools(hf_tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes the `tools` it is given into the prompt: tried,
+    not guessed from its text (Phi-4-mini's names `tools` but reads them only from a system
+    message's field)."""
     template = getattr(hf_tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
+    if not isinstance(template, str) or "tools" not in template:
+        return False
+    try:
+        probe = [{"role": "user", "content": "hi"}]
+        rendered = hf_tokenizer.apply_chat_template(
+            probe, tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that needs more than the probe: trust its text
+        return True
+    return isinstance(rendered, str) and "probe_function" in rendered
 
 
 def _call_block(name: str, arguments: str) -> str:
@@ -196,10 +249,18 @@ def _call_block(name: str, arguments: str) -> str:
 
 
 def conversation(
-    messages: Sequence[ChatMessage], tools: Sequence[Tool], native: bool
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool],
+    native: bool,
+    *,
+    reasoning_key: str | None = None,
+    call_id: Callable[[str], str] = lambda call_id: call_id,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Messages (and tools) for `apply_chat_template`: the template's own tool rendering when
-    `native`, else the default format of the module docstring (tools argument None)."""
+    """Messages (and tools) for `apply_chat_template`, in the form transformers documents: the
+    template's own tool rendering when `native` (a call's arguments as an object), else the default
+    format of the module docstring (tools argument None). `reasoning_key`: where the template reads
+    an assistant message's reasoning (Qwen3: `reasoning_content`, gpt-oss: `thinking`; None: it is
+    dropped); `call_id`: a call's id as the template takes it (Mistral's: 9 letters and digits)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
@@ -207,10 +268,12 @@ def conversation(
         if m.name is not None:
             message["name"] = m.name
         if native:
+            if m.reasoning_content and reasoning_key is not None:
+                message[reasoning_key] = m.reasoning_content
             if m.tool_calls:
                 message["tool_calls"] = [
                     {
-                        "id": c.id,
+                        "id": call_id(c.id),
                         "type": "function",
                         "function": {
                             "name": c.function.name,
@@ -220,7 +283,7 @@ def conversation(
                     for c in m.tool_calls
                 ]
             if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
+                message["tool_call_id"] = call_id(m.tool_call_id)
         else:
             if m.tool_calls:
                 blocks = "\n".join(_call_block(c.function.name, c.function.arguments) for c in m.tool_calls)
@@ -250,7 +313,8 @@ def _loads_or_text(arguments: str) -> Any:
 
 # -- reading calls back -----------------------------------------------------------------------------
 
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# The arguments start at their first character (not a space a model writes after the colon).
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
 def new_call_id() -> str:

@@ -1,9 +1,9 @@
 """The OpenAPI 3.1 document served at /openapi.json.
 
 Every schema is generated, none is written out here: requests from the pydantic models that
-validate them (gateway/openai/protocol.py, gateway/responses/request.py, ...), responses from the
-typed dicts the response builders return (gateway/openai/schemas.py), so neither can drift from
-what the handlers do.
+validate them (gateway/openai/protocol.py, gateway/responses/request.py, gateway/anthropic/
+request.py, ...), responses from the typed dicts the response builders return (gateway/openai/
+schemas.py, gateway/anthropic/schemas.py), so neither can drift from what the handlers do.
 Tests validate real responses and stream chunks against the document. The served model name is an
 enum, so a schema-driven fuzzer reaches the engine instead of stopping at 404.
 """
@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
+from gateway.anthropic import schemas as anthropic_schemas
+from gateway.anthropic.request import CountTokensRequest, MessagesRequest
 from gateway.batches.input import BatchCreateRequest
 from gateway.openai import schemas as response_schemas
 from gateway.openai.protocol import (
@@ -50,6 +52,8 @@ REQUEST_TYPES: tuple[type, ...] = (
     ConversationUpdateRequest,
     ConversationItemsRequest,
     BatchCreateRequest,
+    MessagesRequest,
+    CountTokensRequest,
 )
 
 
@@ -61,7 +65,8 @@ def component_schemas() -> dict[str, Any]:
     inputs: list[tuple[str, JsonSchemaMode, TypeAdapter[Any]]] = [
         (t.__name__, "validation", TypeAdapter(t)) for t in REQUEST_TYPES
     ]
-    inputs += [(t.__name__, "serialization", TypeAdapter(t)) for t in response_schemas.RESPONSE_TYPES]
+    responses = (*response_schemas.RESPONSE_TYPES, *anthropic_schemas.RESPONSE_TYPES)
+    inputs += [(t.__name__, "serialization", TypeAdapter(t)) for t in responses]
     refs, defs = TypeAdapter.json_schemas(inputs, ref_template=REF)
     for (name, _), given in refs.items():
         # pydantic names a def after its class, unless two classes share a name (it then
@@ -91,7 +96,14 @@ def build_openapi(
     schemas = copy.deepcopy(component_schemas())
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     if names:
-        for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "InputTokensRequest"):
+        for name in (
+            "ChatCompletionRequest",
+            "CompletionRequest",
+            "ResponsesRequest",
+            "InputTokensRequest",
+            "MessagesRequest",
+            "CountTokensRequest",
+        ):
             schemas[name]["properties"]["model"] = {"type": "string", "enum": names}
     if vocab_size is not None:
         schemas["CompletionRequest"]["properties"]["prompt"] = prompt_schema(vocab_size)
@@ -115,7 +127,8 @@ def build_openapi(
         "info": {
             "title": "batchgate",
             "version": version,
-            "description": "OpenAI-compatible text generation over an in-process continuous-batching engine.",
+            "description": "OpenAI-compatible text generation over an in-process continuous-batching "
+            "engine; Anthropic's Messages API too.",
         },
         "paths": paths,
         "components": {"schemas": schemas, "securitySchemes": SECURITY_SCHEMES},

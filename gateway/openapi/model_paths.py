@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openapi.parts import (
+    ANTHROPIC_AUTH,
     COMMON_ERRORS,
+    MESSAGES_ERRORS,
     PAGE,
     POST_ERRORS,
     STORED_ERRORS,
@@ -22,6 +24,22 @@ _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema":
 
 _CONVERSATION_ID = {"name": "conversation_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _ITEM_ID = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _anthropic_event() -> dict[str, Any]:
+    """One event of a message's stream: its `event` line names the type its `data` carries."""
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": ref("MessageStreamEvent"),
+            },
+        },
+    }
 
 
 def paths() -> dict[str, Any]:
@@ -66,8 +84,13 @@ def paths() -> dict[str, Any]:
                 "summary": "List the served models",
                 "responses": {
                     "200": {
-                        "description": "OK",
-                        "content": {"application/json": {"schema": ref("ModelList")}},
+                        "description": "OpenAI's list; Anthropic's page of ModelInfo (with the "
+                        "aliases that name one model) for a request that carries anthropic-version",
+                        "content": {
+                            "application/json": {
+                                "schema": {"anyOf": [ref("ModelList"), ref("ModelInfoPage")]}
+                            }
+                        },
                     },
                     **COMMON_ERRORS,
                 },
@@ -105,6 +128,40 @@ def paths() -> dict[str, Any]:
                     "content": {"application/json": {"schema": ref("InputTokensRequest")}},
                 },
                 "responses": {"200": json_op("The count", "InputTokenCount"), **POST_ERRORS},
+            }
+        },
+        "/v1/messages": {
+            "post": {
+                "summary": "Create a message (Anthropic's Messages API)",
+                "security": ANTHROPIC_AUTH,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": ref("MessagesRequest")}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "A Message, or (stream=true) its events, each as `event: <type>` "
+                        "and `data: <event>`, message_stop last (an error event, last, after a failure); "
+                        "x-batchgate-clamped-max-tokens: the max_tokens it ran with when the window "
+                        "left less than asked; x-batchgate-ignored: the fields accepted and ignored",
+                        "content": {
+                            "application/json": {"schema": ref("Message")},
+                            "text/event-stream": {"schema": _anthropic_event()},
+                        },
+                    },
+                    **MESSAGES_ERRORS,
+                },
+            }
+        },
+        "/v1/messages/count_tokens": {
+            "post": {
+                "summary": "Count a message request's input tokens (its prompt, as the model reads it)",
+                "security": ANTHROPIC_AUTH,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": ref("CountTokensRequest")}},
+                },
+                "responses": {"200": json_op("The count", "MessageTokensCount"), **MESSAGES_ERRORS},
             }
         },
         "/v1/responses/{response_id}": {

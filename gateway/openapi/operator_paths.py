@@ -43,6 +43,15 @@ _USAGE_PAGE = {
         "has_more": {"type": "boolean"},
         "next_page": {"type": "null"},
         "budgets": {"type": "array", "items": ref("BudgetState"), "description": "GET /v1/usage only"},
+        "limits": {
+            "type": "object",
+            "description": "GET /v1/usage only: the tenant's bounds on what it keeps, each with its use now "
+            "(null: per conversation)",
+            "additionalProperties": {
+                "type": "object",
+                "properties": {"limit": {"type": "integer"}, "used": {"type": ["integer", "null"]}},
+            },
+        },
     },
 }
 
@@ -241,4 +250,59 @@ def admin_paths() -> dict[str, Any]:
             errors=lora_errors,
         ),
     }
+    paths.update(_batch_and_state_paths())
     return paths
+
+
+def _batch_and_state_paths() -> dict[str, Any]:
+    """Every tenant's batches (gateway/admin/batches.py) and the serving state (gateway/admin/state.py):
+    the admin key, no Redis."""
+    errors = {
+        "401": _ADMIN_ERRORS["401"],
+        "404": error("No such batch, or no such tenant (`tenant`)"),
+        "405": _ADMIN_ERRORS["405"],
+        "500": _ADMIN_ERRORS["500"],
+    }
+    tenant = query("tenant", "Only this tenant's (default: every tenant's)", {"type": "string"})
+    batch_id = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    listing = [
+        tenant,
+        query("status", "Only batches with this status", {"type": "string"}),
+        query("limit", "How many, newest first", {"type": "integer", "minimum": 1, "maximum": 100}),
+    ]
+    state_errors = {k: v for k, v in errors.items() if k != "404"}
+    return {
+        "/admin/batches": {
+            "get": _admin_op(
+                "List every tenant's batches, newest first",
+                "AdminBatchList",
+                listing,
+                errors={"400": error("Invalid `limit`"), **errors},
+            )
+        },
+        "/admin/batches/{batch_id}": {
+            "get": _admin_op("Retrieve any tenant's batch", "AdminBatch", [batch_id, tenant], errors=errors)
+        },
+        "/admin/batches/{batch_id}/cancel": {
+            "post": _admin_op(
+                "Cancel any tenant's batch (as its tenant's own cancel does)",
+                "AdminBatch",
+                [batch_id, tenant],
+                errors={"400": error("The batch is final already (`batch_not_cancellable`)"), **errors},
+            )
+        },
+        "/admin/engines": {
+            "get": _admin_op(
+                "Each in-process chat model's engine now: requests per priority class, KV cache, throughput",
+                "EngineStateList",
+                errors=state_errors,
+            )
+        },
+        "/admin/replicas": {
+            "get": _admin_op(
+                "Each pool replica as this gateway sees it: health, models, load, last error",
+                "ReplicaList",
+                errors=state_errors,
+            )
+        },
+    }

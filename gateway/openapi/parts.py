@@ -21,8 +21,15 @@ SECURITY_SCHEMES = {
         "description": "The admin key (its hash: --admin-key-hash or BATCHGATE_ADMIN_KEY_HASH); "
         "a tenant's key is a 401 here",
     },
+    "anthropicKey": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "A tenant's API key as Anthropic's SDKs send it (the Messages API only)",
+    },
 }
 TENANT_AUTH: list[dict[str, list[str]]] = [{"tenantKey": []}, {}]
+ANTHROPIC_AUTH: list[dict[str, list[str]]] = [{"anthropicKey": []}, {"tenantKey": []}, {}]
 ADMIN_AUTH: list[dict[str, list[str]]] = [{"adminKey": []}]
 
 
@@ -30,8 +37,24 @@ def ref(name: str) -> dict[str, str]:
     return {"$ref": REF.format(model=name)}
 
 
-def error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": ref("Error")}}}
+def error(description: str, schema: str = "Error") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": ref(schema)}}}
+
+
+# The Messages API's errors: Anthropic's shape and statuses (gateway/anthropic/errors.py).
+MESSAGES_ERRORS = {
+    "400": error("invalid_request_error (`prompt is too long: N tokens > M maximum` too)", "ErrorResponse"),
+    "401": error("authentication_error: a missing or invalid API key", "ErrorResponse"),
+    "404": error("not_found_error: an unknown model or route", "ErrorResponse"),
+    "405": error("invalid_request_error: method not allowed", "ErrorResponse"),
+    "413": error("request_too_large", "ErrorResponse"),
+    "415": error("invalid_request_error: Content-Type is not application/json", "ErrorResponse"),
+    "429": error(
+        "rate_limit_error: a rate limit or a budget; see retry-after and x-should-retry", "ErrorResponse"
+    ),
+    "500": error("api_error: an internal error or a failed generation", "ErrorResponse"),
+    "529": error("overloaded_error: shed, loading or draining; see retry-after", "ErrorResponse"),
+}
 
 
 COMMON_ERRORS = {

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from gateway.anthropic import output as messages_output
 from gateway.backend import Usage
 from gateway.responses.output import TEXT_EVENTS
 from gateway.telemetry import ChatSpan
@@ -26,7 +27,7 @@ async def stop_read(task: asyncio.Task[bytes]) -> None:
 
 
 class UpstreamEnded(Exception):
-    """The replica's stream ended without `[DONE]`."""
+    """The replica's stream ended before its last frame (`[DONE]`, Anthropic's `message_stop`)."""
 
 
 async def read_frames(response: httpx.Response) -> AsyncGenerator[bytes, None]:
@@ -75,6 +76,10 @@ class Observer:
             u = body["usage"]
             if body.get("object") == "response":
                 self._response_usage(u)
+                return
+            if body.get("type") == "message":
+                self._message_usage(u)
+                self.span.finish_reason(0, str(body.get("stop_reason")))
                 return
             self.usage.num_prompt_tokens = int(u["prompt_tokens"])
             self.usage.num_completion_tokens = int(u.get("completion_tokens", 0))  # embeddings have none
@@ -128,14 +133,26 @@ class Observer:
         if isinstance(details, dict) and details.get("cached_tokens") is not None:
             self.usage.num_cached_tokens = int(details["cached_tokens"])
 
+    def _message_usage(self, u: dict[str, Any]) -> None:
+        """Anthropic's `usage`: the prompt is its input, cache-read and cache-write tokens."""
+        cached = int(u.get("cache_read_input_tokens") or 0)
+        written = int(u.get("cache_creation_input_tokens") or 0)
+        self.usage.num_prompt_tokens = int(u["input_tokens"]) + cached + written
+        self.usage.num_cached_tokens = cached
+        self.usage.num_completion_tokens = int(u["output_tokens"])
+
     def _observe_event(self, frame: bytes) -> bool:
-        """A Responses stream's typed event: text and argument deltas, and the terminal event's
-        response (its id and usage)."""
+        """A typed event: a Responses stream's (text and argument deltas, and the terminal event's
+        response: its id and usage) or a Messages stream's (block deltas; the message's id at its
+        start, its usage at its end)."""
         kind = frame[len(b"event: ") : frame.find(b"\n")]
-        if kind in TEXT_EVENTS:
+        if kind in TEXT_EVENTS or kind in messages_output.TEXT_EVENTS:
             if not self.reported:
                 self.usage.num_completion_tokens += 1  # an estimate, corrected by the final usage
             return True
+        if kind in (b"message_start", b"message_delta"):
+            self._message_event(frame)
+            return False
         if not kind.startswith(b"response."):
             return False
         try:
@@ -148,3 +165,16 @@ class Observer:
         except (ValueError, KeyError, TypeError, IndexError):
             pass
         return False
+
+    def _message_event(self, frame: bytes) -> None:
+        """`message_start` names the message; `message_delta` has its final usage."""
+        try:
+            payload = json.loads(frame.split(b"\ndata: ", 1)[1])
+            if payload["type"] == "message_start":
+                self.usage.response_id = str(payload["message"]["id"])
+                return
+            self._message_usage(payload["usage"])
+            self.usage.final = True
+            self.span.finish_reason(0, str(payload["delta"]["stop_reason"]))
+        except (ValueError, KeyError, TypeError, IndexError):
+            pass

@@ -20,7 +20,7 @@ The request goes to the replica routing picks (gateway/pool/routing.py) among th
 serve its model (gateway/pool/replicas.py); for a LoRA adapter, one that holds it or where it is
 loaded first (gateway/pool/adapters.py). A replica that fails before the client got its first byte
 is retried on another; one that dies mid-stream ends the client's stream with an SSE error event
-in OpenAI's shape, then `[DONE]`.
+in its protocol's shape (OpenAI's, then `[DONE]`; Anthropic's, last).
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from dataclasses import dataclass
 import httpx
 
 from gateway import admission
+from gateway.anthropic.errors import OVERLOADED_STATUS
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Usage, Work
 from gateway.drain import DRAINING_HEADER
-from gateway.errors import APIError, ErrorKind, Refusal, sse_error_event
+from gateway.errors import APIError, Dialect, ErrorKind, Refusal
 from gateway.metrics import Metrics
 from gateway.pool.adapters import AdapterLoadError, PoolAdapters
 from gateway.pool.frames import Observer, UpstreamEnded, no_frames, read_frames, stop_read
 from gateway.pool.replicas import ReplicaSet, Upstream
 from gateway.pool.routing import affinity_key
 from gateway.settings import LoraSpec, Settings
-from gateway.sse import DONE
 from tenancy.billing import prompt_excess_weight
 from tenancy.service import Tenancy
 from tenancy.tokens import TokenCounter
@@ -53,7 +53,8 @@ logger = logging.getLogger("batchgate.pool")
 
 # The replica keeps a cut stream's usage a moment after the cut; it waits up to 2 s for it.
 REPORT_TIMEOUT_S = 3.0
-RETRY_STATUSES = (502, 503, 504)
+# What another replica may answer instead; Anthropic's protocol sheds with its own 529.
+RETRY_STATUSES = (502, 503, 504, OVERLOADED_STATUS)
 TASKS = {t.value for t in Task}
 # Hop-by-hop and recomputed headers not copied from a replica's response.
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "date", "server"}
@@ -241,7 +242,7 @@ class ReplicaBackend:
         for name in _STREAM_HEADERS:
             out_headers.pop(name, None)
         return Stream(
-            self._relay(response, frames, first, observer, started, hide_usage),
+            self._relay(response, frames, first, observer, started, hide_usage, work.endpoint.dialect),
             ready=first.done(),  # else headers now, a keep-alive, and the first frame follows
             headers=out_headers,
         )
@@ -426,17 +427,20 @@ class ReplicaBackend:
         observer: Observer,
         started: float,
         hide_usage: bool,
+        dialect: Dialect,
     ) -> AsyncIterator[bytes]:
-        """The replica's frames to the client, observed for usage and latency; `hide_usage` drops
-        the usage-only chunk that the gateway asked for on the client's behalf."""
+        """The replica's frames to the client, observed for usage and latency, up to the last one
+        its protocol's stream has (`dialect`); `hide_usage` drops the usage-only chunk that the
+        gateway asked for on the client's behalf."""
         last_token: float | None = None
         try:
             # Shielded: a client that leaves cancels this generator, not the read in flight (see _stop).
             frame = await asyncio.shield(first)
             observer.usage.served = True  # the replica answers: what it used is charged from now on
             while True:
-                if frame == DONE:
-                    yield DONE
+                if dialect.is_last(frame):
+                    observer.observe(frame)
+                    yield frame
                     return
                 if observer.observe(frame):
                     now = time.perf_counter()
@@ -453,13 +457,14 @@ class ReplicaBackend:
         except (httpx.HTTPError, UpstreamEnded, StopAsyncIteration) as exc:
             logger.warning("upstream %s failed mid-stream: %r", response.request.url, exc)
             observer.span.set("error.type", "upstream_failed_mid_stream")
-            yield sse_error_event(
+            yield dialect.error_event(
                 APIError(
                     ErrorKind.UNAVAILABLE,
                     "The engine replica serving this request failed mid-stream; retry the request.",
                 )
             )
-            yield DONE
+            if dialect.end_after_error:
+                yield dialect.end_frame
         finally:
             await stop_read(first)
             await frames.aclose()

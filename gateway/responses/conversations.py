@@ -11,16 +11,21 @@
 
 A response created with `conversation` starts from the conversation's items, and its input and
 output items are appended to it (gateway/responses/state.py). Conversations live in the response
-store (gateway/responses/store.py) beside the responses, within the same bound. Another tenant's
-id is a 404. Appending is read-modify-write: two turns of one conversation at once may lose one's
-items (clients send a conversation's turns one after another).
+store (gateway/responses/store.py) beside the responses, within the same per-tenant bound. Another
+tenant's id is a 404. Appending is read-modify-write: two turns of one conversation at once may
+lose one's items (clients send a conversation's turns one after another).
+
+A conversation holds at most the tenant's `conversation_max_items` items and
+`conversation_max_bytes` bytes as stored (gateway/bounds.py): a create, an update or an add that
+would go over is a 400 naming the bound, and so is a response whose conversation is already at it
+(a response's own turn is appended whole, so a conversation may pass the bound by that turn).
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, ValidationError
@@ -29,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.admission import Caller
 from gateway.body import read_json
+from gateway.bounds import Bounds, exceeded
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.openai.bodies import now
 from gateway.openai.listing import list_page, list_params
@@ -141,11 +147,31 @@ def parse_body(model: type[M], body: Any) -> M:
 
 
 class Conversations:
-    """The routes above, over one store."""
+    """The routes above, over one store; `bounds`: a caller's tenant's bounds (gateway/bounds.py)."""
 
-    def __init__(self, store: ResponseStore, max_body_bytes: int) -> None:
+    def __init__(
+        self, store: ResponseStore, max_body_bytes: int, bounds: Callable[[Caller], Bounds] | None = None
+    ) -> None:
         self.store = store
         self.max_body_bytes = max_body_bytes
+        self.bounds = bounds
+
+    def check_room(
+        self, caller: Caller, conversation: StoredConversation, param: str = "items", *, adding: int = 0
+    ) -> None:
+        """APIError 400 naming the bound when `conversation` (with `adding` more items, and their
+        bytes already in it) is over the caller's tenant's bounds; `param`: the field at fault."""
+        if self.bounds is None:
+            return
+        bounds = self.bounds(caller)
+        num_items = len(conversation.items) + adding
+        if num_items > bounds.conversation_max_items:
+            what = f"The conversation would hold {num_items:,} items"
+            raise exceeded("conversation_max_items", bounds.conversation_max_items, what, param)
+        size = len(conversation.dumps())
+        if size > bounds.conversation_max_bytes:
+            what = f"The conversation would take {size:,} bytes"
+            raise exceeded("conversation_max_bytes", bounds.conversation_max_bytes, what, param)
 
     # -- used by the Responses API -------------------------------------------------------------
 
@@ -176,7 +202,9 @@ class Conversations:
             "created_at": now(),
             "metadata": dict(body.metadata or {}),
         }
-        await self.save(caller.name, StoredConversation(conversation, items))
+        stored = StoredConversation(conversation, items)
+        self.check_room(caller, stored)
+        await self.save(caller.name, stored)
         return JSONResponse(conversation)
 
     async def retrieve(self, caller: Caller, request: Request) -> Response:
@@ -187,7 +215,9 @@ class Conversations:
         body = parse_body(ConversationUpdateRequest, await read_json(request, self.max_body_bytes))
         stored = await self.load(caller.name, request.path_params["conversation_id"])
         conversation = {**stored.conversation, "metadata": dict(body.metadata)}
-        await self.save(caller.name, StoredConversation(conversation, stored.items))
+        updated = StoredConversation(conversation, stored.items)
+        self.check_room(caller, updated, "metadata")
+        await self.save(caller.name, updated)
         return JSONResponse(conversation)
 
     async def delete(self, caller: Caller, request: Request) -> Response:
@@ -204,7 +234,10 @@ class Conversations:
         body = parse_body(ConversationItemsRequest, await read_json(request, self.max_body_bytes))
         items = _items(body.items, "items")
         conversation_id = request.path_params["conversation_id"]
-        await self.append(caller.name, conversation_id, items)
+        current = await self.load(caller.name, conversation_id)
+        grown = StoredConversation(current.conversation, [*current.items, *items])
+        self.check_room(caller, grown)
+        await self.save(caller.name, grown)
         return JSONResponse(
             {
                 "object": "list",

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 
 from engine.types import GrammarSpec, regex_as_lark
 from gateway.openai import tools
+from gateway.openai.formats import ChatFormat
+from gateway.openai.parsers import DeltaParser
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.schemas import ChatCompletionDelta
 from gateway.responses.chat_form import CUSTOM_CALL_CLOSE, CUSTOM_CALL_OPEN
@@ -48,13 +50,21 @@ def _input_grammar(tool: CustomTool) -> str | None:
 
 
 def plan_output(
-    req: ResponsesRequest, chat: ChatCompletionRequest, closed_arguments: bool = True
+    req: ResponsesRequest,
+    chat: ChatCompletionRequest,
+    closed_arguments: bool = True,
+    chat_format: ChatFormat | None = None,
 ) -> tools.OutputPlan:
-    """The output plan of `req` rendered as `chat`: gateway/openai/tools.py's, with the custom tools that
-    `tool_choice` offers as further kinds of call; its errors name the Responses request's fields."""
+    """The output plan of `req` rendered as `chat`: the model family's (`chat_format`,
+    gateway/openai/formats.py; None: gateway/openai/tools.py's), with the custom tools that
+    `tool_choice` offers as further kinds of call (in the `<tool_call>` syntax, whatever the
+    family's); its errors name the Responses request's fields."""
     functions, customs = offered_tools(req)
     if not customs:
-        plan = tools.plan_output(chat, closed_arguments)
+        if chat_format is not None:
+            plan = chat_format.plan_output(chat, closed_arguments)
+        else:
+            plan = tools.plan_output(chat, closed_arguments)
         return replace(plan, checks=tuple((spec, _responses_param(req, chat, p)) for spec, p in plan.checks))
     choice = req.tool_choice
     mode = choice.mode if isinstance(choice, ToolChoiceAllowed) else choice
@@ -119,7 +129,7 @@ class CallSplitter:
     """Splits one choice's text, fed as it is generated, into function-call parser deltas (chat
     delta dicts) and custom calls (see the module docstring)."""
 
-    inner: tools.ToolCallParser = field(default_factory=tools.ToolCallParser)
+    inner: DeltaParser = field(default_factory=tools.ToolCallParser)
     _buffer: str = ""
     _state: str = "text"  # text | head (the name being read) | input
 

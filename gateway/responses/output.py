@@ -1,11 +1,15 @@
 """From engine outputs to the Responses API's `response` object and its typed event stream.
 
-One response has one choice. Its text is split by the tool-call parser (gateway/openai/tools.py) into an
-assistant `message` item (one `output_text` part) and `function_call` items, in the order the model
-wrote them. The stream is OpenAI's event sequence, each event with its `sequence_number`:
+One response has one choice. Its text is read by the model family's parser (gateway/openai/
+formats.py: its reasoning, its tool calls) into a `reasoning` item (one `reasoning_text` part:
+Qwen3's <think>, gpt-oss's analysis channel), an assistant `message` item (one `output_text` part)
+and `function_call` items, in the order the model wrote them. The stream is OpenAI's event
+sequence, each event with its `sequence_number`:
 
     response.created, response.in_progress,
       per item: response.output_item.added,
+        reasoning: response.content_part.added, response.reasoning_text.delta...,
+                   response.reasoning_text.done, response.content_part.done
         message: response.content_part.added, response.output_text.delta..., response.output_text.done,
                  response.content_part.done
         function_call: response.function_call_arguments.delta..., response.function_call_arguments.done
@@ -27,12 +31,18 @@ from engine.types import TokenLogprob
 from gateway.errors import APIError
 from gateway.openai import bodies, generation
 from gateway.openai.generation import Job, Outputs
+from gateway.openai.parsers import DeltaParser
+from gateway.openai.tools import ToolCallParser
 from gateway.responses import custom_tools
 from gateway.responses.chat_form import text_echo, tool_choice_echo, tools_echo
 from gateway.responses.request import ResponsesRequest
 from gateway.sse import DONE
 
-TEXT_EVENTS = (b"response.output_text.delta", b"response.function_call_arguments.delta")
+TEXT_EVENTS = (
+    b"response.output_text.delta",
+    b"response.function_call_arguments.delta",
+    b"response.reasoning_text.delta",
+)
 TERMINAL_EVENTS = (
     b"event: response.completed\n",
     b"event: response.incomplete\n",
@@ -124,6 +134,16 @@ def _message(
     }
 
 
+def _reasoning(text: str, status: str, item: str | None = None) -> dict[str, Any]:
+    return {
+        "id": item or item_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
 def _function_call(
     req: ResponsesRequest, call_id: str, name: str, arguments: str, status: str
 ) -> dict[str, Any]:
@@ -155,7 +175,9 @@ def response_body(req: ResponsesRequest, job: Job, choice: bodies.Choice) -> dic
     length = choice.final_reason == "length"
     status = "incomplete" if length else "completed"
     logprobs = _logprobs(job, choice.logprobs, with_bytes=True) if job.logprobs else []
-    content, calls = _split(choice.text) if job.parse_tool_calls else (choice.text, [])
+    content, reasoning, calls = _split(choice.text, job)
+    if reasoning:
+        body["output"].append(_reasoning(reasoning, status))
     if content.strip() or not calls:
         body["output"].append(_message(content, status, logprobs))
     for call in calls:
@@ -167,13 +189,24 @@ def response_body(req: ResponsesRequest, job: Job, choice: bodies.Choice) -> dic
     return finish(body, length, choice.num_output_tokens, job)
 
 
-def _split(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """A whole output -> its text and its calls (function and custom, in order), by the stream's
-    own parser, so a streamed response assembles to exactly the non-streamed one."""
+def _reader(job: Job) -> custom_tools.CallSplitter | DeltaParser | None:
+    """How one choice's text is read: its tool calls (custom ones too) and reasoning; None: as text."""
+    if job.parse_tool_calls:
+        return custom_tools.CallSplitter(job.parser() if job.parser is not None else ToolCallParser())
+    return job.parser() if job.parser is not None else None
+
+
+def _split(text: str, job: Job) -> tuple[str, str, list[dict[str, Any]]]:
+    """A whole output -> its text, its reasoning and its calls (function and custom, in order), by
+    the stream's own parser, so a streamed response assembles to exactly the non-streamed one."""
+    reader = _reader(job)
+    if reader is None:
+        return text, "", []
     content: list[str] = []
+    reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
     functions: dict[int, dict[str, Any]] = {}
-    for event in custom_tools.CallSplitter().feed(text, final=True):
+    for event in reader.feed(text, final=True):
         if isinstance(event, custom_tools.CustomStart):
             call = {"type": "custom_tool_call", "call_id": event.call_id, "name": event.name}
             calls.append({**call, "input": ""})
@@ -183,6 +216,8 @@ def _split(text: str) -> tuple[str, list[dict[str, Any]]]:
             continue
         elif "content" in event:
             content.append(event["content"] or "")
+        elif "reasoning_content" in event:
+            reasoning.append(event["reasoning_content"])
         else:
             for part in event["tool_calls"]:
                 if "id" in part:
@@ -190,7 +225,7 @@ def _split(text: str) -> tuple[str, list[dict[str, Any]]]:
                     functions[part["index"]] = {**call, "arguments": ""}
                     calls.append(functions[part["index"]])
                 functions[part["index"]]["arguments"] += part.get("function", {}).get("arguments", "")
-    return "".join(content), calls
+    return "".join(content), "".join(reasoning), calls
 
 
 def _custom_call(call_id: str, name: str, text: str) -> dict[str, Any]:
@@ -261,6 +296,34 @@ class _Writer:
         )
         return frames
 
+    def reasoning_delta(self, text: str) -> list[bytes]:
+        frames = []
+        item = self.open_item
+        if item is None or item["type"] != "reasoning":
+            item = {**_reasoning("", "in_progress"), "content": []}
+            frames += self._open(item)
+            part = {"type": "reasoning_text", "text": ""}
+            frames.append(
+                self.emit(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=self.index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+        self.text.append(text)
+        frames.append(
+            self.emit(
+                "response.reasoning_text.delta",
+                item_id=item["id"],
+                output_index=self.index,
+                content_index=0,
+                delta=text,
+            )
+        )
+        return frames
+
     def call_start(self, call_id: str, name: str) -> list[bytes]:
         return self._start_call(_function_call(self.req, call_id, name, "", "in_progress"))
 
@@ -322,6 +385,28 @@ class _Writer:
                 )
             )
             self.text, self.logprobs = [], []
+        elif item["type"] == "reasoning":
+            text = "".join(self.text)
+            done = _reasoning(text, status, item["id"])
+            frames.append(
+                self.emit(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            )
+            frames.append(
+                self.emit(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=done["content"][0],
+                )
+            )
+            self.text = []
         elif item["type"] == "custom_tool_call":
             done = {**item, "input": "".join(self.args)}
             frames.append(
@@ -354,7 +439,7 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
     writer = _Writer(req, job, skeleton(req, job.request_id, job.created, job.model))
     yield writer.emit("response.created", response=writer.snapshot())
     yield writer.emit("response.in_progress", response=writer.snapshot())
-    parser = custom_tools.CallSplitter() if job.parse_tool_calls else None
+    parser = _reader(job)
     num_output, length = 0, False
     try:
         async for index, out in outputs:
@@ -387,6 +472,10 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
                         yield frame
                     logprobs = []
                     continue
+                if "reasoning_content" in delta:
+                    for frame in writer.reasoning_delta(delta["reasoning_content"]):
+                        yield frame
+                    continue
                 for part in delta["tool_calls"]:
                     if "id" in part:
                         for frame in writer.call_start(part["id"], part["function"]["name"]):
@@ -396,7 +485,9 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
             if out.finished:
                 length = bodies.finish_reason_of(out) == "length"
         status = "incomplete" if length else "completed"
-        if writer.open_item is None and not writer.body["output"]:
+        if not any(item["type"] != "reasoning" for item in writer.body["output"]) and (
+            writer.open_item is None or writer.open_item["type"] == "reasoning"
+        ):
             for frame in writer.text_delta("", []):  # an empty answer is still one message
                 yield frame
         for frame in writer.close_item(status):
@@ -440,6 +531,17 @@ def _item_events(item: dict[str, Any], index: int, seq: int) -> list[dict[str, A
                 events.append(_event("response.output_text.delta", 0, **at, content_index=c, **delta))
                 done = {"text": text, "logprobs": logprobs}
                 events.append(_event("response.output_text.done", 0, **at, content_index=c, **done))
+            events.append(_event("response.content_part.done", 0, **at, content_index=c, part=part))
+    elif kind == "reasoning":
+        parts = item.get("content") or []
+        added = {**item, "status": "in_progress", "content": []}
+        events = [_event("response.output_item.added", seq, output_index=index, item=added)]
+        for c, part in enumerate(parts):
+            text = part.get("text", "")
+            empty = {**part, "text": ""}
+            events.append(_event("response.content_part.added", 0, **at, content_index=c, part=empty))
+            events.append(_event("response.reasoning_text.delta", 0, **at, content_index=c, delta=text))
+            events.append(_event("response.reasoning_text.done", 0, **at, content_index=c, text=text))
             events.append(_event("response.content_part.done", 0, **at, content_index=c, part=part))
     elif kind in ("function_call", "custom_tool_call"):
         field_name, prefix = (

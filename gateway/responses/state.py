@@ -42,7 +42,14 @@ from gateway.responses.background import ACTIVE, BackgroundRuns, Job
 from gateway.responses.conversations import Conversations, guarded, page, with_ids
 from gateway.responses.output import TERMINAL_EVENTS, encode, skeleton, stored_events
 from gateway.responses.request import ResponsesRequest, items_of
-from gateway.responses.store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
+from gateway.responses.store import (
+    SQLITE_FILE,
+    Bound,
+    RedisStore,
+    ResponseStore,
+    SQLiteStore,
+    StoredResponse,
+)
 from gateway.settings import Settings
 from gateway.sse import DONE, EventStreamResponse
 
@@ -53,16 +60,21 @@ Saver = Callable[[dict[str, Any]], Awaitable[None]]
 IGNORED_HEADER = "x-batchgate-ignored"
 
 
-def build_store(settings: Settings, metrics: Metrics) -> ResponseStore:
-    """Redis with --redis-url, else SQLite in --storage-dir (in memory without one)."""
+def build_store(settings: Settings, metrics: Metrics, bound: Bound | None = None) -> ResponseStore:
+    """Redis with --redis-url, else SQLite in --storage-dir (in memory without one); `bound`: a
+    tenant's most records (default: --responses-max-stored for every tenant)."""
     if settings.redis_url:
         return RedisStore(
-            settings.redis_url, settings.responses_ttl_s, settings.responses_max_stored, metrics.evicted
+            settings.redis_url,
+            settings.responses_ttl_s,
+            settings.responses_max_stored,
+            metrics.evicted,
+            bound=bound,
         )
     from pathlib import Path
 
     path = Path(settings.storage_dir) / SQLITE_FILE if settings.storage_dir else None
-    return SQLiteStore(path, settings.responses_max_stored, metrics.evicted)
+    return SQLiteStore(path, settings.responses_max_stored, metrics.evicted, bound=bound)
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
@@ -106,7 +118,12 @@ class ResponsesState:
         conversation_id = req.conversation_id
         start = time.perf_counter()
         if conversation_id is not None:
-            history = (await self.conversations.load(work.caller.name, conversation_id, "conversation")).items
+            conversation = await self.conversations.load(work.caller.name, conversation_id, "conversation")
+            # Refused before it runs when the conversation is at its bounds (its turn is kept whole).
+            self.conversations.check_room(
+                work.caller, conversation, "conversation", adding=len(items_of(req))
+            )
+            history = conversation.items
         elif req.previous_response_id is not None:
             previous = await self._load(work.caller.name, req.previous_response_id)
             if previous is None:

@@ -8,15 +8,18 @@ input items (ids assigned, as `input_items` lists them) and the conversation bef
 continuation never walks a chain whose older links may have been evicted). Every read and write
 names the tenant: another tenant's id is simply not there (a 404, never a 403).
 
-- `SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one; at
-  most `--responses-max-stored` responses, the least recently used evicted first, each eviction
-  counted (`batchgate_response_store_evictions_total`). Writes run in a worker thread; a read (one
-  row by its key) runs on the caller's thread, on a connection of its own that a writer never
-  blocks (WAL), and its use is written with the next write.
+Both bound each tenant on its own (its plan's `responses_max_stored`, else
+`--responses-max-stored`: gateway/bounds.py), evicting that tenant's least recently used records
+first, so no tenant's writes evict another's; each eviction is counted
+(`batchgate_response_store_evictions_total`).
+
+- `SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one.
+  Writes run in a worker thread; a read (one row by its key) runs on the caller's thread, on a
+  connection of its own that a writer never blocks (WAL), and its use is written with the next
+  write.
 - `RedisStore` (with `--redis-url`): `{tenant:<name>}:stored:<id>` strings with a TTL
-  (`--responses-ttl`) and a per-tenant recency index `{tenant:<name>}:stored` (a sorted set)
-  that bounds each tenant to `--responses-max-stored`; one Lua script writes and evicts, so any
-  gateway of a pool reads what another wrote.
+  (`--responses-ttl`) and a per-tenant recency index `{tenant:<name>}:stored` (a sorted set); one
+  Lua script writes and evicts, so any gateway of a pool reads what another wrote.
 """
 
 from __future__ import annotations
@@ -102,18 +105,31 @@ class ResponseStore(Protocol):
 
     async def delete(self, tenant: str, key: str) -> bool: ...
 
+    async def num_stored(self, tenant: str) -> int:
+        """The tenant's records now (for /v1/usage)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
+Bound = Callable[[str], int]  # a tenant's most records (its plan's responses_max_stored)
+
+
 class SQLiteStore:
-    """The embedded store (see the module docstring). `path` None: in memory (lost at exit)."""
+    """The embedded store (see the module docstring). `path` None: in memory (lost at exit).
+    `max_num_responses`: each tenant's bound, unless `bound` says a tenant's own."""
 
     def __init__(
-        self, path: Path | None, max_num_responses: int, on_evict: Callable[[int], None] = lambda n: None
+        self,
+        path: Path | None,
+        max_num_responses: int,
+        on_evict: Callable[[int], None] = lambda n: None,
+        bound: Bound | None = None,
     ) -> None:
         if max_num_responses < 1:
             raise ValueError(f"max_num_responses must be at least 1, got {max_num_responses}")
         self.max_num_responses = max_num_responses
+        self._bound: Bound = bound or (lambda tenant: max_num_responses)
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._db = connect(path)
@@ -132,11 +148,24 @@ class SQLiteStore:
                 "CREATE TABLE IF NOT EXISTS responses (tenant TEXT NOT NULL, id TEXT NOT NULL, "
                 "used REAL NOT NULL, record BLOB NOT NULL, PRIMARY KEY (tenant, id))"
             )
-            self._db.execute("CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
+            # Eviction picks a tenant's least recently used: by tenant, then use.
+            self._db.execute("DROP INDEX IF EXISTS responses_used")
+            self._db.execute("CREATE INDEX IF NOT EXISTS responses_tenant_used ON responses (tenant, used)")
 
     def count(self) -> int:
+        """Every tenant's records."""
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def _count(self, tenant: str) -> int:
+        with self._read_lock:
+            rows = self._reader.execute(
+                "SELECT COUNT(*) FROM responses WHERE tenant = ?", (tenant,)
+            ).fetchall()
+        return int(rows[0][0])
+
+    async def num_stored(self, tenant: str) -> int:
+        return await anyio.to_thread.run_sync(self._count, tenant)
 
     def _write_used(self) -> None:
         """Apply the pending reads' times (inside a write's lock and transaction)."""
@@ -149,19 +178,20 @@ class SQLiteStore:
             )
 
     def _put(self, tenant: str, key: str, record: bytes) -> None:
+        bound = max(1, self._bound(tenant))
         with self._lock, self._db:
             self._write_used()
             self._db.execute(
                 "INSERT OR REPLACE INTO responses (tenant, id, used, record) VALUES (?, ?, ?, ?)",
                 (tenant, key, time.time(), record),
             )
-            (num,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
-            excess = int(num) - self.max_num_responses
-            if excess > 0:
+            (num,) = self._db.execute("SELECT COUNT(*) FROM responses WHERE tenant = ?", (tenant,)).fetchone()
+            excess = int(num) - bound
+            if excess > 0:  # this tenant's least recently used, never another tenant's
                 self._db.execute(
                     "DELETE FROM responses WHERE rowid IN "
-                    "(SELECT rowid FROM responses ORDER BY used LIMIT ?)",
-                    (excess,),
+                    "(SELECT rowid FROM responses WHERE tenant = ? ORDER BY used LIMIT ?)",
+                    (tenant, excess),
                 )
         if excess > 0:
             self._on_evict(excess)
@@ -236,6 +266,7 @@ class RedisStore:
         ttl_s: int,
         max_num_responses: int,
         on_evict: Callable[[int], None] = lambda n: None,
+        bound: Bound | None = None,
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -244,6 +275,7 @@ class RedisStore:
         self._client: Any = aioredis.Redis.from_url(url)
         self.ttl_s = ttl_s
         self.max_num_responses = max_num_responses
+        self._bound: Bound = bound or (lambda tenant: max_num_responses)
         self._on_evict = on_evict
         self._put_script = self._client.register_script(_PUT_SCRIPT)
         self._touch_script = self._client.register_script(_TOUCH_SCRIPT)
@@ -257,7 +289,7 @@ class RedisStore:
         redis_key, index, prefix = self._keys(tenant, key)
         evicted = await self._put_script(
             keys=[redis_key, index],
-            args=[key, record, self.ttl_s, self.max_num_responses, prefix],
+            args=[key, record, self.ttl_s, max(1, self._bound(tenant)), prefix],
         )
         if evicted:
             self._on_evict(int(evicted))
@@ -266,6 +298,12 @@ class RedisStore:
         redis_key, index, _ = self._keys(tenant, key)
         raw = await self._touch_script(keys=[redis_key, index], args=[key])
         return None if raw is None else bytes(raw)
+
+    async def num_stored(self, tenant: str) -> int:
+        _, index, _ = self._keys(tenant, "")
+        now = float((await self._client.time())[0])
+        # Records past their TTL are gone; their index entries go with the next write.
+        return int(await self._client.zcount(index, now - self.ttl_s, "+inf"))
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         key, index, _ = self._keys(tenant, response_id)

@@ -99,9 +99,9 @@ def inject(stage: str, server: TinyServer, monkeypatch: pytest.MonkeyPatch) -> F
     else:
         init, add = IncrementalDetokenizer.__init__, IncrementalDetokenizer.add
 
-        def tagged_init(self: Any, tokenizer: Any, prompt_token_ids: list[int], stop: Any) -> None:
-            init(self, tokenizer, prompt_token_ids, stop)
-            self.victim = fault.is_victim(prompt_token_ids)
+        def tagged_init(self: Any, tokenizer: Any, prompt_ids: list[int], *rest: Any, **kw: Any) -> None:
+            init(self, tokenizer, prompt_ids, *rest, **kw)
+            self.victim = fault.is_victim(prompt_ids)
             self.num_added = 0
 
         def faulty_add(self: Any, token_id: int) -> bool:

@@ -70,6 +70,7 @@ class FakeTokenizer:
 @dataclass
 class FakeEngine:
     model_name: str = "fake-model"
+    model_type: str = "llama"
     max_model_len: int = 256
     reply: Callable[[GenerationRequest, int], str] = lambda request, index: f"Hello {index}!"
     num_total_blocks: int = 64
@@ -297,6 +298,7 @@ class FakeTenancy:
 
     redis_up: bool | None = None  # no Redis
     admin: None = None  # no Redis: no run-time admin store (nor its audit log)
+    open_mode = False  # a tenants file
 
     def __init__(self) -> None:
         self.refuse: FakeDecision | None = None

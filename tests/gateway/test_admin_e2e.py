@@ -386,7 +386,7 @@ def test_every_admin_answer_is_one_the_openapi_document_names(gateways: list[Any
         for method, operation in doc["paths"][template].items():
             if template.startswith("/admin/"):
                 assert operation["security"] == [{"adminKey": []}]
-                path = template.format(name="gold", key_hash=hash_key("x"))
+                path = template.format(name="gold", key_hash=hash_key("x"), batch_id="batch_x")
                 response = admin(a, method.upper(), path, {} if method in ("put", "post") else None, SEED_KEY)
                 assert response.status_code == 401
                 validate_answer(doc, method, template, response)

@@ -40,7 +40,7 @@ def test_the_contract(make_store: Callable[[], BatchStore]) -> None:
         )
         assert (await store.get_file("acme", "file-1") or {})["bytes"] == 50
         assert await store.get_file("other", "file-1") is None
-        assert await store.used_bytes("acme") == 10 + 50 + 12
+        assert await store.file_usage("acme") == (3, 10 + 50 + 12)
         rows = await store.list_files("acme", purpose=None, after=None, limit=10, ascending=True)
         assert [r["id"] for r in rows] == ["file-0", "file-1", "file-2"]
         rows = await store.list_files("acme", purpose=None, after="file-2", limit=1, ascending=False)

@@ -63,6 +63,7 @@ def server(
         models_file=str(root / "models.toml"),
         loras=(f"public-tuned={adapters['a']}",),
         admin_key_hash=hash_key(ADMIN_KEY),
+        lora_roots=(str(adapters["a"].parent),),
         keep_alive_s=1.0,
         embedding_model="none",
     )
@@ -207,12 +208,14 @@ def test_admin_loads_replaces_and_unloads_and_requests_keep_their_version(
     assert ADMIN_KEY not in json.dumps(audit) and "sk-beta" not in json.dumps(audit)
 
 
-def test_bad_admin_calls_are_clear_errors(server: Any, tmp_path: Path) -> None:
+def test_bad_admin_calls_are_clear_errors(server: Any, adapters: dict[str, Path]) -> None:
     assert httpx.get(server.base_url + "/admin/loras").status_code == 401
-    missing = admin(server, "PUT", "/admin/loras/x", {"path": str(tmp_path)})
+    empty = adapters["a"].parent / "empty"
+    empty.mkdir(exist_ok=True)
+    missing = admin(server, "PUT", "/admin/loras/x", {"path": str(empty)})
     assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
     assert admin(server, "PUT", "/admin/loras/x", {"tenant": "acme"}).status_code == 400
-    assert admin(server, "PUT", f"/admin/loras/{BASE}", {"path": str(tmp_path)}).status_code == 400
+    assert admin(server, "PUT", f"/admin/loras/{BASE}", {"path": str(empty)}).status_code == 400
 
 
 def test_hot_replace_and_unload_under_concurrent_streams_never_mix_versions(
@@ -289,6 +292,7 @@ def test_adapters_the_admin_api_loaded_come_back_after_a_restart(
         tenants=str(tmp_path / "tenants.toml"),
         redis_url=redis_server,
         admin_key_hash=hash_key(ADMIN_KEY),
+        lora_roots=(str(adapters["a"].parent),),
         storage_dir=str(tmp_path / "storage"),
         embedding_model="none",
     )

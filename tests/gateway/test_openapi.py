@@ -11,6 +11,7 @@ import schemathesis
 from typing_extensions import is_typeddict
 
 from gateway import errors
+from gateway.anthropic import schemas as anthropic_schemas
 from gateway.errors import APIError, ErrorKind
 from gateway.openai import bodies, schemas
 from gateway.openai.protocol import parse_chat_request, parse_completion_request
@@ -77,6 +78,8 @@ def test_schemathesis_loads_every_operation() -> None:
         "GET /v1/batches",
         "GET /v1/batches/{batch_id}",
         "POST /v1/batches/{batch_id}/cancel",
+        "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
         *ADMIN_OPERATIONS,
     }
 
@@ -91,6 +94,12 @@ ADMIN_OPERATIONS = {
     "DELETE /admin/keys/{key_hash}",
     "PUT /admin/loras/{name}",
     "DELETE /admin/loras/{name}",
+    # issue 44: every tenant's batches, and the serving state
+    "GET /admin/batches",
+    "GET /admin/batches/{batch_id}",
+    "POST /admin/batches/{batch_id}/cancel",
+    "GET /admin/engines",
+    "GET /admin/replicas",
 }
 # Served but not documented: the document itself, Prometheus, and the gateway-to-gateway routes.
 UNDOCUMENTED = {"/openapi.json", "/metrics", "/v1/generate"}
@@ -116,20 +125,23 @@ def test_the_document_covers_every_route_the_app_serves() -> None:
 def test_admin_routes_need_the_admin_key_and_the_others_a_tenant_key_if_any() -> None:
     doc = build_openapi(MODEL)
     schemes = doc["components"]["securitySchemes"]
-    assert {name: (s["type"], s["scheme"]) for name, s in schemes.items()} == {
+    assert {name: (s["type"], s.get("scheme") or s["name"]) for name, s in schemes.items()} == {
         "tenantKey": ("http", "bearer"),
         "adminKey": ("http", "bearer"),
+        "anthropicKey": ("apiKey", "x-api-key"),  # the Messages API's header, or the bearer token
     }
     assert doc["security"] == [{"tenantKey": []}, {}]  # no key needed without --tenants
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             admin = path.startswith("/admin/") or path.startswith("/v1/organization/")
-            assert op.get("security", doc["security"]) == (
-                [{"adminKey": []}] if admin else [] if path in ("/health", "/ready") else doc["security"]
-            ), (method, path)
+            messages = path.startswith("/v1/messages")
+            expected = [{"anthropicKey": []}, *doc["security"]] if messages else doc["security"]
+            if admin or path in ("/health", "/ready"):
+                expected = [{"adminKey": []}] if admin else []
+            assert op.get("security", doc["security"]) == expected, (method, path)
             if path not in ("/health", "/ready"):
                 assert op["responses"]["401"]["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/Error"
+                    "$ref": "#/components/schemas/" + ("ErrorResponse" if messages else "Error")
                 }, (method, path)
 
 
@@ -151,15 +163,16 @@ def test_generate_is_an_alias_of_completions() -> None:
 def _typed_dicts() -> set[str]:
     return {
         name
-        for name, value in vars(schemas).items()
-        if is_typeddict(value) and value.__module__ in (schemas.__name__, errors.__name__)
+        for module in (schemas, anthropic_schemas)
+        for name, value in vars(module).items()
+        if is_typeddict(value) and value.__module__ in (module.__name__, errors.__name__)
     }
 
 
 def test_every_schema_is_generated_from_a_class() -> None:
     """No hand-written shape: each component is a request model or a typed dict of gateway/openai/
-    schemas.py or gateway/errors.py (the ones the builders return), named after its class, and
-    every response the document names is one of them."""
+    schemas.py, gateway/anthropic/schemas.py or gateway/errors.py (the ones the builders return),
+    named after its class, and every response the document names is one of them."""
     components = build_openapi(MODEL)["components"]["schemas"]
     assert all(c["title"] == name for name, c in components.items())
     assert len(_typed_dicts()) >= 20
@@ -167,11 +180,12 @@ def test_every_schema_is_generated_from_a_class() -> None:
     request_side = set(components) - _typed_dicts()
     assert {t.__name__ for t in REQUEST_TYPES} <= request_side
     refs = {
-        media["schema"].get("$ref", "").rsplit("/", 1)[-1]
+        schema.get("$ref", "").rsplit("/", 1)[-1]
         for path in build_openapi(MODEL, generate=True)["paths"].values()
         for op in path.values()
         for response in op["responses"].values()
         for media in response["content"].values()
+        for schema in [media["schema"], *media["schema"].get("anyOf", [])]
     }
     assert refs - {""} <= _typed_dicts()
 

@@ -134,6 +134,15 @@ def resp(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "input": "hi", "max_output_tokens": 5, **fields}
 
 
+def message(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **fields}
+
+
+ANTHROPIC_ACME = {"x-api-key": "sk-acme", "anthropic-version": "2023-06-01"}
+MSG = [{"role": "user", "content": "hi"}]
+LONG = [{"role": "user", "content": "x" * 600}]  # over the fake engine's 512-token window
+
+
 # (name, path, headers, body): each runs once per mode, in this order, and both answers must match.
 CASES: list[tuple[str, str, dict[str, str], Any]] = [
     ("not json", "/v1/chat/completions", ACME, b"{nope"),
@@ -183,8 +192,23 @@ CASES: list[tuple[str, str, dict[str, str], Any]] = [
     ("responses, anonymous", "/v1/responses", {}, resp()),
     ("responses, context too long", "/v1/responses", ACME, resp(max_output_tokens=600)),
     ("responses, input tokens", "/v1/responses/input_tokens", ACME, {"model": MODEL, "input": "hi"}),
+    ("messages", "/v1/messages", ANTHROPIC_ACME, message(system="Brief.", metadata={"user_id": "u"})),
+    ("messages, bearer key", "/v1/messages", ACME, message()),
+    ("messages, stream", "/v1/messages", ANTHROPIC_ACME, message(stream=True)),
+    (
+        "messages, clamped",
+        "/v1/messages",
+        ANTHROPIC_ACME,
+        message(max_tokens=32000, thinking={"type": "adaptive"}),
+    ),
+    ("messages, count", "/v1/messages/count_tokens", ANTHROPIC_ACME, {"model": MODEL, "messages": MSG}),
+    ("messages, bad key", "/v1/messages", {"x-api-key": "sk-nope"}, message()),
+    ("messages, anonymous", "/v1/messages", {}, message()),
+    ("messages, unknown model", "/v1/messages", ANTHROPIC_ACME, message(model="claude-opus-5-5")),
+    ("messages, no max_tokens", "/v1/messages", ANTHROPIC_ACME, {"model": MODEL, "messages": []}),
+    ("messages, too long", "/v1/messages", ANTHROPIC_ACME, message(messages=LONG)),
 ]
-TOKENIZER_CHECKS = {"context too long", "responses, context too long"}
+TOKENIZER_CHECKS = {"context too long", "responses, context too long", "messages, too long"}
 # Headers whose presence (not value: ids, times and remaining counts differ) must match.
 COMPARED_HEADERS = (
     "content-type",
@@ -197,6 +221,7 @@ COMPARED_HEADERS = (
     "cache-control",
     "x-accel-buffering",
     "x-batchgate-ignored",
+    "x-batchgate-clamped-max-tokens",
 )
 _VARYING = {"id", "created", "created_at", "completed_at", "item_id"}
 
@@ -254,6 +279,11 @@ def test_both_modes_answer_alike(both: dict[str, Deployment], case: int) -> None
         "responses, unknown previous": 404,
         "responses, anonymous": 401,
         "responses, context too long": 400,
+        "messages, bad key": 401,
+        "messages, anonymous": 401,
+        "messages, unknown model": 404,
+        "messages, no max_tokens": 400,
+        "messages, too long": 400,
     }.get(name, 200)
     assert status == expected, answers["proxy"]
     if status == 404 and name.startswith("unknown model"):

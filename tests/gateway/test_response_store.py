@@ -52,8 +52,10 @@ async def test_sqlite_store_is_scoped_bounded_and_least_recently_used_out(tmp_pa
     for i in range(3):
         await put(store, "acme", record(f"resp_{i}"))
     assert await get(store, "acme", "resp_0") is not None  # used: now the most recent
-    await put(store, "umbrella", record("resp_3"))  # the bound is the store's, over all tenants
-    assert evicted == [1] and store.count() == 3
+    await put(store, "umbrella", record("resp_3"))  # the bound is each tenant's: nothing of acme's goes
+    assert evicted == [] and store.count() == 4 and await store.num_stored("acme") == 3
+    await put(store, "acme", record("resp_4"))
+    assert evicted == [1] and await store.num_stored("acme") == 3
     assert await get(store, "acme", "resp_1") is None  # the least recently used went
     assert await get(store, "acme", "resp_0") is not None
     await store.aclose()

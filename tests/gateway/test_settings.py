@@ -164,7 +164,7 @@ def test_cli_builds_tenancy_from_a_tenants_file(
         '[plans.p]\npriority = "paid"\ntokens_per_minute = 10\nrequests_per_minute = 1\n'
         'max_concurrent_requests = 1\nqueue_deadline_seconds = 1\n[tenants.a]\nplan = "p"\n'
     )
-    assert cli.main(["serve", "--tenants", str(good)], environ={}) == 0
+    assert cli.main(["serve", "--tenants", str(good), "--internal-token", "t"], environ={}) == 0
     assert isinstance(seen["tenancy"], tenancy.Tenancy) and not seen["tenancy"].open_mode
 
     bad = tmp_path / "bad.toml"

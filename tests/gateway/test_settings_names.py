@@ -45,19 +45,32 @@ NAMES = [
     ("files_bucket", "--files-bucket", "BATCHGATE_FILES_BUCKET"),
     ("s3_endpoint_url", "--s3-endpoint-url", "BATCHGATE_S3_ENDPOINT_URL"),
     ("max_file_bytes", "--max-file-bytes", "BATCHGATE_MAX_FILE_BYTES"),
+    ("max_files", "--max-files", "BATCHGATE_MAX_FILES"),  # issue 43's per-tenant bounds
+    ("storage_quota_bytes", "--storage-quota-bytes", "BATCHGATE_STORAGE_QUOTA_BYTES"),
     ("batch_max_lines", "--batch-max-lines", "BATCHGATE_BATCH_MAX_LINES"),
     ("batch_max_concurrent_lines", "--batch-max-concurrent-lines", "BATCHGATE_BATCH_MAX_CONCURRENT_LINES"),
     ("batch_max_in_flight", "--batch-max-in-flight", "BATCHGATE_BATCH_MAX_IN_FLIGHT"),  # issue 25's
     ("batch_max_running", "--batch-max-running", "BATCHGATE_BATCH_MAX_RUNNING"),  # gateway caps, beside
+    (
+        "batch_max_running_per_tenant",
+        "--batch-max-running-per-tenant",
+        "BATCHGATE_BATCH_MAX_RUNNING_PER_TENANT",
+    ),
+    ("batch_max_open", "--batch-max-open", "BATCHGATE_BATCH_MAX_OPEN"),
+    ("batch_max_queued_lines", "--batch-max-queued-lines", "BATCHGATE_BATCH_MAX_QUEUED_LINES"),
     ("batch_lease_s", "--batch-lease", "BATCHGATE_BATCH_LEASE"),  # issue 25's runner lease, added beside
     ("ledger_retention_days", "--ledger-retention-days", "BATCHGATE_LEDGER_RETENTION_DAYS"),
     ("usage_events_file", "--usage-events-file", "BATCHGATE_USAGE_EVENTS_FILE"),
     ("usage_events_exporter", "--usage-events-exporter", "BATCHGATE_USAGE_EVENTS_EXPORTER"),
     ("budget_webhook_url", "--budget-webhook-url", "BATCHGATE_BUDGET_WEBHOOK_URL"),
+    ("budget_webhook_secret", "--budget-webhook-secret", "BATCHGATE_BUDGET_WEBHOOK_SECRET"),
     ("admin_key_hash", "--admin-key-hash", "BATCHGATE_ADMIN_KEY_HASH"),
+    ("console_session_idle_s", "--console-session-idle", "BATCHGATE_CONSOLE_SESSION_IDLE"),  # issue 44
+    ("console_session_max_s", "--console-session-max", "BATCHGATE_CONSOLE_SESSION_MAX"),
     ("keep_alive_s", "--keep-alive", "BATCHGATE_KEEP_ALIVE"),
     ("loras", "--lora", "BATCHGATE_LORAS"),
     ("max_loras", "--max-loras", "BATCHGATE_MAX_LORAS"),
+    ("lora_roots", "--lora-root", "BATCHGATE_LORA_ROOTS"),
     ("upstreams", "--upstream", "BATCHGATE_UPSTREAMS"),
     ("long_prompt_upstreams", "--long-prompt-upstream", "BATCHGATE_LONG_PROMPT_UPSTREAMS"),
     ("long_prompt_threshold", "--long-prompt-threshold", "BATCHGATE_LONG_PROMPT_THRESHOLD"),
@@ -72,6 +85,8 @@ NAMES = [
     ("drain_timeout_s", "--drain-timeout", "BATCHGATE_DRAIN_TIMEOUT"),
     ("tool_arguments", "--tool-arguments", "BATCHGATE_TOOL_ARGUMENTS"),
     ("responses_max_stored", "--responses-max-stored", "BATCHGATE_RESPONSES_MAX_STORED"),
+    ("conversation_max_items", "--conversation-max-items", "BATCHGATE_CONVERSATION_MAX_ITEMS"),
+    ("conversation_max_bytes", "--conversation-max-bytes", "BATCHGATE_CONVERSATION_MAX_BYTES"),
     ("responses_ttl_s", "--responses-ttl", "BATCHGATE_RESPONSES_TTL"),
     ("responses_background_lease_s", "--responses-background-lease", "BATCHGATE_RESPONSES_BACKGROUND_LEASE"),
     ("log_level", "--log-level", "BATCHGATE_LOG_LEVEL"),

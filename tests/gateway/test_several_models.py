@@ -93,7 +93,7 @@ def test_the_models_file_reads_each_models_own_settings(tmp_path: Path) -> None:
         ('[[models]]\nname = "x"\nmodel = "bundled"\ncolour = 1\n', "'colour' is not a setting"),
         ('[[models]]\nname = "x"\nmodel = "a"\n[[models]]\nname = "x"\nmodel = "b"\n', "declared twice"),
         ('[[models]]\nmodel = "a"\n', "needs a name"),
-        ("models = 1\n", "expected only [[models]] and [[loras]] tables"),
+        ("models = 1\n", "expected only [[models]], [[loras]] and [[aliases]] tables"),
         ('[[models]]\nname = "x"\nmodel = "a"\nmax_num_seqs = 0\n', "max_num_seqs"),
     ],
 )

@@ -87,6 +87,7 @@ def pool(tiny_model_dir: Path, redis_server: str, tmp_path_factory: pytest.TempP
         redis_url=redis_server,
         models_file=str(root / "gateway.toml"),
         admin_key_hash=hash_key(ADMIN_KEY),
+        lora_roots=(str(root),),
         health_interval_s=0.2,
         keep_alive_s=1.0,
         embedding_model="none",

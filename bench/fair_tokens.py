@@ -1,0 +1,234 @@
+"""Fair shares by work (issue 43): a tenant of long prompts against a tenant of short ones, in one
+class, on the engine in process (no HTTP), each tenant a closed loop of its own clients.
+
+    python -m bench.fair_tokens                        # bundled SmolLM2-135M, buckets on and off
+    python -m bench.fair_tokens --seconds 30 --json bench/results/fair_tokens.json
+
+Tenant A sends `--long-prompt` (2,000) token prompts from `--long-clients` (32) clients at once,
+tenant B `--short-prompt` (20) token prompts from `--short-clients` (4), both paid, each request
+`--max-tokens` (32) output tokens (ignore_eos). Phases, each on a fresh engine: B alone, A alone,
+then A and B together. Targets: B's TTFT p50 with A within 2x of B's alone, and A still gets at
+least its fair share of the work: at least half of the tokens the engine computes while both
+run (B asks for less than half, so max-min fairness gives A everything B leaves), and about all
+that B leaves of its rate alone. With `--length-buckets 0` too (the default runs both), the
+per-tenant turns alone (engine/scheduler/fair_share.py) do it: without buckets A's prompts and
+B's wait in one FIFO per tenant.
+
+Run it under another checkout (`PYTHONPATH=<checkout> python bench/fair_tokens.py`) to measure
+that checkout's scheduler with the same workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.cpu import CpuMeter, busy_fraction, wait_quiet
+from bench.offline import machine
+from bench.policy_bench import Record, Workload, percentile
+
+
+async def serve_one(engine: Any, request: Any, record: Record) -> None:
+    """`record` filled as `request` streams; cancelled, the request is aborted in the engine
+    (policy_bench's `run_one` leaves a cancelled one running)."""
+    start = time.perf_counter()
+    record.sent_at = start
+    stream = engine.submit(request)
+    try:
+        async for out in stream:
+            if out.error is not None:
+                record.error = f"{type(out.error).__name__}: {out.error}"
+                continue
+            if out.new_token_ids and record.ttft_s is None:
+                record.ttft_s = time.perf_counter() - start
+            record.num_output_tokens += len(out.new_token_ids)
+        record.e2e_s = time.perf_counter() - start
+    finally:
+        await stream.aclose()
+
+
+async def closed_loop(
+    engine: Any, wl: Workload, tag: str, clients: int, prompt_len: int, max_tokens: int, records: list[Record]
+) -> None:
+    """`clients` requests of `prompt_len` tokens in flight until cancelled; each request's record
+    is in `records` from its start (so one cut short counts what it was served)."""
+
+    async def client() -> None:
+        while True:
+            request, record = wl.request(tag, prompt_len, max_tokens, key=tag)
+            records.append(record)
+            await serve_one(engine, request, record)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
+def tokens_served(record: Record) -> int:
+    """A request's tokens computed: its prompt once its first token came, and its outputs."""
+    if record.error is not None or record.ttft_s is None:
+        return 0
+    return record.num_prompt_tokens + record.num_output_tokens
+
+
+def summary(records: list[Record], wall_s: float) -> dict[str, Any]:
+    started = [r for r in records if r.ttft_s is not None and r.error is None]
+    return {
+        "requests": len(started),
+        "ended": sum(r.e2e_s is not None for r in started),
+        "errors": sum(r.error is not None for r in records),
+        "ttft_p50_s": percentile((r.ttft_s for r in started), 50),
+        "ttft_p90_s": percentile((r.ttft_s for r in started), 90),
+        # the decode step as the client sees it: (e2e - TTFT) / (outputs - 1), requests that ended
+        "tpot_p50_s": percentile(
+            (
+                (r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)
+                for r in started
+                if r.e2e_s and r.num_output_tokens > 1
+            ),
+            50,
+        ),
+        "tokens_per_s": sum(tokens_served(r) for r in records) / wall_s,
+        "ttfts_s": [round(r.ttft_s, 4) for r in started if r.ttft_s is not None],
+    }
+
+
+async def phase(
+    args: argparse.Namespace, buckets: tuple[int, ...], long: bool, short: bool
+) -> dict[str, Any]:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    settings: dict[str, Any] = {
+        "model": args.model,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+        "length_buckets": buckets,
+    }
+    if args.target_itl_ms is not None:
+        settings["target_itl_ms"] = args.target_itl_ms
+    engine = await asyncio.to_thread(AsyncEngine.from_config, EngineConfig.of(**settings))
+    try:
+        wl = Workload(7)
+
+        async def window(seconds: float) -> tuple[list[Record], float]:
+            """The phase's clients for `seconds`, then cut (their streams aborted)."""
+            records: list[Record] = []
+            start = time.perf_counter()
+            jobs = []
+            for tag, clients, prompt_len, wanted in (
+                ("long", args.long_clients, args.long_prompt, long),
+                ("short", args.short_clients, args.short_prompt, short),
+            ):
+                if wanted:
+                    loop = closed_loop(engine, wl, tag, clients, prompt_len, args.max_tokens, records)
+                    jobs.append(asyncio.ensure_future(loop))
+            await asyncio.sleep(seconds)
+            wall = time.perf_counter() - start
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            return records, wall
+
+        # Warm-up, untimed: the same workload first, so the engine's first steps at each batch
+        # shape, the threads' trials and the step-cost model are behind the window (without it, B
+        # alone saw steps stall 0.6-2.4 s at a time in its first half minute: B's p90 in seconds).
+        await window(args.warmup)
+        records, wall = await window(args.seconds)
+        out: dict[str, Any] = {"wall_s": wall}
+        for tag in ("long", "short"):
+            mine = [r for r in records if r.tag == tag]
+            if mine:
+                out[tag] = summary(mine, wall)
+        return out
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms"
+
+
+def num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
+    for label, buckets in (("buckets on", (256, 1024, 4096)), ("buckets off", ())):
+        if args.length_buckets == "on" and buckets == () or args.length_buckets == "off" and buckets:
+            continue
+        meter = CpuMeter()
+        meter.start()
+        short_alone = await phase(args, buckets, long=False, short=True)
+        long_alone = await phase(args, buckets, long=True, short=False)
+        both = await phase(args, buckets, long=True, short=True)
+        b_alone, a_alone = short_alone["short"], long_alone["long"]
+        a, b = both["long"], both["short"]
+        ratio = b["ttft_p50_s"] / b_alone["ttft_p50_s"] if b["ttft_p50_s"] and b_alone["ttft_p50_s"] else None
+        share = a["tokens_per_s"] / (a["tokens_per_s"] + b["tokens_per_s"])
+        left = a_alone["tokens_per_s"] - b["tokens_per_s"]  # what B leaves of A's rate alone
+        results[label] = {
+            "short_alone": short_alone,
+            "long_alone": long_alone,
+            "both": both,
+            "short_ttft_p50_vs_alone": ratio,
+            "long_share_of_tokens": share,
+            "long_tokens_vs_left_by_short": a["tokens_per_s"] / left if left > 0 else None,
+            "cpu": meter.stop().as_dict(),
+        }
+        r = results[label]
+        print(
+            f"== {label}  (other work on the machine: {r['cpu']['others_busy'] * 100:.0f}% of all CPUs)\n"
+            f"  B (short) TTFT p50: alone {ms(b_alone['ttft_p50_s'])}, with A {ms(b['ttft_p50_s'])} -> "
+            f"{num(ratio)}x [target <= 2x]; p90 alone {ms(b_alone['ttft_p90_s'])}, with A "
+            f"{ms(b['ttft_p90_s'])}; requests started {b['requests']} (alone {b_alone['requests']}); B's "
+            f"decode step p50 alone {ms(b_alone['tpot_p50_s'])}, with A {ms(b['tpot_p50_s'])}\n"
+            f"  A (long) tokens/s: alone {a_alone['tokens_per_s']:.0f}, with B {a['tokens_per_s']:.0f} "
+            f"(B {b['tokens_per_s']:.0f}): A's share {share * 100:.1f}% [target >= 50%], "
+            f"{num(r['long_tokens_vs_left_by_short'])}x of what B leaves of A's rate alone; A TTFT p50 "
+            f"alone {ms(a_alone['ttft_p50_s'])}, with B {ms(a['ttft_p50_s'])}",
+            flush=True,
+        )
+    return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or GGUF (default: the bundled SmolLM2-135M)")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
+    p.add_argument("--warmup", type=float, default=20.0, help="seconds of the same workload before it")
+    p.add_argument("--long-prompt", type=int, default=2000)
+    p.add_argument("--long-clients", type=int, default=32)
+    p.add_argument("--short-prompt", type=int, default=20)
+    p.add_argument("--short-clients", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-mib", type=int, default=1024)
+    p.add_argument("--length-buckets", choices=("on", "off", "both"), default="both")
+    p.add_argument("--target-itl-ms", type=float, default=None, help="the engine's (default: its own, 120)")
+    p.add_argument("--quiet", type=float, default=0.25, help="wait (up to 10 min) until others use < this")
+    p.add_argument("--json", type=Path, default=None, help="also write all figures here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    quiet, busy = wait_quiet(args.quiet, 600.0)
+    print(
+        f"machine busy {busy * 100:.0f}% before the start ({'quiet' if quiet else 'NOT quiet'})", flush=True
+    )
+    results = asyncio.run(run(args))
+    results["busy_before"] = busy
+    results["busy_after"] = busy_fraction()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
