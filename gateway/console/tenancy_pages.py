@@ -77,23 +77,11 @@ async def tenant(page: Page) -> Response:
 
 
 async def save_tenant(page: Page) -> Response:
-    page.back = "/ui/tenants"
-    name = await _name(page)
-    table = forms.table_from_form(_fields("TenantTable"), await page.form())
-    path = f"/admin/tenants/{segment(name)}"
-    creating = (await page.form()).get("create") == "1"
-    if creating and await _exists(page, path):
-        return page.refused(f"A tenant named {name!r} exists already: edit it instead.")
-    page.back = "/ui/tenants" if creating else f"/ui/tenants/{segment(name)}"
-    await page.api.put(path, table)
-    return page.done(f"Tenant {name} {'created' if creating else 'saved'}.", f"/ui/tenants/{segment(name)}")
+    return await _save(page, "tenants", "tenant", "TenantTable")
 
 
 async def delete_tenant(page: Page) -> Response:
-    page.back = "/ui/tenants"
-    name = await _name(page)
-    await page.api.delete(f"/admin/tenants/{segment(name)}")
-    return page.done(f"Tenant {name} deleted.")
+    return await _delete(page, "tenants", "tenant")
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -110,23 +98,36 @@ async def plan(page: Page) -> Response:
 
 
 async def save_plan(page: Page) -> Response:
-    page.back = "/ui/plans"
-    name = await _name(page)
-    table = forms.table_from_form(_fields("PlanTable"), await page.form())
-    path = f"/admin/plans/{segment(name)}"
-    creating = (await page.form()).get("create") == "1"
-    if creating and await _exists(page, path):
-        return page.refused(f"A plan named {name!r} exists already: edit it instead.")
-    page.back = "/ui/plans" if creating else f"/ui/plans/{segment(name)}"
-    await page.api.put(path, table)
-    return page.done(f"Plan {name} {'created' if creating else 'saved'}.", f"/ui/plans/{segment(name)}")
+    return await _save(page, "plans", "plan", "PlanTable")
 
 
 async def delete_plan(page: Page) -> Response:
-    page.back = "/ui/plans"
+    return await _delete(page, "plans", "plan")
+
+
+# -- a named tenant or plan, created, changed or deleted through the admin API ------------------
+
+
+async def _save(page: Page, kind: str, label: str, table_name: str) -> Response:
+    """Create (the form's `create=1`) or change the `kind` named in the form, from its fields."""
+    page.back = f"/ui/{kind}"
     name = await _name(page)
-    await page.api.delete(f"/admin/plans/{segment(name)}")
-    return page.done(f"Plan {name} deleted.")
+    table = forms.table_from_form(_fields(table_name), await page.form())
+    path = f"/admin/{kind}/{segment(name)}"
+    creating = (await page.form()).get("create") == "1"
+    if creating and await _exists(page, path):
+        return page.refused(f"A {label} named {name!r} exists already: edit it instead.")
+    page.back = f"/ui/{kind}" if creating else f"/ui/{kind}/{segment(name)}"
+    await page.api.put(path, table)
+    done = "created" if creating else "saved"
+    return page.done(f"{label.capitalize()} {name} {done}.", f"/ui/{kind}/{segment(name)}")
+
+
+async def _delete(page: Page, kind: str, label: str) -> Response:
+    page.back = f"/ui/{kind}"
+    name = await _name(page)
+    await page.api.delete(f"/admin/{kind}/{segment(name)}")
+    return page.done(f"{label.capitalize()} {name} deleted.")
 
 
 # -- keys ----------------------------------------------------------------------------------------

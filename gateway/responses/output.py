@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,23 +265,23 @@ class _Writer:
     def index(self) -> int:
         return len(self.body["output"])
 
-    def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
-        frames = []
+    def _content_item(
+        self, item_type: str, new_item: Callable[[], dict[str, Any]], part: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        """The open item if it is of `item_type`; else a new one, opened with its one content part
+        (`part`), and the frames that say so."""
         item = self.open_item
-        if item is None or item["type"] != "message":
-            item = _message("", "in_progress", [])
-            item["content"] = []
-            frames += self._open(item)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            frames.append(
-                self.emit(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+        if item is not None and item["type"] == item_type:
+            return item, []
+        item = {**new_item(), "content": []}
+        frames = self._open(item)
+        where = {"item_id": item["id"], "output_index": self.index, "content_index": 0}
+        frames.append(self.emit("response.content_part.added", **where, part=part))
+        return item, frames
+
+    def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item, frames = self._content_item("message", lambda: _message("", "in_progress", []), part)
         self.text.append(text)
         self.logprobs += logprobs
         frames.append(
@@ -297,31 +297,11 @@ class _Writer:
         return frames
 
     def reasoning_delta(self, text: str) -> list[bytes]:
-        frames = []
-        item = self.open_item
-        if item is None or item["type"] != "reasoning":
-            item = {**_reasoning("", "in_progress"), "content": []}
-            frames += self._open(item)
-            part = {"type": "reasoning_text", "text": ""}
-            frames.append(
-                self.emit(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+        part = {"type": "reasoning_text", "text": ""}
+        item, frames = self._content_item("reasoning", lambda: _reasoning("", "in_progress"), part)
         self.text.append(text)
-        frames.append(
-            self.emit(
-                "response.reasoning_text.delta",
-                item_id=item["id"],
-                output_index=self.index,
-                content_index=0,
-                delta=text,
-            )
-        )
+        where = {"item_id": item["id"], "output_index": self.index, "content_index": 0}
+        frames.append(self.emit("response.reasoning_text.delta", **where, delta=text))
         return frames
 
     def call_start(self, call_id: str, name: str) -> list[bytes]:
