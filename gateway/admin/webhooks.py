@@ -85,6 +85,11 @@ class BudgetWebhook:
         self._client: httpx.AsyncClient | None = None
         self.delivered = 0  # notices a 2xx took (tests read it)
 
+    @property
+    def sending(self) -> int:
+        """Notices whose posting (retries included) has not ended yet."""
+        return len(self._tasks)
+
     def crossed(self, tenant: str, budget: Any) -> None:
         """Called from a settlement (on the event loop): post without delaying it."""
         soft = None if budget.soft_ratio is None else int(budget.limit * budget.soft_ratio)

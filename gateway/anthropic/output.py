@@ -1,8 +1,9 @@
 """From engine outputs to Anthropic's message object and its event stream.
 
-A message has one choice. Its text is split by chat's tool-call parser (gateway/openai/tools.py)
-into content blocks, in the order the model wrote them: `text`, and `tool_use` (its `input` the
-call's arguments). The stream is Anthropic's:
+A message has one choice. Its text is split by the reader chat uses for the model's family
+(gateway/openai/formats.py: its tool-call syntax, its reasoning, which is left out) into content
+blocks, in the order the model wrote them: `text`, and `tool_use` (its `input` the call's
+arguments). The stream is Anthropic's:
 
     message_start (usage so far), ping,
       per block: content_block_start, content_block_delta... (text_delta | input_json_delta),
@@ -39,8 +40,8 @@ from gateway.anthropic.schemas import (
 )
 from gateway.openai import bodies, generation
 from gateway.openai.generation import Job, Outputs
+from gateway.openai.parsers import DeltaParser
 from gateway.openai.tokenizer import Tokenizer
-from gateway.openai.tools import ToolCallParser
 
 # A relay's estimate of the tokens streamed so far counts these (gateway/pool/frames.py).
 TEXT_EVENTS = (b"content_block_delta",)
@@ -78,19 +79,20 @@ class Blocks:
     the blocks, the open one last. Whitespace before any block is held, and dropped if a call
     comes next (chat's parser drops it after calls)."""
 
-    parse_tool_calls: bool
+    parser: DeltaParser | None  # the model family's reader of calls and reasoning; None: plain text
     content: list[ContentBlock] = field(default_factory=list)
     num_calls: int = 0
     _open: bool = False
     _held: str = ""
     _args: list[str] = field(default_factory=list)
-    _parser: ToolCallParser = field(default_factory=ToolCallParser)
 
     def feed(self, text: str, final: bool = False) -> list[bytes]:
-        if not self.parse_tool_calls:
+        if self.parser is None:
             return self._text(text) if text else []
         frames: list[bytes] = []
-        for delta in self._parser.feed(text, final=final):
+        for delta in self.parser.feed(text, final=final):
+            if "reasoning_content" in delta:
+                continue  # not shown: `thinking` is accepted and ignored (docs/MESSAGES.md)
             if "content" in delta:
                 frames += self._text(delta["content"] or "")
                 continue
@@ -193,7 +195,7 @@ def skeleton(job: Job) -> Message:
 
 def message_body(req: MessagesRequest, job: Job, choice: bodies.Choice) -> Message:
     """The whole message of a gathered choice."""
-    blocks = Blocks(job.parse_tool_calls)
+    blocks = Blocks(job.parser() if job.parser is not None else None)
     blocks.feed(choice.text, final=True)
     blocks.close()
     reason, sequence = stop_of(
@@ -209,7 +211,7 @@ def message_body(req: MessagesRequest, job: Job, choice: bodies.Choice) -> Messa
 
 async def message_events(req: MessagesRequest, outputs: Outputs, job: Job) -> AsyncIterator[bytes]:
     """The event stream of one message (see the module docstring)."""
-    blocks = Blocks(job.parse_tool_calls)
+    blocks = Blocks(job.parser() if job.parser is not None else None)
     token_ids: list[int] = []
     num_output, reason, started = 0, None, False
     try:

@@ -341,51 +341,19 @@ class _Writer:
         if item is None:
             return []
         index, frames = self.index, []
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "message":
             text = "".join(self.text)
             done = _message(text, status, self.logprobs, msg_id=item["id"])
-            part = done["content"][0]
-            frames.append(
-                self.emit(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[{k: v for k, v in lp.items() if k != "bytes"} for lp in self.logprobs],
-                )
-            )
-            frames.append(
-                self.emit(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            logprobs = [{k: v for k, v in lp.items() if k != "bytes"} for lp in self.logprobs]
+            frames.append(self.emit("response.output_text.done", **where, text=text, logprobs=logprobs))
+            frames.append(self.emit("response.content_part.done", **where, part=done["content"][0]))
             self.text, self.logprobs = [], []
         elif item["type"] == "reasoning":
             text = "".join(self.text)
             done = _reasoning(text, status, item["id"])
-            frames.append(
-                self.emit(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
-            )
-            frames.append(
-                self.emit(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=done["content"][0],
-                )
-            )
+            frames.append(self.emit("response.reasoning_text.done", **where, text=text))
+            frames.append(self.emit("response.content_part.done", **where, part=done["content"][0]))
             self.text = []
         elif item["type"] == "custom_tool_call":
             done = {**item, "input": "".join(self.args)}

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -41,6 +43,42 @@ async def client(make_app: AppFactory) -> AsyncIterator[httpx.AsyncClient]:
 
 def client_for(app: Starlette) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def stream_through(
+    app: Any, path: str, body: dict[str, Any]
+) -> tuple[asyncio.Queue[bytes], asyncio.Task[None]]:
+    """POST `body` to `path` straight through the ASGI app (httpx's ASGI transport would
+    wait for the whole body); the body's chunks arrive in the queue as the app sends them."""
+    chunks: asyncio.Queue[bytes] = asyncio.Queue()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "server": ("test", 80),
+        "client": ("client", 1),
+    }
+    pending = [json.dumps(body).encode()]
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            await chunks.put(message["body"])
+
+    return chunks, asyncio.get_running_loop().create_task(app(scope, receive, send))
 
 
 # -- a real server: uvicorn on a free port, in a background thread, over the real engine -----------

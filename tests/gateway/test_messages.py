@@ -18,8 +18,11 @@ from gateway.anthropic.errors import ANTHROPIC, ERROR_MAP, MESSAGE_STOP
 from gateway.anthropic.request import parse_count_tokens_request, parse_messages_request
 from gateway.errors import APIError, ErrorKind
 from gateway.events import UsageEvent
+from gateway.openai.formats import mistral_call_id
+from gateway.openai.parsers import JsonCallsParser, ThinkSplitter
+from gateway.openai.tools import ToolCallParser
 from gateway.settings import ModelAlias, Settings, load_model_aliases
-from tests.gateway.conftest import AppFactory, client_for
+from tests.gateway.conftest import AppFactory, client_for, stream_through
 from tests.gateway.fakes import FakeDecision, FakeEngine, FakeTenancy
 
 MODEL = "fake-model"
@@ -283,10 +286,10 @@ def test_blocks_stream_and_assemble_alike() -> None:
         'Let me look. <tool_call>{"name":"f","arguments":{"x":"a}b"}}</tool_call>\n'
         '<tool_call>{"name":"g","arguments":{}}</tool_call>'
     )
-    whole = output.Blocks(parse_tool_calls=True)
+    whole = output.Blocks(ToolCallParser())
     whole.feed(text, final=True)
     whole.close()
-    streamed = output.Blocks(parse_tool_calls=True)
+    streamed = output.Blocks(ToolCallParser())
     frames: list[bytes] = []
     for i in range(0, len(text), 3):
         frames += streamed.feed(text[i : i + 3], final=i + 3 >= len(text))
@@ -310,14 +313,30 @@ def test_blocks_stream_and_assemble_alike() -> None:
     )
     assert json.loads(partial) == {"x": "a}b"}
     # Whitespace before a call is not a text block; whitespace alone is one.
-    calls = output.Blocks(parse_tool_calls=True)
+    calls = output.Blocks(ToolCallParser())
     calls.feed('\n <tool_call>{"name":"f","arguments":{}}</tool_call>', final=True)
     calls.close()
     assert [b["type"] for b in calls.content] == ["tool_use"]
-    blank = output.Blocks(parse_tool_calls=True)
+    blank = output.Blocks(ToolCallParser())
     blank.feed("\n", final=True)
     blank.close()
     assert blank.content == [{"type": "text", "text": "\n"}]
+
+
+def test_blocks_read_the_model_family_s_calls_and_leave_out_its_reasoning() -> None:
+    """A family's own reader (Mistral's `[TOOL_CALLS]`, under Qwen3-style thinking): its calls
+    are tool_use blocks, its reasoning is not shown."""
+    mistral = JsonCallsParser(("[TOOL_CALLS]",), array=True, new_id=mistral_call_id)
+    blocks = output.Blocks(ThinkSplitter(mistral))
+    blocks.feed('<think>Paris, then.</think>\n[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', final=True)
+    blocks.close()
+    read = [(b["type"], b.get("name"), b.get("input")) for b in blocks.content]
+    assert read == [("tool_use", "f", {"x": 1})]
+    assert blocks.num_calls == 1
+    plain = output.Blocks(ThinkSplitter(ToolCallParser()))
+    plain.feed("<think>hmm</think>\nHello.", final=True)
+    plain.close()
+    assert plain.content == [{"type": "text", "text": "Hello."}]
 
 
 # -- over HTTP ------------------------------------------------------------------------------------
@@ -620,7 +639,7 @@ async def test_what_is_sent_matches_the_document(make_app: AppFactory, fake_engi
     _validator("MessageTokensCount").validate(count.json())
     _validator("ErrorResponse").validate(error.json())
     _validator("ModelInfoPage").validate(models.json())
-    calls = output.Blocks(parse_tool_calls=True)
+    calls = output.Blocks(ToolCallParser())
     frames = (
         calls.feed('<tool_call>{"name":"f","arguments":{"a":[1]}}</tool_call>', final=True) + calls.close()
     )
@@ -637,24 +656,18 @@ async def test_a_stream_cut_by_the_drain_deadline_ends_with_an_error_event(
 ) -> None:
     app = make_app(keep_alive_s=0.05)
     fake_engine.gate = asyncio.Event()  # the answer never comes
-
-    async def deadline() -> None:
-        while not fake_engine.submitted:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
-        app.state.gateway.drain.stop_all()
-
-    async with client_for(app) as c:
-        cut = asyncio.ensure_future(deadline())
-        r = await c.post("/v1/messages", json=msg(stream=True))
-        await cut
-    assert r.status_code == 200
-    (event,) = events_of(r.text)
+    chunks, handler = await stream_through(app, "/v1/messages", msg(stream=True))
+    first = await asyncio.wait_for(chunks.get(), 10)
+    assert first == b": keep-alive\n\n"  # the 200 stream has started
+    app.state.gateway.drain.stop_all()
+    await asyncio.wait_for(handler, 10)
+    text = (first + b"".join(chunks.get_nowait() for _ in range(chunks.qsize()))).decode()
+    (event,) = events_of(text)
     assert event == (
         "error",
         {"type": "error", "error": {"type": "overloaded_error", "message": event[1]["error"]["message"]}},
     )
-    assert "[DONE]" not in r.text and fake_engine.aborted == [fake_engine.submitted[0].request_id]
+    assert "[DONE]" not in text and fake_engine.aborted == [fake_engine.submitted[0].request_id]
 
 
 async def test_the_trace_has_the_end_user_and_the_generation(

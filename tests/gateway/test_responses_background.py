@@ -15,7 +15,7 @@ from openai.types.responses import Response, ResponseErrorEvent
 
 from gateway.responses.background import DRAINED, LAPSED
 from gateway.responses.store import RedisStore, StoredResponse
-from tests.gateway.conftest import AppFactory, TinyServer, client_for
+from tests.gateway.conftest import AppFactory, TinyServer, client_for, stream_through
 from tests.gateway.fakes import FakeEngine
 
 FINAL = ("completed", "incomplete", "cancelled", "failed")
@@ -104,40 +104,6 @@ async def test_a_run_whose_gateway_died_reads_failed(make_app: AppFactory, redis
     await store.aclose()
 
 
-async def _stream_events(app: Any, body: dict[str, Any]) -> tuple[asyncio.Queue[bytes], asyncio.Task[None]]:
-    """POST `body` to /v1/responses straight through the ASGI app (httpx's ASGI transport would
-    wait for the whole body); the body's chunks arrive in the queue as the app sends them."""
-    chunks: asyncio.Queue[bytes] = asyncio.Queue()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/responses",
-        "raw_path": b"/v1/responses",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-        "server": ("test", 80),
-        "client": ("client", 1),
-    }
-    pending = [json.dumps(body).encode()]
-    never = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        if pending:
-            return {"type": "http.request", "body": pending.pop(), "more_body": False}
-        await never.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body" and message.get("body"):
-            await chunks.put(message["body"])
-
-    return chunks, asyncio.get_running_loop().create_task(app(scope, receive, send))
-
-
 def _events(chunk: bytes) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in chunk.decode().splitlines() if line.startswith("data: {")]
 
@@ -150,7 +116,7 @@ async def test_a_drain_deadline_ends_streams_and_runs_in_responses_shapes(
     body = {"model": "fake-model", "input": "hi"}
     async with client_for(app) as client:
         queued = (await client.post("/v1/responses", json={**body, "background": True})).json()
-        chunks, handler = await _stream_events(app, {**body, "stream": True})
+        chunks, handler = await stream_through(app, "/v1/responses", {**body, "stream": True})
         seen: list[dict[str, Any]] = []
         while not seen or seen[-1]["type"] != "response.in_progress":
             seen += _events(await asyncio.wait_for(chunks.get(), 10))
