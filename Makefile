@@ -40,7 +40,7 @@ export ABOVE_AVX2 := import sys, torch; from engine.device.platform import CpuIs
     sys.exit(not (cpu_isa() > CpuIsa.AVX2 or torch.backends.cpu.get_cpu_capability() == "AVX512"))
 CPU_PATH_TESTS := tests/engine/device/test_platform.py tests/engine/device/test_qmatmul.py \
                   tests/engine/device/test_quant.py tests/engine/device/test_native.py \
-                  tests/engine/device/test_model.py
+                  tests/engine/device/test_model.py tests/engine/device/models/test_moe.py
 LLAMA_SERVER ?= /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server
 # llama.cpp built for AVX2 only (GGML_NATIVE=OFF; docs/BENCHMARKS.md): the AVX2 profile's peer.
 LLAMA_SERVER_AVX2 ?= /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build-avx2/bin/llama-server
