@@ -1,8 +1,8 @@
 """Engine settings: read once at start-up into one typed object, validated early.
 
 `EngineConfig` holds one frozen section per concern (as vLLM's `VllmConfig`): `model`, `cache`,
-`scheduler` and `parallel`. Each section field is the one definition of its setting: its default,
-its check (`_CHECKS`, run when the section is built), and (in its metadata, `setting()`) how a
+`scheduler`, `speculative` and `parallel`. Each section field is the one definition of its setting:
+its default, its check (`_CHECKS`, run when the section is built), and (in its metadata, `setting()`) how a
 server exposes it: its help, and where the server's name or value type differs from the field's
 (`--kv-cache-memory`, `--queue-deadline`, `--prefix-caching tenant|global|off`). The gateway's
 flags, variables and models-file keys are generated from these (gateway/settings.py).
@@ -114,6 +114,10 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_long_prefill_chunk": (lambda v: v >= 1, "min_long_prefill_chunk must be >= 1, got {v}"),
     "max_long_prefill_stall_steps": (lambda v: v >= 1, "max_long_prefill_stall_steps must be >= 1, got {v}"),
     "max_yield_stall_steps": (lambda v: v >= 1, "max_yield_stall_steps must be >= 1, got {v}"),
+    "num_speculative_tokens": (
+        lambda v: 1 <= v <= 32,
+        "num_speculative_tokens must be in [1, 32], got {v}",
+    ),
 }
 
 
@@ -275,6 +279,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/)."""
+
+    # Per step and sequence, drafts run only where their expected accepted tokens pay for their
+    # rows (measured step costs and acceptance): a full batch gets none.
+    enable_speculative_decoding: bool = setting(
+        True,
+        "verify drafts (prompt lookup, a request's predicted output) where they pay, or off",
+        name="speculative_decoding",
+        choices=("auto", "off"),
+        server_default="auto",
+        to_engine=lambda value: value != "off",
+    )
+    num_speculative_tokens: int = setting(16, "most draft tokens one sequence verifies in a step")
+    # Tests and benchmarks: every draft verified in full, whatever it costs (the measured choice off).
+    speculate_always: bool = setting(False, "verify every draft in full, paying or not", server=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (engine/device/parallel.py)."""
 
@@ -302,6 +328,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod

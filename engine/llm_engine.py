@@ -34,6 +34,7 @@ from engine.resolve import resolve
 from engine.scheduler import build_scheduler
 from engine.scheduler.interface import SchedulerInterface
 from engine.sequence import Sequence, compile_failure
+from engine.speculative.speculator import Speculator
 from engine.stats import EngineCounters
 from engine.step import SchedulerOutput, StepResult
 from engine.types import (
@@ -88,9 +89,16 @@ class LLMEngine:
         self.block_manager = self.scheduler.blocks
         # The step's grammar mask, filled during the forward pass on a GPU (engine/grammar/mask.py).
         self.masks = MaskFiller(self.spec.vocab_size, overlap=device.type == "cuda")
-        self.counters = EngineCounters(self.scheduler, self.loras, self.lora_slots)
+        self.speculator = Speculator(config.speculative, self.block_manager, max_len)
+        self.counters = EngineCounters(self.scheduler, self.loras, self.lora_slots, self.speculator.stats)
         self.output_processor = OutputProcessor(
-            self.scheduler, self.loras, self.counters, self.spec.eos_token_ids, max_len, clock
+            self.scheduler,
+            self.loras,
+            self.counters,
+            self.spec.eos_token_ids,
+            max_len,
+            clock,
+            self.speculator.prediction_matched,
         )
         self.grammars = GrammarCache(
             LLGuidanceBackend(self.tokenizer, self.spec.vocab_size, tuple(self.spec.eos_token_ids))
@@ -261,16 +269,20 @@ class LLMEngine:
                 if self.scheduler.compiling and not outputs:  # nothing to run but compiles
                     self.scheduler.wait_for_grammar(_GRAMMAR_WAIT_S)
                 return outputs
+            out = self.speculator.plan(out)
             self.counters.count_batch(out)
             stage = StepStage.FORWARD
-            mask = self.masks.start([self._mask_row(s) for s in out.sampled])
+            # A drafted step's mask has a row per draft token, each after the ones before it.
+            drafted_mask = self.speculator.bitmask(out, self.spec.vocab_size) if out.has_drafts else None
+            mask = None if out.has_drafts else self.masks.start([self._mask_row(s) for s in out.sampled])
             logits = self.runner.forward(out)
             stage = StepStage.SAMPLING
-            result = self.runner.sample(out, logits, mask.result())
+            result = self.runner.sample(out, logits, drafted_mask if mask is None else mask.result())
             stage = StepStage.SCHEDULE
             self.scheduler.update(out)
             stage = StepStage.OUTPUT
             outputs.extend(self.output_processor.process(result))
+            self.speculator.accepted(out, result)
             if not self.scheduler.has_unfinished():
                 self.runner.idle()
         except EngineDeadError:
@@ -293,8 +305,9 @@ class LLMEngine:
 
     def _record_step(self, start: float, out: SchedulerOutput, result: StepResult) -> None:
         now = self.clock()
-        self.counters.record_step(now - start, now, out, len(result.tokens))
+        self.counters.record_step(now - start, now, out, result.num_tokens)
         self.scheduler.record_step(out, now - start)  # trains the step-time budget's cost model
+        self.speculator.observe(out, now - start)  # and the drafts' row cost
 
     # ---- introspection --------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from engine.deadlines import estimate_wait_s
 from engine.detokenizer import IncrementalDetokenizer
@@ -55,6 +54,7 @@ class OutputProcessor:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         clock: Callable[[], float],
+        prediction_matched: Callable[[Sequence], int] = lambda seq: 0,
     ) -> None:
         self.scheduler = scheduler
         self.loras = loras
@@ -62,6 +62,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.clock = clock
+        self.prediction_matched = prediction_matched  # a choice's accepted prediction tokens
         self.seqs: dict[str, list[Sequence]] = {}
         self.detoks: dict[tuple[str, int], IncrementalDetokenizer] = {}
 
@@ -83,37 +84,47 @@ class OutputProcessor:
     # ---- a step's sampled tokens ----------------------------------------------------------------
 
     def process(self, result: StepResult) -> list[RequestOutput]:
-        """Each sampled sequence's new token: append, check stops, detokenize, build the output. A
+        """Each sampled sequence's new tokens: append, check stops, detokenize, build the output. A
         failure in one sequence's processing ends that sequence only."""
         outputs = []
-        for seq, token, logprob in zip(result.seqs, result.tokens, result.logprobs, strict=True):
+        for seq, tokens, logprobs in zip(result.seqs, result.tokens, result.logprobs, strict=True):
             if seq.finished:  # aborted between scheduling and now
                 continue
-            advance = functools.partial(self._advance, seq, token, logprob)
+            advance = functools.partial(self._advance, seq, tokens, logprobs)
             outputs += self._guarded(StepStage.OUTPUT, seq, advance)
         return outputs
 
-    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq.append_token(token)
+    def _advance(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> RequestOutput:
+        """Append `tokens` (one, or a verified draft's and one more) until one ends the choice."""
         p = seq.sampling
         detok = self.detoks[seq.seq_id]
-        status = None
         stop_ids = p.stop_ids(self.eos_token_ids)
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # The mask allowed only what the grammar accepts; reaching here is a bug, not input: it
-            # ends this sequence through the one failure path (_guarded: logged, counted, generic).
-            raise RuntimeError(f"the grammar rejected sampled token {token}")
-        if token in stop_ids and seq.num_output_tokens > p.min_tokens:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif detok.add(token):
-            status = SequenceStatus.FINISHED_STOPPED
-        elif seq.grammar is not None and seq.grammar.is_terminated():
-            status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
+        status = None
+        taken = 0
+        for token in tokens:
+            taken += 1
+            seq.append_token(token)
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # The mask allowed only what the grammar accepts; reaching here is a bug, not input: it
+                # ends this sequence through the one failure path (_guarded: logged, counted, generic).
+                raise RuntimeError(f"the grammar rejected sampled token {token}")
+            if token in stop_ids and seq.num_output_tokens > p.min_tokens:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif detok.add(token):
+                status = SequenceStatus.FINISHED_STOPPED
+            elif seq.grammar is not None and seq.grammar.is_terminated():
+                status = SequenceStatus.FINISHED_STOPPED  # the output is complete (e.g. JSON closed)
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None:
+                break
+        new_ids = tuple(tokens[:taken])
+        kept = tuple(lp for lp in logprobs[:taken] if lp is not None)
         if status is None:
-            return self._output(seq, (token,), detok.take(final=False), logprob)
-        return self.finish(seq, status, (token,), logprob)
+            return self._output(seq, new_ids, detok.take(final=False), kept)
+        return self.finish(seq, status, new_ids, kept)
 
     # ---- the sequences the scheduler took out ---------------------------------------------------
 
@@ -198,8 +209,10 @@ class OutputProcessor:
             for seq in seqs:
                 if seq.finished:
                     continue
-                clean = seq in sched.compiling or seq in sched.parked or (
-                    seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0
+                clean = (
+                    seq in sched.compiling
+                    or seq in sched.parked
+                    or (seq in sched.waiting and not seq.block_table and seq.num_computed_tokens == 0)
                 )
                 if seq in sched.running or not clean:
                     unsettled.append(seq)
@@ -212,7 +225,7 @@ class OutputProcessor:
         seq: Sequence,
         new_ids: tuple[int, ...],
         text: str,
-        logprob: Any = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
         error: EngineError | None = None,
     ) -> RequestOutput:
         return RequestOutput(
@@ -224,7 +237,10 @@ class OutputProcessor:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
-            logprobs=(logprob,) if logprob is not None else (),
+            logprobs=logprobs,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_draft_tokens=seq.num_accepted_tokens,
+            num_accepted_prediction_tokens=self.prediction_matched(seq) if seq.sampling.prediction else 0,
             error=error,
         )
 
@@ -233,7 +249,7 @@ class OutputProcessor:
         seq: Sequence,
         status: SequenceStatus,
         new_ids: tuple[int, ...] = (),
-        logprob: Any = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
         error: EngineError | None = None,
     ) -> RequestOutput:
         """The one place a choice ends: blocks freed, bookkeeping dropped, final output built.
@@ -248,7 +264,7 @@ class OutputProcessor:
             self.loras.unpin(lora)
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             self.counters.meter.record_finish(seq.num_output_tokens, seq.sampling.max_tokens)
-        out = self._output(seq, new_ids, text, logprob, error)
+        out = self._output(seq, new_ids, text, logprobs, error)
         del self.detoks[seq.seq_id]
         seq.ended = True
         siblings = self.seqs.get(seq.request_id, [])

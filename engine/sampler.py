@@ -31,7 +31,7 @@ class SamplingRow:
     constrained: bool = False  # its row of the step's bitmask applies
 
 
-def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for i, row in enumerate(rows):
         p = row.params
         if p.logit_bias:
@@ -108,6 +108,12 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     """The row's token as a 0-d tensor, left on the device (`sample` reads all rows back at once)."""
     if p.greedy:
         return logits.argmax()
+    return draw(probabilities(logits, p), generator)
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (not greedy) row draws from: its processed `logits` [vocab]
+    under temperature, top-k and top-p (the probabilities of the tokens cut are 0)."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[0]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -121,10 +127,10 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop[0] = False  # a top_p that underflows float32 still keeps the most likely token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return _draw(probs, generator)
+    return probs
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token from `probs` (non-negative, summing to about 1) by inverse transform: one uniform
     draw from the row's generator and a binary search of the cumulative sums (float64, so the
     tail's tokens keep their share). torch.multinomial on the CPU draws an exponential per token
@@ -156,24 +162,7 @@ def sample(
     `constrained`; it is required when any row is. `logits` is left as it was unless `overwrite`
     (the runner's, a fresh tensor each step): masking it in place saves a copy of the batch's
     logits. `argmax`: a faster op equal to `logits.argmax(dim=-1)` (the native CPU kernels')."""
-    want_logprobs = any(r.params.logprobs for r in rows)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    needs_processing = any(
-        r.params.logit_bias
-        or r.params.presence_penalty
-        or r.params.frequency_penalty
-        or len(r.output_token_ids) < r.params.min_tokens
-        for r in rows
-    )
-    constrained = [i for i, r in enumerate(rows) if r.constrained]
-    if (needs_processing or constrained) and not overwrite:
-        logits = logits.clone()
-    if needs_processing:
-        _apply_processors(logits, rows)
-    if constrained:
-        if bitmask is None:
-            raise RuntimeError("constrained rows need the step's bitmask")
-        apply_bitmask(logits, bitmask, constrained)
+    logits, raw_logprobs = prepare(logits, rows, bitmask, overwrite=overwrite)
     if all(r.params.greedy for r in rows):
         tokens = (logits.argmax(dim=-1) if argmax is None else argmax(logits)).tolist()
     else:
@@ -188,11 +177,42 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, row in enumerate(rows):
-            if not row.params.logprobs:
-                continue
-            top: tuple[tuple[int, float], ...] = ()
-            if row.params.top_logprobs:
-                vals, ids = raw_logprobs[i].topk(row.params.top_logprobs)
-                top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
-            logprobs[i] = TokenLogprob(tokens[i], float(raw_logprobs[i, tokens[i]]), top)
+            logprobs[i] = logprob_of(raw_logprobs, i, tokens[i], row.params)
     return tokens, logprobs
+
+
+def prepare(
+    logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None, *, overwrite: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logits` [S, vocab] with each row's processors and grammar mask applied (a copy unless
+    `overwrite`), and the model's raw logprobs where any row asks for logprobs (else None)."""
+    want_logprobs = any(r.params.logprobs for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    needs_processing = any(
+        r.params.logit_bias
+        or r.params.presence_penalty
+        or r.params.frequency_penalty
+        or len(r.output_token_ids) < r.params.min_tokens
+        for r in rows
+    )
+    constrained = [i for i, r in enumerate(rows) if r.constrained]
+    if (needs_processing or constrained) and not overwrite:
+        logits = logits.clone()
+    if needs_processing:
+        apply_processors(logits, rows)
+    if constrained:
+        if bitmask is None:
+            raise RuntimeError("constrained rows need the step's bitmask")
+        apply_bitmask(logits, bitmask, constrained)
+    return logits, raw_logprobs
+
+
+def logprob_of(raw_logprobs: torch.Tensor, row: int, token: int, p: SamplingParams) -> TokenLogprob | None:
+    """Row `row`'s logprob of `token` and its top alternatives, if `p` asks for logprobs."""
+    if not p.logprobs:
+        return None
+    top: tuple[tuple[int, float], ...] = ()
+    if p.top_logprobs:
+        vals, ids = raw_logprobs[row].topk(p.top_logprobs)
+        top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token, float(raw_logprobs[row, token]), top)

@@ -105,6 +105,9 @@ class Sequence:
         # (WAITING_FOR_GRAMMAR), then has its own parser state of it (`start_grammar`).
         self.grammar_compile: Future[CompiledGrammar] | None = None
         self.grammar: Grammar | None = None
+        # Speculative decoding (engine/speculative/): draft tokens verified and accepted so far.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Its final output was built: the choice is over for its caller. (`finished` says the
         # scheduler is done with it; the two differ only until the engine builds that output.)
         self.ended = False

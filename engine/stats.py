@@ -9,6 +9,7 @@ from collections import deque
 from engine.deadlines import LoadSnapshot, RunningLoad, ServiceMeter
 from engine.lora import LoraRegistry, LoraSlots
 from engine.scheduler.interface import SchedulerInterface
+from engine.speculative.speculator import SpeculationStats
 from engine.step import SchedulerOutput
 from engine.types import EngineStats, Priority, StepStage
 
@@ -21,10 +22,17 @@ class EngineCounters:
     service rates (`meter`) and the recent output-token rate. Engine thread only, except the
     refusals: counted on the engine thread (expiry) and on callers' threads (at arrival)."""
 
-    def __init__(self, scheduler: SchedulerInterface, loras: LoraRegistry, lora_slots: LoraSlots) -> None:
+    def __init__(
+        self,
+        scheduler: SchedulerInterface,
+        loras: LoraRegistry,
+        lora_slots: LoraSlots,
+        speculation: SpeculationStats | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.loras = loras
         self.lora_slots = lora_slots
+        self.speculation = speculation if speculation is not None else SpeculationStats()
         self.meter = ServiceMeter()
         self.num_steps = 0  # steps that ran a batch
         self.last_batch_size = 0
@@ -99,6 +107,10 @@ class EngineCounters:
             lora_bytes=self.loras.nbytes,
             loras_resident=tuple(a.name for a in self.lora_slots.resident()),
             num_waiting_for_adapter=len(scheduler.parked),
+            spec_drafts=self.speculation.num_verified_drafts,
+            spec_draft_tokens=self.speculation.num_draft_tokens,
+            spec_accepted_tokens=self.speculation.num_accepted_tokens,
+            spec_accepted_per_draft=tuple(self.speculation.accepted_histogram),
         )
 
     def load_snapshot(self) -> LoadSnapshot:

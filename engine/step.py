@@ -25,6 +25,14 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+    # A decode's draft (engine/speculative/): verified in the same pass, one decode row per token.
+    # It is not counted in `num_tokens`: only the tokens it accepts are computed, after sampling.
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """The token rows it runs this step: its tokens, and its draft's."""
+        return self.num_tokens + len(self.draft)
 
     @property
     def completes(self) -> bool:
@@ -57,7 +65,17 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """The token rows of the step's forward pass, drafts included."""
+        return sum(c.num_rows for c in self.chunks)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """The decode rows: one per decode, and one per draft token."""
+        return sum(c.num_rows for c in self.decodes)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(c.draft for c in self.decodes)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -183,21 +201,30 @@ def lora_decode_plan(inputs: StepInputs, device: torch.device) -> LoraDecodePlan
 
 @dataclass
 class StepResult:
-    """Sequences that sampled a token this step, with the token and its logprob (if asked)."""
+    """Sequences that sampled this step, each with its new tokens (one, or the draft tokens it
+    accepted and one more) and their logprobs (None where not asked)."""
 
     seqs: list[Sequence]
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
 
 
 def pack(out: SchedulerOutput) -> StepInputs:
-    """The step's batch as lists: each decode's next token, then each prefill chunk's tokens."""
+    """The step's batch as lists: each decode's next token (and its draft's, a row each), then
+    each prefill chunk's tokens."""
     input_ids: list[int] = []
     positions: list[int] = []
-    decode_seqs = [c.seq for c in out.decodes]
-    for seq in decode_seqs:
-        input_ids.append(seq.token_ids[seq.num_computed_tokens])
-        positions.append(seq.num_computed_tokens)
+    decode_seqs = []  # one per decode row: a decode with a draft has a row per token
+    for chunk in out.decodes:
+        seq, first = chunk.seq, chunk.seq.num_computed_tokens
+        for j, token in enumerate((seq.token_ids[first], *chunk.draft)):
+            input_ids.append(token)
+            positions.append(first + j)
+            decode_seqs.append(seq)
     logits_rows = list(range(len(decode_seqs)))
     prefill_ranges = []
     for chunk in out.prefills:

@@ -95,6 +95,10 @@ class SamplingParams:
     n: int = 1
     # Constrained output (engine/grammar/): every choice's text matches it; None: free text.
     grammar: GrammarSpec | None = None
+    # Speculative decoding (engine/speculative/): False turns it off for this request. `prediction`:
+    # the output's expected tokens (OpenAI's Predicted Outputs), a draft source.
+    speculative: bool = True
+    prediction: tuple[int, ...] = ()
     # The output's text without the tokenizer's special tokens (as vLLM's option); False keeps
     # those a model's format writes (Mistral's [TOOL_CALLS], gpt-oss's channels). Stop tokens
     # never are text.
@@ -191,6 +195,11 @@ class RequestOutput:
     # Prompt tokens whose K/V came from the prefix cache when this choice was first admitted.
     num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Speculative decoding (engine/speculative/), this choice so far: draft tokens verified, those
+    # accepted, and of the request's predicted output (SamplingParams.prediction) the tokens taken.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_accepted_prediction_tokens: int = 0
     error: EngineError | None = None
 
     @property
@@ -348,3 +357,9 @@ class EngineStats:
     lora_bytes: int = 0
     loras_resident: tuple[str, ...] = ()
     num_waiting_for_adapter: int = 0
+    # Speculative decoding (engine/speculative/): drafts verified, their tokens, the tokens accepted,
+    # and drafts by accepted tokens (index i: i of its tokens accepted).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_draft: tuple[int, ...] = ()

@@ -19,6 +19,10 @@ any other client-controlled string.
     batchgate_preemptions_total                counter
     batchgate_prefix_cache_queries_total       counter (prompt tokens looked up at admission)
     batchgate_prefix_cache_hits_total          counter (of those, found cached: hit rate = hits / queries)
+    batchgate_spec_decode_drafts_total         counter (drafts verified by speculative decoding)
+    batchgate_spec_decode_draft_tokens_total   counter (their tokens)
+    batchgate_spec_decode_accepted_tokens_total counter (of those, accepted: acceptance = accepted / draft)
+    batchgate_spec_decode_accepted_per_draft   histogram (accepted tokens per verified draft)
     batchgate_refusals_total{reason}           counter (rate_limit, budget, deadline, overload, unavailable)
     batchgate_tokens_total{direction,plan}     counter (direction in|out)
     batchgate_spend_micros_total{plan}         counter (micro-dollars settled at the configured prices)
@@ -67,7 +71,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -149,6 +153,20 @@ class _EngineCollector(Collector):
                 "Prompt tokens found in the prefix cache",
                 shown.prefix_cache_hit_tokens,
             ),
+            _count(
+                "batchgate_spec_decode_drafts", "Drafts verified by speculative decoding", shown.spec_drafts
+            ),
+            _count(
+                "batchgate_spec_decode_draft_tokens",
+                "Draft tokens verified by speculative decoding",
+                shown.spec_draft_tokens,
+            ),
+            _count(
+                "batchgate_spec_decode_accepted_tokens",
+                "Draft tokens accepted (equal to what decoding without the draft gives)",
+                shown.spec_accepted_tokens,
+            ),
+            _accepted_per_draft(shown.spec_accepted_per_draft, shown.spec_accepted_tokens),
         ]
         refusals = CounterMetricFamily("batchgate_refusals", "Requests refused, by reason", labels=["reason"])
         counts = dict(self._metrics.refusals)
@@ -173,6 +191,21 @@ def _count(name: str, doc: str, value: float) -> CounterMetricFamily:
     """A counter family of one unlabelled value, read at scrape time."""
     family = CounterMetricFamily(name, doc)
     family.add_metric([], value)
+    return family
+
+
+def _accepted_per_draft(histogram: tuple[int, ...], total: int) -> HistogramMetricFamily:
+    """Verified drafts by how many of their tokens were accepted (bucket le=i: at most i)."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for accepted, drafts in enumerate(histogram):
+        running += drafts
+        buckets.append((str(accepted), running))
+    buckets.append(("+Inf", running))
+    family = HistogramMetricFamily(
+        "batchgate_spec_decode_accepted_per_draft", "Draft tokens accepted per verified draft"
+    )
+    family.add_metric([], buckets, total)
     return family
 
 

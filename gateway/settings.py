@@ -157,8 +157,9 @@ class Settings:
 
     host: str = _opt("127.0.0.1", _str, "address to bind")
     port: int = _opt(8000, _int, "port to bind")
-    # The engine's settings (EngineConfig's sections model, cache, scheduler, parallel): each defined
-    # once, by its section's field (engine/config.py); here only its name and type, for the typed attribute.
+    # The engine's settings (EngineConfig's sections model, cache, scheduler, speculative, parallel):
+    # each defined once, by its section's field (engine/config.py); here only its name and type, for
+    # the typed attribute.
     model: str | None = _engine("model")
     served_model_name: str | None = _engine("served_model_name")
     dtype: str = _engine("dtype")
@@ -188,6 +189,8 @@ class Settings:
     length_buckets: tuple[int, ...] = _engine("length_buckets")
     long_prefill_share: float = _engine("long_prefill_share")
     target_itl_ms: float = _engine("target_itl_ms")
+    speculative_decoding: str = _engine("enable_speculative_decoding")
+    num_speculative_tokens: int = _engine("num_speculative_tokens")
     max_body_bytes: int = _opt(
         DEFAULT_MAX_BODY_BYTES, parse_bytes, "largest request body accepted, e.g. 4MiB"
     )

@@ -23,6 +23,7 @@ _ENGINE_SECTIONS = {
     "model": "Models",
     "cache": "KV cache",
     "scheduler": "Scheduling",
+    "speculative": "Speculative decoding",
     "parallel": "Tensor parallelism",
 }
 _GATEWAY_SECTIONS = {
@@ -46,6 +47,7 @@ _ORDER = (
     "Models",
     "KV cache",
     "Scheduling",
+    "Speculative decoding",
     "Tensor parallelism",
     "Embeddings",
     "Tenants, limits and billing",
@@ -71,7 +73,8 @@ comma-separated list. "not set" means the setting is off or takes the default it
 
 Where a setting needs more than a line, its topic's page says more: models, weight formats,
 kernels, devices and tensor parallelism in [MODELS.md](MODELS.md); scheduling, KV-cache memory,
-the pool and drain in [OPERATIONS.md](OPERATIONS.md); tenants, limits and budgets in
+the pool and drain in [OPERATIONS.md](OPERATIONS.md); speculative decoding and Predicted Outputs in
+[SPECULATIVE.md](SPECULATIVE.md); tenants, limits and budgets in
 [TENANCY.md](TENANCY.md); [RESPONSES.md](RESPONSES.md) and [BATCH.md](BATCH.md) for their APIs.
 """
 

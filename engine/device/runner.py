@@ -17,6 +17,8 @@ from engine.device.parallel import LoraSlotChange, ParallelExecutor
 from engine.lora import LoraAdapter
 from engine.sampler import SamplingRow
 from engine.sampler import sample as sample_logits
+from engine.sequence import Sequence
+from engine.speculative.verify import verify
 from engine.step import ForwardBatch, SchedulerOutput, StepInputs, StepResult, forward_batch, pack
 
 # Steps of at most this many tokens may run differently where the engine's threads take every CPU
@@ -189,21 +191,32 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, bitmask: torch.Tensor | None) -> StepResult:
         """Choose the next token of every sequence whose chunk completes, from `forward`'s logits;
-        `bitmask`: the step's grammar mask, a row per such sequence (None: no row is constrained)."""
+        `bitmask`: the step's grammar mask, a row per logits row (None: no row is constrained). A
+        decode with a draft gets the draft tokens it accepts and one more (engine/speculative/)."""
         seqs = out.sampled
-        rows = [
-            SamplingRow(
-                params=s.sampling,
-                output_token_ids=s.output_token_ids,
-                stop_ids=s.sampling.stop_ids(self.eos_token_ids),
-                generator=s.generator,
-                constrained=s.grammar is not None,
-            )
-            for s in seqs
-        ]
         # The logits are this step's alone (a CUDA graph's output buffer is read by nothing after
         # this either, until the next replay rewrites it): the sampler may mask them in place.
         if not seqs:
             return StepResult(seqs, [], [])
+        if out.has_drafts:
+            drafts = [c.draft for c in out.decodes] + [() for c in out.prefills if c.completes]
+            rows = [
+                self._row(s, draft[:j])
+                for s, draft in zip(seqs, drafts, strict=True)
+                for j in range(len(draft) + 1)
+            ]
+            verified = verify(logits, rows, drafts, bitmask)
+            return StepResult(seqs, [v.tokens for v in verified], [v.logprobs for v in verified])
+        rows = [self._row(s) for s in seqs]
         tokens, logprobs = sample_logits(logits, rows, bitmask, overwrite=True, argmax=self.argmax)
-        return StepResult(seqs, tokens, logprobs)
+        return StepResult(seqs, [[t] for t in tokens], [[lp] for lp in logprobs])
+
+    def _row(self, seq: Sequence, draft: tuple[int, ...] = ()) -> SamplingRow:
+        """`seq`'s sampling row, after the first tokens of its draft (`draft`) if any."""
+        return SamplingRow(
+            params=seq.sampling,
+            output_token_ids=seq.output_token_ids + list(draft) if draft else seq.output_token_ids,
+            stop_ids=seq.sampling.stop_ids(self.eos_token_ids),
+            generator=seq.generator,
+            constrained=seq.grammar is not None,
+        )

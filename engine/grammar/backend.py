@@ -53,6 +53,9 @@ class _LLGuidanceGrammar:
             self._plan = self._plan[len(text) :] if self._plan.startswith(text) else None
         return accepted
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return int(self._matcher.validate_tokens(token_ids))
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
         self._fill(self._matcher, bitmask, row)
         if not closing:

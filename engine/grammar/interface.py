@@ -41,6 +41,10 @@ class Grammar(Protocol):
         """Advance by `token_id`; False if the grammar does not allow it (the state is then unusable)."""
         ...
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in turn, the grammar would accept from here (nothing advances)."""
+        ...
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
         """Write the allowed next tokens into `bitmask[row]` (bit set: allowed); `closing`: the
         budget is nearly spent, allow only those of them that end the output soonest (a grammar

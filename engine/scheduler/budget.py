@@ -77,7 +77,7 @@ class StepTimeBudget:
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         """The measured duration of the step that ran `output`: trains the step-cost model."""
-        self.step_cost.observe(seconds, output.num_prefill_tokens, len(output.decodes))
+        self.step_cost.observe(seconds, output.num_prefill_tokens, output.num_decode_rows)
 
     def note_progress(self, output: SchedulerOutput) -> None:
         """After the forward pass ran `output` (its sequences' progress already advanced)."""

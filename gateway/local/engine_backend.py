@@ -24,7 +24,7 @@ import anyio
 from engine.types import EngineError, GenerationRequest, LoraError, SamplingParams
 from gateway.admission import Caller
 from gateway.backend import Body, Call, ModelCard, NotReady, Plan, Reply, Stream, Task, Work
-from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error
+from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ErrorKind, from_engine_error, invalid_request
 from gateway.local.hooks import Fit, LocalRoute
 from gateway.loras import wait_released
 from gateway.metrics import Metrics, TimedStream
@@ -259,12 +259,18 @@ class EngineBackend:
             limit="max_output_tokens" if param == "input" else "max_tokens",
         )
         params = _within_reservation(params, work.caller, len(prompt))
+        if req.prediction is not None:
+            params = dataclasses.replace(
+                params,
+                prediction=_prediction(tokenizer, req.prediction.content, len(prompt), engine.max_model_len),
+            )
         if output.grammar is not None:
             await tools.compile_checks(engine, output)  # a schema it cannot compile: 400 here
             params = dataclasses.replace(params, grammar=output.grammar)
         if fmt.keep_special_tokens:  # its markers are special tokens: the parser reads them
             params = dataclasses.replace(params, skip_special_tokens=False)
         job = self._job(work, params, params.n, len(prompt), tokenizer)
+        job.num_prediction_tokens = len(params.prediction) if req.prediction is not None else None
         job.parse_tool_calls = output.parse_tool_calls
         job.parser = fmt.parser(output, fmt.reasoning(template_kwargs))
         return self._plan(work, job, [prompt], params, param=param)
@@ -340,6 +346,9 @@ class EngineBackend:
             usage.served = True
             usage.num_completion_tokens = num_completion_tokens
             usage.num_cached_tokens = job.num_cached_tokens
+            if call.span.recording:
+                for name, value in job.speculation().items():
+                    call.span.set(name, value)
 
         job.on_usage = on_usage
         try:
@@ -400,6 +409,20 @@ class EngineBackend:
     def stats(self) -> dict[str, object]:
         engine, _ = self._running()
         return dataclasses.asdict(engine.stats())
+
+
+def _prediction(
+    tokenizer: Tokenizer, text: str, num_prompt_tokens: int, max_model_len: int
+) -> tuple[int, ...]:
+    """A Predicted Output's tokens; 400 if they could not fit the window after the prompt."""
+    ids = tokenizer.encode_output(text)
+    if num_prompt_tokens + len(ids) > max_model_len:
+        raise invalid_request(
+            f"'prediction' is {len(ids)} tokens; with the prompt's {num_prompt_tokens} that is more than "
+            f"this model's context length ({max_model_len} tokens).",
+            param="prediction",
+        )
+    return tuple(ids)
 
 
 def _within_reservation(

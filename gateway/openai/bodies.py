@@ -40,15 +40,28 @@ def finish_reason_of(out: RequestOutput) -> schemas.CompletionFinishReason | Non
     return FINISH_REASONS.get(out.finish_reason) if out.finish_reason is not None else None
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> schemas.Usage:
+def usage(
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    num_cached_tokens: int = 0,
+    prediction: tuple[int, int] | None = None,
+) -> schemas.Usage:
     """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens whose K/V came
-    from the prefix cache (as OpenAI reports its own prompt caching)."""
-    return {
+    from the prefix cache (as OpenAI reports its own prompt caching); `prediction`: a Predicted
+    Output's (accepted, rejected) tokens."""
+    body: schemas.Usage = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
+    if prediction is not None:
+        accepted, rejected = prediction
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": rejected,
+        }
+    return body
 
 
 def _lp(value: float) -> float:
@@ -115,6 +128,7 @@ def chat_completion(
     tokenizer: Tokenizer,
     with_logprobs: bool,
     num_cached_tokens: int = 0,
+    prediction: tuple[int, int] | None = None,
 ) -> schemas.ChatCompletion:
     return {
         "id": request_id,
@@ -131,7 +145,9 @@ def chat_completion(
             }
             for c in choices
         ],
-        "usage": usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices), num_cached_tokens),
+        "usage": usage(
+            num_prompt_tokens, sum(c.num_output_tokens for c in choices), num_cached_tokens, prediction
+        ),
     }
 
 

@@ -157,10 +157,39 @@ class Job:
     # How each choice's text is read: its calls and reasoning in the model family's format
     # (gateway/openai/formats.py); None: as text.
     parser: Callable[[], DeltaParser] | None = None
+    # A chat request's Predicted Output: its length in tokens, and how many the output took.
+    num_prediction_tokens: int | None = None
+    num_accepted_prediction_tokens: int = 0
+    # Speculative decoding, per choice: (draft tokens verified, accepted).
+    drafts: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
     def observe(self, out: RequestOutput) -> None:
         seen = self.cached_by_request.get(out.request_id, 0)
         self.cached_by_request[out.request_id] = max(seen, out.num_cached_tokens)
+        accepted = max(self.num_accepted_prediction_tokens, out.num_accepted_prediction_tokens)
+        self.num_accepted_prediction_tokens = accepted
+        if out.num_draft_tokens:
+            self.drafts[(out.request_id, out.index)] = (out.num_draft_tokens, out.num_accepted_draft_tokens)
+
+    def speculation(self) -> dict[str, int]:
+        """The span's attributes of speculative decoding (none where no draft was verified)."""
+        attributes: dict[str, int] = {}
+        if self.drafts:
+            attributes["batchgate.speculative.draft_tokens"] = sum(d for d, _ in self.drafts.values())
+            attributes["batchgate.speculative.accepted_tokens"] = sum(a for _, a in self.drafts.values())
+        usage = self.prediction_usage
+        if usage is not None:
+            attributes["batchgate.prediction.accepted_tokens"] = usage[0]
+            attributes["batchgate.prediction.rejected_tokens"] = usage[1]
+        return attributes
+
+    @property
+    def prediction_usage(self) -> tuple[int, int] | None:
+        """(accepted, rejected) prediction tokens, as OpenAI's usage reports them; None: no prediction."""
+        if self.num_prediction_tokens is None:
+            return None
+        accepted = min(self.num_accepted_prediction_tokens, self.num_prediction_tokens)
+        return accepted, self.num_prediction_tokens - accepted
 
     @property
     def num_cached_tokens(self) -> int:
@@ -194,6 +223,7 @@ def chat_body(job: Job, choices: Sequence[bodies.Choice]) -> schemas.ChatComplet
         tokenizer=job.tokenizer,
         with_logprobs=job.logprobs,
         num_cached_tokens=job.num_cached_tokens,
+        prediction=job.prediction_usage,
     )
     if job.parser is not None:
         for choice in body["choices"]:
@@ -331,7 +361,13 @@ async def _events(
         else:
             if job.include_usage or job.report_usage:
                 yield chunk(
-                    [], bodies.usage(job.num_prompt_tokens, sum(num_output_tokens), job.num_cached_tokens)
+                    [],
+                    bodies.usage(
+                        job.num_prompt_tokens,
+                        sum(num_output_tokens),
+                        job.num_cached_tokens,
+                        job.prediction_usage,
+                    ),
                 )
     except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel as events
         yield sse_error_event(error_of(exc))

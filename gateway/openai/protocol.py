@@ -43,7 +43,6 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "prediction": (None,),
     "web_search_options": (None,),
     "store": (None, False),
     "metadata": (None,),
@@ -376,6 +375,8 @@ class _SamplingFields(StrictModel):
     top_k: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = None
     min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] | None = None
     ignore_eos: bool | None = None
+    # Ours: false turns speculative decoding off for this request (the server's setting otherwise).
+    speculative_decoding: bool | None = None
 
     @property
     def num_choices(self) -> int:
@@ -386,8 +387,17 @@ class _SamplingFields(StrictModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+class Prediction(StrictModel):
+    """OpenAI's Predicted Outputs: text the output is expected to be mostly like (a file to edit),
+    verified as drafts by speculative decoding (engine/speculative/)."""
+
+    type: Literal["content"]
+    content: Content
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    prediction: Prediction | None = None
     max_completion_tokens: MaxTokens = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None = None
@@ -522,8 +532,27 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     _check_messages(req)
     _check_tools(req)
+    _check_prediction(req)
     _check_common(req)
     return req
+
+
+def _check_prediction(req: ChatCompletionRequest) -> None:
+    """What OpenAI's Predicted Outputs refuse beside a prediction, refused the same way."""
+    if req.prediction is None:
+        return
+    conflicts = (
+        ("n", req.num_choices > 1, "'n' greater than 1"),
+        ("logprobs", bool(req.logprobs), "'logprobs'"),
+        ("presence_penalty", (req.presence_penalty or 0) > 0, "a 'presence_penalty' greater than 0"),
+        ("frequency_penalty", (req.frequency_penalty or 0) > 0, "a 'frequency_penalty' greater than 0"),
+        ("tools", bool(req.tools), "'tools'"),
+    )
+    for param, conflict, what in conflicts:
+        if conflict:
+            raise invalid_request(
+                f"'prediction' cannot be used with {what} (as with OpenAI's Predicted Outputs).", param=param
+            )
 
 
 def _check_messages(req: ChatCompletionRequest) -> None:
@@ -628,6 +657,8 @@ def _check_common(req: _SamplingFields) -> None:
 MAX_INPUTS = 2048
 MAX_TOKENS_PER_INPUT = 8192
 MAX_TOKENS_PER_REQUEST = 300_000
+
+
 def _input(value: Any) -> Any:
     """str | list[str] | list[int] | list[list[int]] -> a tuple of inputs (str or token-id tuple)."""
 
@@ -769,4 +800,5 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=req.num_top_logprobs if logprobs else 0,
         n=req.num_choices,
+        speculative=req.speculative_decoding is not False,
     )

@@ -35,11 +35,19 @@ class PromptTokensDetails(TypedDict):
     cached_tokens: NonNegativeInt
 
 
+class CompletionTokensDetails(TypedDict):
+    """With a `prediction`: its tokens the output took, and the rest (as OpenAI reports them)."""
+
+    accepted_prediction_tokens: NonNegativeInt
+    rejected_prediction_tokens: NonNegativeInt
+
+
 class Usage(TypedDict):
     prompt_tokens: NonNegativeInt
     completion_tokens: NonNegativeInt
     total_tokens: NonNegativeInt
     prompt_tokens_details: NotRequired[PromptTokensDetails]
+    completion_tokens_details: NotRequired[CompletionTokensDetails]
 
 
 # -- logprobs ---------------------------------------------------------------------------------

@@ -126,6 +126,10 @@ class Tokenizer:
     def encode_text(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
+    def encode_output(self, text: str) -> list[int]:
+        """Text as a model's output would hold it: no BOS or other special tokens added."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
     def encode_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
         """A completions prompt (text or token ids) -> validated token ids."""
         if isinstance(prompt, str):

@@ -48,6 +48,16 @@ class LiteralGrammar:
         self.pos += 1
         return True
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        n = 0
+        while (
+            n < len(token_ids)
+            and self.pos + n < len(self.tokens)
+            and self.tokens[self.pos + n] == token_ids[n]
+        ):
+            n += 1
+        return n
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, closing: bool = False) -> None:
         self.closing.append(closing)
         bitmask[row] = 0

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampler import SamplingRow, _draw, sample
+from engine.sampler import SamplingRow, draw, sample
 from engine.types import SamplingParams
 
 VOCAB = 50
@@ -281,7 +281,7 @@ def test_a_token_without_mass_is_never_drawn_even_at_the_ends_of_the_uniform(
     probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0, 0.0])
     for u in (0.0, 0.25, 0.5, 1.0 - 2**-53, 1.0):  # 1.0: u * total rounded up to the total
         monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.tensor(u, dtype=torch.float64))
-        assert int(_draw(probs, None)) == (1 if u < 0.5 else 3)
+        assert int(draw(probs, None)) == (1 if u < 0.5 else 3)
 
 
 def test_the_draw_follows_a_long_tail() -> None:
@@ -290,7 +290,7 @@ def test_the_draw_follows_a_long_tail() -> None:
     probs = torch.full((49152,), 0.1 / 49000)
     probs[:152] = 0.9 / 152
     gen = torch.Generator().manual_seed(0)
-    tail = sum(int(_draw(probs, gen)) >= 152 for _ in range(4000))
+    tail = sum(int(draw(probs, gen)) >= 152 for _ in range(4000))
     assert abs(tail / 4000 - 0.1) < 0.02
 
 

@@ -134,3 +134,72 @@ def test_models_and_health(served: str) -> None:
     assert httpx.get(served + "/health").json() == {"status": "ok"}
     doc = httpx.get(served + "/openapi.json").json()
     assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+
+
+# ---- Predicted Outputs (engine/speculative/), through the SDK on the served default -------------
+
+LISTING = "\n".join(f"def area_{i}(width, height):\n    return width * height + {i}\n" for i in range(6))
+REPEAT = [{"role": "user", "content": "Repeat this code exactly, with no other text:\n\n" + LISTING}]
+
+
+def test_predicted_outputs_through_the_sdk(served: str) -> None:
+    """OpenAI's `prediction=`: the output is the one without it; usage reports the prediction's
+    tokens the output took (accepted) and the rest (rejected), as OpenAI's does."""
+    client = openai.OpenAI(base_url=served + "/v1", api_key="unused")
+    args: dict[str, object] = dict(model=MODEL, messages=REPEAT, max_tokens=100, temperature=0)
+    plain = client.chat.completions.create(**args, extra_body={"speculative_decoding": False})  # type: ignore[call-overload]
+    text = plain.choices[0].message.content or ""
+    assert plain.usage is not None and plain.usage.completion_tokens_details is None
+    right = client.chat.completions.create(**args, prediction={"type": "content", "content": text})  # type: ignore[call-overload]
+    assert right.choices[0].message.content == text
+    details = right.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0.8 * right.usage.completion_tokens
+    assert details.rejected_prediction_tokens <= 0.2 * right.usage.completion_tokens
+    edited = text.replace("height", "depth")
+    parts = [{"type": "text", "text": edited[:40]}, {"type": "text", "text": edited[40:]}]
+    streamed = client.chat.completions.create(  # type: ignore[call-overload]
+        **args,
+        prediction={"type": "content", "content": parts},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
+    metrics = httpx.get(served + "/metrics").text
+    accepted = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("batchgate_spec_decode_accepted_tokens_total")
+    )
+    assert float(accepted.split()[-1]) > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+            "tools",
+        ),
+        ({"prediction": {"type": "text", "content": "x"}}, "prediction.type"),
+        ({"prediction": {"type": "content", "content": "word " * 3000}}, "prediction"),
+    ],
+)
+def test_predicted_outputs_refuse_what_openai_refuses(
+    served: str, extra: dict[str, object], param: str
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": REPEAT,
+        "max_tokens": 8,
+        "prediction": {"type": "content", "content": LISTING},
+    }
+    r = httpx.post(served + "/v1/chat/completions", json=body | extra, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error

@@ -36,6 +36,8 @@ NAMES = [
     ("length_buckets", "--length-buckets", "BATCHGATE_LENGTH_BUCKETS"),
     ("long_prefill_share", "--long-prefill-share", "BATCHGATE_LONG_PREFILL_SHARE"),
     ("target_itl_ms", "--target-itl-ms", "BATCHGATE_TARGET_ITL_MS"),
+    ("speculative_decoding", "--speculative-decoding", "BATCHGATE_SPECULATIVE_DECODING"),  # added since
+    ("num_speculative_tokens", "--num-speculative-tokens", "BATCHGATE_NUM_SPECULATIVE_TOKENS"),
     ("max_body_bytes", "--max-body-bytes", "BATCHGATE_MAX_BODY_BYTES"),
     ("tenants", "--tenants", "BATCHGATE_TENANTS"),
     ("redis_url", "--redis-url", "BATCHGATE_REDIS_URL"),
@@ -111,6 +113,8 @@ MODEL_FILE_KEYS = (
     "length_buckets",
     "long_prefill_share",
     "target_itl_ms",
+    "speculative_decoding",
+    "num_speculative_tokens",
     "max_loras",
 )
 
