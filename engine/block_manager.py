@@ -107,6 +107,18 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Let go of `seq`'s blocks past its first `num_tokens` tokens' (slots a verified draft took
+        and its rejected tokens left unused; never registered: past the computed tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            assert self._refs[block] == 1 and block not in self._hash_of, (
+                f"block {block} is not {seq.seq_id}'s alone"
+            )
+            self._refs[block] = 0
+            self._free.append(block)
+
     def reclaimable(self, seq: Sequence) -> int:
         """Blocks that freeing `seq` would return to the pool (those nobody else holds)."""
         return sum(1 for block in seq.block_table if self._refs[block] == 1)

@@ -279,6 +279,7 @@ class Speculator:
             if not seq.finished:
                 seq.num_computed_tokens += accepted
                 self.blocks.register_full_blocks(seq)
+                self.blocks.trim(seq, seq.num_tokens)  # the rejected tokens' slots go back
 
     def prediction_matched(self, seq: Sequence) -> int:
         """Of `seq`'s predicted output, the tokens its output took so far (0: none drafted from it)."""

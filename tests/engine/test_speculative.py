@@ -218,3 +218,38 @@ def test_sampled_outputs_keep_their_distribution(tiny_model_dir: Path) -> None:
     chi2 = sum((counts[True][k] - counts[False][k]) ** 2 / (counts[True][k] + counts[False][k]) for k in keys)
     # At most 9 pairs: the 0.1% critical value of chi-squared with 8 degrees of freedom.
     assert len(keys) <= 9 and chi2 < 26.12, (counts, chi2)
+
+
+def test_drafts_in_a_batch_with_preemption_and_prefix_hits_change_no_output(
+    engines: dict[bool, LLMEngine],
+) -> None:
+    """Four listings at once, every draft verified in full, in a KV cache too small for all of
+    them (sequences are preempted and recomputed, their prefixes found cached): each output is the
+    one decoding it alone without speculation gives, and every block comes back."""
+    off = engines[False]
+    prompts = [
+        chat_ids(off.tokenizer, REPEAT.replace("area", name)) for name in ("cost", "size", "mass", "time")
+    ]
+    expected = [_greedy_ids(off, p, 80) for p in prompts]
+    crowded = LLMEngine(
+        EngineConfig.of(
+            speculate_always=True,
+            num_speculative_tokens=4,
+            max_num_seqs=4,
+            max_model_len=2048,
+            kv_cache_memory_bytes=14 << 20,
+        )
+    )
+    try:
+        outputs = crowded.generate(prompts, SamplingParams(max_tokens=80, temperature=0))
+        assert outputs == expected
+        assert crowded.scheduler.num_preemptions > 0 and crowded.speculator.stats.num_accepted_tokens > 0
+        assert crowded.block_manager.num_hit_tokens > 0
+        assert crowded.block_manager.num_free_blocks == crowded.block_manager.num_blocks
+    finally:
+        crowded.close()
+
+
+def _greedy_ids(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))
+    return out
