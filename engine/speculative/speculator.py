@@ -41,43 +41,46 @@ PRIOR_PREDICTION = (4.0, 5.0)
 PRIOR_LOOKUP = (1.0, 2.0)
 # Weight the past keeps at each verification: acceptance follows what the output does now.
 ACCEPTANCE_DECAY = 0.8
-# Weight a row count's time keeps at each new step of that count (contexts grow, load changes).
+# Weight a row count's time keeps at each new step of that count (contexts grow, load changes),
+# and the decode steps after which a count not run since is measured afresh.
 TIME_DECAY = 0.8
+STALE_STEPS = 256
 
 
 class StepTimes:
-    """Decode-only step seconds by row count (exponentially weighted); unmeasured counts estimated."""
+    """Decode-only step seconds by row count (exponentially weighted); unmeasured counts estimated.
+    A count not run for STALE_STEPS steps counts as unmeasured again: a time taken while the machine
+    was busy elsewhere would otherwise keep its count, and the drafts it needs, off for good."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
-        self._rows: list[int] = []  # measured counts, sorted
+        self._last: dict[int, int] = {}  # the step each count last ran at
+        self._steps = 0
 
     def observe(self, seconds: float, rows: int) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return  # a clock that does not move (tests) measures nothing
+        self._steps += 1
         old = self._seconds.get(rows)
-        if old is None:
-            bisect.insort(self._rows, rows)
-            self._seconds[rows] = seconds
-        else:
-            self._seconds[rows] = TIME_DECAY * old + (1.0 - TIME_DECAY) * seconds
+        self._seconds[rows] = seconds if old is None else TIME_DECAY * old + (1.0 - TIME_DECAY) * seconds
+        self._last[rows] = self._steps
 
     def estimate(self, rows: int) -> float | None:
         """A `rows`-row step's seconds: measured, or between the measured counts around it, or
         beyond the largest at PRIOR_ROW_SHARE a row; None before any step was measured."""
-        if not self._rows:
+        fresh = sorted(r for r, at in self._last.items() if self._steps - at < STALE_STEPS)
+        if not fresh:
             return None
-        known = self._seconds.get(rows)
-        if known is not None:
-            return known
-        i = bisect.bisect_left(self._rows, rows)
-        per_row = PRIOR_ROW_SHARE * self._seconds[self._rows[0]]
+        if rows in self._seconds and rows in fresh:
+            return self._seconds[rows]
+        i = bisect.bisect_left(fresh, rows)
+        per_row = PRIOR_ROW_SHARE * self._seconds[fresh[0]]
         if i == 0:
-            return max(self._seconds[self._rows[0]] - per_row * (self._rows[0] - rows), per_row)
-        below = self._rows[i - 1]
+            return max(self._seconds[fresh[0]] - per_row * (fresh[0] - rows), per_row)
+        below = fresh[i - 1]
         optimistic = self._seconds[below] + per_row * (rows - below)
-        if i < len(self._rows):
-            return min(optimistic, self._seconds[self._rows[i]])
+        if i < len(fresh):
+            return min(optimistic, self._seconds[fresh[i]])
         return optimistic
 
 

@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampler import SamplingRow
 from engine.sequence import Sequence
 from engine.speculative.proposers import PredictionLookup, PromptLookup
-from engine.speculative.speculator import Speculator
+from engine.speculative.speculator import STALE_STEPS, Speculator, StepTimes
 from engine.speculative.verify import verify
 from engine.step import ScheduledChunk, SchedulerOutput
 from engine.types import GenerationRequest, GrammarSpec, SamplingParams
@@ -80,6 +80,17 @@ def test_drafts_go_where_rows_are_cheap_and_not_to_a_compute_bound_batch(
     for chunk in out.decodes:  # a draft has its KV slots, and continues the repeat
         assert len(chunk.seq.block_table) * 16 >= chunk.seq.num_tokens + len(chunk.draft)
         assert list(chunk.draft) == repeating[: len(chunk.draft)]
+
+
+def test_a_row_count_timed_during_a_busy_spell_is_measured_again_later() -> None:
+    times = StepTimes()
+    times.observe(0.010, 1)
+    times.observe(1.2, 2)  # another process had the cores
+    assert times.estimate(2) == 1.2
+    for _ in range(STALE_STEPS):
+        times.observe(0.010, 1)
+    estimate = times.estimate(2)
+    assert estimate is not None and estimate < 0.012  # optimistic again: tried, then known
 
 
 # ---- verification ---------------------------------------------------------------------------
