@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from gateway import admission, endpoints, loras, telemetry
 from gateway.admin import api as admin
@@ -34,7 +34,7 @@ from gateway.admin.state import StateRoutes
 from gateway.admin.webhooks import BudgetAlerts, BudgetWebhook
 from gateway.anthropic import models as anthropic_models
 from gateway.anthropic.errors import ANTHROPIC
-from gateway.backend import Backend, Endpoint, Task, new_id
+from gateway.backend import Backend, Endpoint, Reply, Task, new_id
 from gateway.batches.api import build_batches, num_lines
 from gateway.bounds import bounds_of, take_request
 from gateway.console.routes import Console
@@ -51,12 +51,13 @@ from gateway.local.engine_backend import (
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.openai import bodies
 from gateway.openapi.document import build_openapi
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Lifetime, Pipeline
 from gateway.pool.relay import ReplicaBackend
 from gateway.registry import ModelRegistry
 from gateway.responses.background import BackgroundRuns
 from gateway.responses.conversations import Conversations
 from gateway.responses.state import ResponsesState, build_store
+from gateway.responses.websocket import ResponsesSockets
 from gateway.settings import Settings
 
 if TYPE_CHECKING:
@@ -139,6 +140,14 @@ class Gateway:
             store, self.conversations, background, settings.keep_alive_s, self.metrics.state_lookup.observe
         )
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
+        self.sockets = ResponsesSockets(
+            _SocketTurns(self.pipeline),
+            self.drain,
+            lambda caller: self.bounds(caller).websocket_max_open,
+            settings.websocket_cache_size,
+            settings.websocket_send_buffer_bytes,
+            self.metrics,
+        )
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         records = loras.AdapterRecords.in_storage(settings.storage_dir)
         audit = None if tenancy is None or tenancy.admin is None else tenancy.admin.record
@@ -192,6 +201,7 @@ class Gateway:
             "batch_max_open": len(open_batches),
             "batch_max_queued_lines": sum(num_lines(b) for b in open_batches),
             "batch_max_running_per_tenant": self.batches.runner.slots.running(caller.name),
+            "websocket_max_open": self.sockets.open.num_open(caller.name),
         }
         return {name: {"limit": getattr(bounds, name), "used": used[name]} for name in used}
 
@@ -370,6 +380,21 @@ class Gateway:
         return JSONResponse(build_openapi(names, vocab_size, embedding=embedding, generate=True))
 
 
+class _SocketTurns:
+    """A Responses WebSocket's turns through the pipeline, as `POST /v1/responses` runs them."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
+        return await self.pipeline.authenticate(headers, user)
+
+    async def start_turn(
+        self, body: dict[str, Any], caller: admission.Caller, cached: Mapping[str, tuple[dict[str, Any], ...]]
+    ) -> tuple[Lifetime, Reply]:
+        return await self.pipeline.start_turn(endpoints.RESPONSES, body, caller, cached)
+
+
 # The stored-state routes that create or grow state: each costs a request of the tenant's budget.
 CHARGED = {
     ("POST", "/v1/conversations"),
@@ -459,6 +484,8 @@ def create_app(
     )
     routes: list[BaseRoute] = [
         *(Route(e.path, gateway.route(e), methods=["POST"]) for e in endpoints.ENDPOINTS),
+        # The Responses API's WebSocket mode (gateway/responses/websocket.py), beside its POST.
+        WebSocketRoute(endpoints.RESPONSES.path, gateway.sockets.serve),
         *stored_routes(gateway),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),

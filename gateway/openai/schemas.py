@@ -533,6 +533,7 @@ class PlanTable(BudgetFields):
     batch_max_open: NotRequired[PositiveInt]
     batch_max_queued_lines: NotRequired[PositiveInt]
     batch_max_running_per_tenant: NotRequired[PositiveInt]
+    websocket_max_open: NotRequired[PositiveInt]
 
 
 @with_config(ConfigDict(extra="forbid"))

@@ -4,7 +4,8 @@ runs, and the `/v1/responses/{id}` routes (retrieve, delete, input_items, cancel
 The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint around its backend:
 
     prepare(work): previous_response_id (or conversation) -> the stored conversation before this
-                   turn (404 if this tenant has no such response), as `ResponsesRequest.history`;
+                   turn (a WebSocket's own cache first; 400 previous_response_not_found if this
+                   tenant has no such response), as `ResponsesRequest.history`;
                    in gateway-only mode also as the body relayed, the history in front of `input`
     wrap(work, plan): the answer (a body, or the stream's terminal event) is stored under its id
                    with this turn's input items, when the request `store`s (OpenAI's default), and
@@ -81,6 +82,16 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.", param=param)
 
 
+def previous_not_found(response_id: str) -> APIError:
+    """OpenAI's 400 for a `previous_response_id` this tenant has not got (another tenant's reads
+    the same as one that never existed), on HTTP and over the WebSocket alike."""
+    return APIError(
+        ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND,
+        f"Previous response with id '{response_id}' not found.",
+        param="previous_response_id",
+    )
+
+
 class ResponsesState:
     """The stateful endpoint hooks and routes over one `ResponseStore` (see the module docstring)."""
 
@@ -125,10 +136,14 @@ class ResponsesState:
             )
             history = conversation.items
         elif req.previous_response_id is not None:
-            previous = await self._load(work.caller.name, req.previous_response_id)
-            if previous is None:
-                raise _not_found(req.previous_response_id, "previous_response_id")
-            history = previous.conversation()
+            cached = work.cached.get(req.previous_response_id) if work.cached is not None else None
+            if cached is not None:  # the socket's own (gateway/responses/websocket.py)
+                history = list(cached)
+            else:
+                previous = await self._load(work.caller.name, req.previous_response_id)
+                if previous is None:
+                    raise previous_not_found(req.previous_response_id)
+                history = previous.conversation()
         else:
             return
         # Stored items are rendered as they are (never parsed again: gateway/responses/request.py).

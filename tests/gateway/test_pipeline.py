@@ -316,7 +316,8 @@ def test_a_conversation_continues_in_both_modes_and_only_for_its_tenant(
             stolen = client.post(
                 "/v1/responses", json=resp(previous_response_id=first["id"]), headers=UMBRELLA
             )
-            assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "previous_response_id"
+            assert stolen.status_code == 400 and stolen.json()["error"]["param"] == "previous_response_id"
+            assert stolen.json()["error"]["code"] == "previous_response_not_found"
             assert client.delete(f"/v1/responses/{first['id']}", headers=UMBRELLA).status_code == 404
             assert client.delete(f"/v1/responses/{first['id']}").json()["deleted"] is True
             assert client.get(f"/v1/responses/{first['id']}").status_code == 404
