@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ from gateway.pipeline import Lifetime, Pipeline
 from gateway.pool.relay import ReplicaBackend
 from gateway.registry import ModelRegistry
 from gateway.responses.background import BackgroundRuns
+from gateway.responses.compaction import SUMMARY_MAX_TOKENS, SUMMARY_PROMPT, Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
 from gateway.responses.state import ResponsesState, build_store
 from gateway.responses.websocket import ResponsesSockets
@@ -136,10 +138,19 @@ class Gateway:
         store = build_store(settings, self.metrics, self._stored_bound)
         self.conversations = Conversations(store, settings.max_body_bytes, self.bounds)
         background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
+        compactor = Compactor(Sealer(load_key(settings.compaction_key, settings.storage_dir)))
         self.responses = ResponsesState(
-            store, self.conversations, background, settings.keep_alive_s, self.metrics.state_lookup.observe
+            store,
+            self.conversations,
+            background,
+            settings.keep_alive_s,
+            compactor,
+            settings.max_body_bytes,
+            self.metrics.state_lookup.observe,
+            self.metrics.compactions.inc,
         )
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
+        compactor.summarize = functools.partial(_summarize, self.pipeline)
         self.sockets = ResponsesSockets(
             _SocketTurns(self.pipeline),
             self.drain,
@@ -395,6 +406,36 @@ class _SocketTurns:
         return await self.pipeline.start_turn(endpoints.RESPONSES, body, caller, cached)
 
 
+async def _summarize(
+    pipeline: Pipeline, caller: admission.Caller, model: str, conversation: Sequence[dict[str, Any]]
+) -> tuple[str, dict[str, Any]]:
+    """A compaction's summary (gateway/responses/compaction.py): a Responses turn through the
+    pipeline continuing `conversation` (held as if a socket kept it), charged as any turn."""
+    key = new_id("resp_")
+    body = {
+        "model": model,
+        "input": SUMMARY_PROMPT,
+        "previous_response_id": key,
+        "store": False,
+        "max_output_tokens": SUMMARY_MAX_TOKENS,
+        "truncation": "auto",
+        "temperature": 0,
+    }
+    cached = {key: tuple(conversation)}
+    reply = await pipeline.answer(
+        endpoints.RESPONSES, body, caller, new_id("resp_"), cached=cached, batch=False
+    )
+    payload = reply.payload
+    answer: dict[str, Any] = json.loads(payload) if isinstance(payload, bytes) else dict(payload)
+    texts = [
+        part.get("text", "")
+        for item in answer.get("output", ())
+        if item.get("type") == "message"
+        for part in item.get("content", ())
+    ]
+    return "".join(texts).strip(), dict(answer.get("usage") or {})
+
+
 # The stored-state routes that create or grow state: each costs a request of the tenant's budget.
 CHARGED = {
     ("POST", "/v1/conversations"),
@@ -412,6 +453,7 @@ def stored_routes(gateway: Gateway) -> list[Route]:
     (`Gateway.stored`)."""
     r, c, files, batches = gateway.responses, gateway.conversations, gateway.files, gateway.batches
     table: list[tuple[str, str, Callable[[admission.Caller, Request], Awaitable[Response]]]] = [
+        ("POST", "/v1/responses/compact", r.compact),
         ("GET", "/v1/responses/{response_id}", r.retrieve),
         ("DELETE", "/v1/responses/{response_id}", r.delete),
         ("POST", "/v1/responses/{response_id}/cancel", r.cancel),

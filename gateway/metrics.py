@@ -37,6 +37,7 @@ any other client-controlled string.
     batchgate_engine_step_failures_total{stage} counter (stage: forward, sampling, output, schedule)
     batchgate_response_state_lookup_seconds    histogram (resolving previous_response_id or conversation)
     batchgate_responses_websocket_turns_total  counter (Responses turns run over a WebSocket)
+    batchgate_responses_compactions_total      counter (histories compacted server-side: context_management)
     batchgate_responses_websockets_open        gauge (Responses WebSockets open now)
     batchgate_embedding_batch_inputs           histogram (inputs per embedding model call)
     batchgate_embedding_batch_tokens           histogram (padded tokens per embedding model call)
@@ -350,6 +351,9 @@ class Metrics:
             "batchgate_response_state_lookup_seconds",
             "Seconds a Responses request spent resolving its previous_response_id or conversation",
             _LOOKUP_BUCKETS,
+        )
+        self.compactions = _counter(
+            r, "batchgate_responses_compactions", "Histories compacted server-side (context_management)"
         )
         self.websocket_turns = _counter(
             r, "batchgate_responses_websocket_turns", "Responses turns run over a WebSocket (response.create)"

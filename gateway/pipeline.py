@@ -140,12 +140,21 @@ class Pipeline:
             raise
 
     async def answer(
-        self, endpoint: Endpoint, body: dict[str, Any], caller: admission.Caller, request_id: str
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        caller: admission.Caller,
+        request_id: str,
+        *,
+        cached: Mapping[str, tuple[dict[str, Any], ...]] | None = None,
+        batch: bool = True,
     ) -> Body:
-        """One request with no client connection (a Batch API line): the same path as `handle`,
-        settled at the batch price, answered whole (`stream` is refused before this); APIError
-        for what a client would have been answered with an error."""
-        lifetime = await self._admitted(endpoint, endpoint.parse(body), body, caller, None, request_id)
+        """One request with no client connection (a Batch API line; a compaction's summary,
+        `batch` False): the same path as `handle`, settled at the batch price unless not `batch`,
+        answered whole (`stream` is refused before this); APIError for what a client would have
+        been answered with an error."""
+        req = endpoint.parse(body)
+        lifetime = await self._admitted(endpoint, req, body, caller, None, request_id, cached, batch)
         try:
             reply = await lifetime.call_plan()
             if not isinstance(reply, Body):

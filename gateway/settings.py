@@ -430,6 +430,13 @@ class Settings:
         parse_bytes,
         "most bytes of one conversation as stored, where the tenant's plan sets no conversation_max_bytes",
     )
+    compaction_key: str | None = _opt(
+        None,
+        _str,
+        "the key that seals compaction items (32 bytes, hex or base64; gateway/responses/compaction.py): "
+        "unset, one is made and kept in --storage-dir (compaction.key), else made per process; a pool's "
+        "gateways share one",
+    )
     websocket_max_open: int = _opt(
         16,
         _int,

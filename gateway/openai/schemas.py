@@ -372,6 +372,17 @@ class ResponseDeleted(TypedDict):
     deleted: Literal[True]
 
 
+class ResponseCompaction(TypedDict):
+    """`POST /v1/responses/compact`: the user messages, then one `compaction` item whose
+    `encrypted_content` is opaque (gateway/responses/compaction.py)."""
+
+    id: str
+    object: Literal["response.compaction"]
+    created_at: int
+    output: list[dict[str, object]]
+    usage: ResponseUsage
+
+
 class Conversation(TypedDict):
     id: str
     object: Literal["conversation"]
@@ -822,6 +833,7 @@ RESPONSE_TYPES: tuple[type, ...] = (
     ResponseStreamEvent,
     ResponseItemList,
     ResponseDeleted,
+    ResponseCompaction,
     InputTokenCount,
     Conversation,
     ConversationDeleted,
