@@ -243,7 +243,8 @@ class ResponsesSocket:
             self._close(CLOSE_RESTART, "server restarting; reconnect")
 
     def _send(self, event: dict[str, Any] | bytes) -> None:
-        self.outbox.put(event.decode() if isinstance(event, bytes) else json.dumps(event))
+        data = event if isinstance(event, bytes) else json.dumps(event, separators=(",", ":"))
+        self.outbox.put(data.decode() if isinstance(data, bytes) else data)
 
     async def _read(self) -> None:
         while True:
