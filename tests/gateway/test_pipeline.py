@@ -551,3 +551,31 @@ def test_a_background_response_whose_replica_fails_reads_failed_and_releases_eve
             assert deployment.engine.num_active == 0
     finally:
         deployment.stop()
+
+
+def test_websocket_turns_go_through_the_pipeline_in_both_modes(both: dict[str, Deployment]) -> None:
+    """A Responses WebSocket (gateway/responses/websocket.py) in process and in front of a replica
+    (pool mode: each turn routed and relayed as an HTTP turn): a `store: false` turn continued from
+    the socket's cache sends the engine the whole conversation; another tenant's response id reads
+    as one that never existed."""
+    from websockets.sync.client import connect
+
+    def turn(ws: Any, **fields: Any) -> dict[str, Any]:
+        ws.send(json.dumps({"type": "response.create", **resp(**fields)}))
+        while True:
+            event = json.loads(ws.recv(timeout=10))
+            if event["type"] in ("response.completed", "response.incomplete", "error"):
+                return dict(event)
+
+    for mode, d in both.items():
+        url = d.url.replace("http://", "ws://") + "/v1/responses"
+        with connect(url, additional_headers=ACME) as ws:
+            first = turn(ws, input="first turn", store=False)["response"]
+            second = turn(ws, input="second turn", previous_response_id=first["id"], store=False)
+            assert second["type"] == "response.incomplete", (mode, second)  # max_output_tokens 5
+            prompt = d.engine.tokenizer.decode(d.engine.submitted[-1].prompt_token_ids)
+            assert prompt.index("first turn") < prompt.index("second turn"), mode
+            stored = turn(ws, input="stored")["response"]
+        with connect(url, additional_headers=UMBRELLA) as ws:
+            stolen = turn(ws, input="x", previous_response_id=stored["id"])
+            assert stolen["error"]["code"] == "previous_response_not_found", (mode, stolen)
