@@ -158,6 +158,7 @@ class Gateway:
             settings.websocket_cache_size,
             settings.websocket_send_buffer_bytes,
             self.metrics,
+            settings.max_body_bytes,
         )
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         records = loras.AdapterRecords.in_storage(settings.storage_dir)

@@ -159,7 +159,8 @@ class ResponsesState:
                 if previous is None:
                     raise previous_not_found(req.previous_response_id)
                 history = previous.conversation()
-        self.lookup_seconds(time.perf_counter() - start)
+        if conversation_id is not None or req.previous_response_id is not None:
+            self.lookup_seconds(time.perf_counter() - start)  # a continuation's lookup, timed
         # Compaction (gateway/responses/compaction.py): the items up to the input's last compaction
         # item join the history (each compaction item expanded); a prompt past the request's
         # compact_threshold has its history compacted by the model first.

@@ -34,6 +34,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.admission import Caller
 from gateway.backend import Body, Reply, Work
+from gateway.body import decode_json
 from gateway.drain import Drain, deadline_error, draining_error
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
@@ -162,13 +163,15 @@ def error_event(exc: APIError, stream_id: str | None = None) -> dict[str, Any]:
     return event
 
 
-def parse_frame(raw: str | bytes) -> tuple[dict[str, Any], str | None]:
-    """A client frame as the create body it carries and its `stream_id`; APIError 400 for a frame
-    that is not a `response.create` this server takes."""
-    try:
-        frame = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise invalid_request("A WebSocket message must be one JSON object.") from None
+def parse_frame(raw: str | bytes, max_bytes: int) -> tuple[dict[str, Any], str | None]:
+    """A client frame as the create body it carries and its `stream_id`; APIError for a frame
+    that is not a `response.create` this server takes (413 past `max_bytes`, as a POST's body)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if len(data) > max_bytes:
+        raise APIError(
+            ErrorKind.REQUEST_TOO_LARGE, f"The message is larger than the limit of {max_bytes:,} bytes."
+        )
+    frame = decode_json(data, "the WebSocket message")  # the same checks as a POST's body
     if not isinstance(frame, dict):
         raise invalid_request("A WebSocket message must be one JSON object.")
     stream_id = frame.get("stream_id")
@@ -212,8 +215,10 @@ class ResponsesSocket:
         cache_size: int,
         send_buffer_bytes: int,
         count_turn: Callable[[], None],
+        max_body_bytes: int,
     ) -> None:
         self.websocket = websocket
+        self.max_body_bytes = max_body_bytes
         self.turns = turns
         self.caller = caller
         self.drain = drain
@@ -293,7 +298,7 @@ class ResponsesSocket:
         stream_id: str | None = None
         previous: str | None = None
         try:
-            body, stream_id = parse_frame(raw)
+            body, stream_id = parse_frame(raw, self.max_body_bytes)
             named = body.get("previous_response_id")
             previous = named if isinstance(named, str) else None
             lifetime, reply = await self.turns.start_turn(body, self.caller, self.cache.entries)
@@ -393,8 +398,10 @@ class ResponsesSockets:
         cache_size: int,
         send_buffer_bytes: int,
         metrics: Metrics,
+        max_body_bytes: int,
     ) -> None:
         self.turns = turns
+        self.max_body_bytes = max_body_bytes  # of one frame, as of a POST's body
         self.drain = drain
         self.max_open = max_open  # the caller's tenant's websocket_max_open (gateway/bounds.py)
         self.cache_size = cache_size
@@ -424,6 +431,7 @@ class ResponsesSockets:
                 self.cache_size,
                 self.send_buffer_bytes,
                 self.metrics.websocket_turns.inc,
+                self.max_body_bytes,
             )
             with contextlib.suppress(WebSocketDisconnect):
                 await socket.run()

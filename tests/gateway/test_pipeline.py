@@ -276,7 +276,7 @@ def test_both_modes_answer_alike(both: dict[str, Deployment], case: int) -> None
         "rate limited: second": 429,
         "embeddings of a chat model": 400,
         "responses, image input": 400,
-        "responses, unknown previous": 404,
+        "responses, unknown previous": 400,  # OpenAI's previous_response_not_found
         "responses, anonymous": 401,
         "responses, context too long": 400,
         "messages, bad key": 401,

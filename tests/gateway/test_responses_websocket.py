@@ -119,7 +119,7 @@ def _until_terminal(ws: Any) -> list[dict[str, Any]]:
 
 
 def test_the_upgrade_is_authenticated_and_capped_per_tenant(make_app: AppFactory) -> None:
-    app = make_app(tenancy=FakeTenancy(), websocket_max_open=1)
+    app = make_app(tenancy=FakeTenancy(), websocket_max_open=1, max_body_bytes=4096)
     with TestClient(app) as client:
         with pytest.raises(Exception) as refused:
             with client.websocket_connect("/v1/responses", headers={"Authorization": "Bearer sk-bad"}):
@@ -141,6 +141,11 @@ def test_the_upgrade_is_authenticated_and_capped_per_tenant(make_app: AppFactory
             assert json.loads(ws.receive_text())["error"]["param"] == "type"
             ws.send_text("not json")
             assert json.loads(ws.receive_text())["status"] == 400
+            ws.send_text("[" * 200 + "]" * 200)  # nested past the limit, as a POST's body
+            assert json.loads(ws.receive_text())["status"] == 400
+            ws.send_text(_create(input="x" * 5000))  # over this app's max_body_bytes
+            too_large = json.loads(ws.receive_text())
+            assert too_large["status"] == 413 and too_large["error"]["code"] == "request_too_large"
             ws.send_text(_create())
             events = _until_terminal(ws)
             assert [e["type"] for e in events][0] == "response.created"
