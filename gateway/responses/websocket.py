@@ -262,7 +262,11 @@ class ResponsesSocket:
                 self.pending.put_nowait(raw)
             except asyncio.QueueFull:
                 too_many = invalid_request(f"More than {MAX_PENDING_FRAMES} turns waiting on this socket.")
-                self._send(error_event(too_many))
+                try:
+                    self._send(error_event(too_many))
+                except _Overflow:  # nor reading what it is sent
+                    await self._slow_reader()
+                    return
 
     async def _write(self) -> None:
         while True:
@@ -284,15 +288,18 @@ class ResponsesSocket:
             try:
                 await self._turn(raw)
             except _Overflow:
-                logger.warning("%s: WebSocket client not reading; closed", self.caller.name or "open")
-                await self.websocket.close(CLOSE_POLICY, "send buffer full: the client reads too slowly")
-                self._group.cancel_scope.cancel()
+                await self._slow_reader()
                 return
             finally:
                 self.busy = False
                 self.drain.exit()
             if self.drain.draining:
                 self._close(CLOSE_RESTART, "server restarting; reconnect")
+
+    async def _slow_reader(self) -> None:
+        logger.warning("%s: WebSocket client not reading; closed", self.caller.name or "open")
+        await self.websocket.close(CLOSE_POLICY, "send buffer full: the client reads too slowly")
+        self._group.cancel_scope.cancel()
 
     async def _turn(self, raw: str | bytes) -> None:
         stream_id: str | None = None
@@ -318,8 +325,10 @@ class ResponsesSocket:
             self._send(error_event(exc, stream_id))
         finally:
             await lifetime.close()
-        if previous is not None:
-            self.cache.evict(previous) if response is None else self.cache.touch(previous)
+        if previous is not None and response is None:
+            self.cache.evict(previous)  # a failed continuation: its start is not trusted again
+        elif previous is not None:
+            self.cache.touch(previous)
         if response is not None:
             req = lifetime.work.request
             assert isinstance(req, ResponsesRequest)
