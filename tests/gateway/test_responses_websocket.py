@@ -22,7 +22,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from gateway.responses.websocket import CLOSE_POLICY, CLOSE_RESTART
 from tests.gateway.conftest import AppFactory, TinyServer
-from tests.gateway.fakes import FakeEngine, FakeTenancy
+from tests.gateway.fakes import FakeDecision, FakeEngine, FakeTenancy
 
 
 def _turn(conn: Any) -> tuple[Any, list[str]]:
@@ -119,7 +119,8 @@ def _until_terminal(ws: Any) -> list[dict[str, Any]]:
 
 
 def test_the_upgrade_is_authenticated_and_capped_per_tenant(make_app: AppFactory) -> None:
-    app = make_app(tenancy=FakeTenancy(), websocket_max_open=1, max_body_bytes=4096)
+    tenancy = FakeTenancy()
+    app = make_app(tenancy=tenancy, websocket_max_open=1, max_body_bytes=4096)
     with TestClient(app) as client:
         with pytest.raises(Exception) as refused:
             with client.websocket_connect("/v1/responses", headers={"Authorization": "Bearer sk-bad"}):
@@ -150,6 +151,19 @@ def test_the_upgrade_is_authenticated_and_capped_per_tenant(make_app: AppFactory
             events = _until_terminal(ws)
             assert [e["type"] for e in events][0] == "response.created"
             assert events[-1]["type"] == "response.completed"
+            # Admitted and settled as an HTTP turn: the tenant's hold, with the tokens it used.
+            response = events[-1]["response"]
+            assert tenancy.admitted[-1][0] == "acme"
+            assert tenancy.settled[-1][1:] == (
+                response["usage"]["input_tokens"],
+                response["usage"]["output_tokens"],
+            )
+            # The tenant's limits refuse a turn as they refuse a POST; the socket takes the next.
+            tenancy.refuse = FakeDecision(admitted=False, reason="tokens", retry_after_s=4)
+            ws.send_text(_create())
+            limited = json.loads(ws.receive_text())
+            assert limited["status"] == 429 and limited["error"]["code"] == "rate_limit_exceeded"
+            tenancy.refuse = None
             assert app.state.gateway.sockets.open.num_open("acme") == 1
         # Closed: its place is free again.
         with client.websocket_connect("/v1/responses", headers=good) as ws:
