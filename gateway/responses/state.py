@@ -169,7 +169,7 @@ class ResponsesState:
         if split is not None:
             history += split[0]
             input_items = req.input[split[1] :]
-        threshold = req.compact_threshold
+        threshold = None if work.endpoint.count_only else req.compact_threshold  # counting runs no model
         if threshold is not None and history:
             if estimate_tokens([*history, *items_of(req)]) > threshold:
                 history = await self.compactor.compact_history(work.caller, work.model, history)
