@@ -16,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from gateway import admission, endpoints, loras, telemetry
 from gateway.admin import api as admin
@@ -34,7 +35,7 @@ from gateway.admin.state import StateRoutes
 from gateway.admin.webhooks import BudgetAlerts, BudgetWebhook
 from gateway.anthropic import models as anthropic_models
 from gateway.anthropic.errors import ANTHROPIC
-from gateway.backend import Backend, Endpoint, Task, new_id
+from gateway.backend import Backend, Endpoint, Reply, Task, new_id
 from gateway.batches.api import build_batches, num_lines
 from gateway.bounds import bounds_of, take_request
 from gateway.console.routes import Console
@@ -51,12 +52,14 @@ from gateway.local.engine_backend import (
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.openai import bodies
 from gateway.openapi.document import build_openapi
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Lifetime, Pipeline
 from gateway.pool.relay import ReplicaBackend
 from gateway.registry import ModelRegistry
 from gateway.responses.background import BackgroundRuns
+from gateway.responses.compaction import SUMMARY_MAX_TOKENS, SUMMARY_PROMPT, Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
 from gateway.responses.state import ResponsesState, build_store
+from gateway.responses.websocket import ResponsesSockets
 from gateway.settings import Settings
 
 if TYPE_CHECKING:
@@ -135,10 +138,28 @@ class Gateway:
         store = build_store(settings, self.metrics, self._stored_bound)
         self.conversations = Conversations(store, settings.max_body_bytes, self.bounds)
         background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
+        compactor = Compactor(Sealer(load_key(settings.compaction_key, settings.storage_dir)))
         self.responses = ResponsesState(
-            store, self.conversations, background, settings.keep_alive_s, self.metrics.state_lookup.observe
+            store,
+            self.conversations,
+            background,
+            settings.keep_alive_s,
+            compactor,
+            settings.max_body_bytes,
+            self.metrics.state_lookup.observe,
+            self.metrics.compactions.inc,
         )
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
+        compactor.summarize = functools.partial(_summarize, self.pipeline)
+        self.sockets = ResponsesSockets(
+            _SocketTurns(self.pipeline),
+            self.drain,
+            lambda caller: self.bounds(caller).websocket_max_open,
+            settings.websocket_cache_size,
+            settings.websocket_send_buffer_bytes,
+            self.metrics,
+            settings.max_body_bytes,
+        )
         self.files, self.batches = build_batches(settings, self.pipeline, tenancy, self.metrics)
         records = loras.AdapterRecords.in_storage(settings.storage_dir)
         audit = None if tenancy is None or tenancy.admin is None else tenancy.admin.record
@@ -192,6 +213,7 @@ class Gateway:
             "batch_max_open": len(open_batches),
             "batch_max_queued_lines": sum(num_lines(b) for b in open_batches),
             "batch_max_running_per_tenant": self.batches.runner.slots.running(caller.name),
+            "websocket_max_open": self.sockets.open.num_open(caller.name),
         }
         return {name: {"limit": getattr(bounds, name), "used": used[name]} for name in used}
 
@@ -370,6 +392,51 @@ class Gateway:
         return JSONResponse(build_openapi(names, vocab_size, embedding=embedding, generate=True))
 
 
+class _SocketTurns:
+    """A Responses WebSocket's turns through the pipeline, as `POST /v1/responses` runs them."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
+        return await self.pipeline.authenticate(headers, user)
+
+    async def start_turn(
+        self, body: dict[str, Any], caller: admission.Caller, cached: Mapping[str, tuple[dict[str, Any], ...]]
+    ) -> tuple[Lifetime, Reply]:
+        return await self.pipeline.start_turn(endpoints.RESPONSES, body, caller, cached)
+
+
+async def _summarize(
+    pipeline: Pipeline, caller: admission.Caller, model: str, conversation: Sequence[dict[str, Any]]
+) -> tuple[str, dict[str, Any]]:
+    """A compaction's summary (gateway/responses/compaction.py): a Responses turn through the
+    pipeline continuing `conversation` (held as if a socket kept it), charged as any turn."""
+    key = new_id("resp_")
+    body = {
+        "model": model,
+        "input": SUMMARY_PROMPT,
+        "previous_response_id": key,
+        "store": False,
+        "max_output_tokens": SUMMARY_MAX_TOKENS,
+        "truncation": "auto",
+        "temperature": 0,
+    }
+    cached = {key: tuple(conversation)}
+    reply = await pipeline.answer(
+        endpoints.RESPONSES, body, caller, new_id("resp_"), cached=cached, batch=False
+    )
+    payload = reply.payload
+    answer: dict[str, Any] = json.loads(payload) if isinstance(payload, bytes) else dict(payload)
+    texts = [
+        part.get("text", "")
+        for item in answer.get("output", ())
+        if item.get("type") == "message"
+        for part in item.get("content", ())
+    ]
+    return "".join(texts).strip(), dict(answer.get("usage") or {})
+
+
 # The stored-state routes that create or grow state: each costs a request of the tenant's budget.
 CHARGED = {
     ("POST", "/v1/conversations"),
@@ -387,6 +454,7 @@ def stored_routes(gateway: Gateway) -> list[Route]:
     (`Gateway.stored`)."""
     r, c, files, batches = gateway.responses, gateway.conversations, gateway.files, gateway.batches
     table: list[tuple[str, str, Callable[[admission.Caller, Request], Awaitable[Response]]]] = [
+        ("POST", "/v1/responses/compact", r.compact),
         ("GET", "/v1/responses/{response_id}", r.retrieve),
         ("DELETE", "/v1/responses/{response_id}", r.delete),
         ("POST", "/v1/responses/{response_id}/cancel", r.cancel),
@@ -459,6 +527,8 @@ def create_app(
     )
     routes: list[BaseRoute] = [
         *(Route(e.path, gateway.route(e), methods=["POST"]) for e in endpoints.ENDPOINTS),
+        # The Responses API's WebSocket mode (gateway/responses/websocket.py), beside its POST.
+        WebSocketRoute(endpoints.RESPONSES.path, gateway.sockets.serve),
         *stored_routes(gateway),
         Route("/v1/models", gateway.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),

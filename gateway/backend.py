@@ -102,6 +102,9 @@ class Work:
     caller: Caller
     model: str
     request_id: str
+    # Conversations a client's WebSocket keeps (gateway/responses/websocket.py): a
+    # previous_response_id found here continues without the store (`store: false` included).
+    cached: Mapping[str, tuple[dict[str, Any], ...]] | None = None
 
     @property
     def stream(self) -> bool:

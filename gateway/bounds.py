@@ -16,6 +16,7 @@ stored state costs, so no tenant can crowd out another.
 | `batch_max_open`               | batches not yet in a final status           | 400                |
 | `batch_max_queued_lines`       | lines of those batches                      | 400                |
 | `batch_max_running_per_tenant` | of them running at once on one gateway      | waits its turn     |
+| `websocket_max_open`           | Responses WebSockets open on one gateway    | 429 at the upgrade |
 
 Batch outputs are written whatever the bounds say (the work is done and billed), but they count:
 a tenant at its file bounds creates no batch. In open mode (no tenants) the settings apply to the
@@ -49,6 +50,7 @@ class Bounds:
     batch_max_open: int
     batch_max_queued_lines: int
     batch_max_running_per_tenant: int
+    websocket_max_open: int
 
 
 BOUND_NAMES = tuple(f.name for f in dataclasses.fields(Bounds))

@@ -77,10 +77,25 @@ class Drain:
         self.deadline_passed = False
         self.num_inflight = 0
         self._on_stop: set[Callable[[], None]] = set()
+        self._on_begin: set[Callable[[], None]] = set()
         self._idle: asyncio.Event | None = None  # created by run(), on the server's loop
 
     def begin(self) -> None:
         self.draining = True
+        for callback in list(self._on_begin):
+            callback()
+
+    @contextlib.contextmanager
+    def on_begin(self, callback: Callable[[], None]) -> Iterator[None]:
+        """Call ``callback`` when the drain begins while inside (at once if it has): what holds a
+        connection between requests (a WebSocket) closes it then."""
+        if self.draining:
+            callback()
+        self._on_begin.add(callback)
+        try:
+            yield
+        finally:
+            self._on_begin.discard(callback)
 
     def enter(self) -> None:
         self.num_inflight += 1

@@ -45,6 +45,7 @@ class ErrorKind(enum.Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_API_KEY = "invalid_api_key"
     NOT_FOUND = "not_found"
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
     MODEL_NOT_FOUND = "model_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
@@ -82,6 +83,10 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
     ErrorKind.INVALID_API_KEY: ErrorSpec(401, "authentication_error", "invalid_api_key"),
     ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
+    # OpenAI's answer for a `previous_response_id` it does not have (or not for this key): a 400.
+    ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND: ErrorSpec(
+        400, "invalid_request_error", "previous_response_not_found"
+    ),
     ErrorKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     ErrorKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
     ErrorKind.CONFLICT: ErrorSpec(409, "invalid_request_error", "conflict"),

@@ -40,6 +40,9 @@ any other client-controlled string.
     batchgate_engine_stalled_seconds           gauge (since the engine's last step while work waits; 0 idle)
     batchgate_engine_step_failures_total{stage} counter (stage: forward, sampling, output, schedule)
     batchgate_response_state_lookup_seconds    histogram (resolving previous_response_id or conversation)
+    batchgate_responses_websocket_turns_total  counter (Responses turns run over a WebSocket)
+    batchgate_responses_compactions_total      counter (histories compacted server-side: context_management)
+    batchgate_responses_websockets_open        gauge (Responses WebSockets open now)
     batchgate_embedding_batch_inputs           histogram (inputs per embedding model call)
     batchgate_embedding_batch_tokens           histogram (padded tokens per embedding model call)
     batchgate_embedding_queue_wait_seconds     histogram (per input: arrival -> its model call)
@@ -381,6 +384,15 @@ class Metrics:
             "batchgate_response_state_lookup_seconds",
             "Seconds a Responses request spent resolving its previous_response_id or conversation",
             _LOOKUP_BUCKETS,
+        )
+        self.compactions = _counter(
+            r, "batchgate_responses_compactions", "Histories compacted server-side (context_management)"
+        )
+        self.websocket_turns = _counter(
+            r, "batchgate_responses_websocket_turns", "Responses turns run over a WebSocket (response.create)"
+        )
+        self.websockets_open = Gauge(
+            "batchgate_responses_websockets_open", "Responses WebSockets open now", registry=r
         )
         self.batch_lines = _counter(
             r, "batchgate_batch_lines", "Batch API lines ended, by status", status=BATCH_LINE_STATUSES

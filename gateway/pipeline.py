@@ -9,7 +9,7 @@
 Authentication comes before the model is looked up, so an anonymous caller learns nothing of
 what the server serves. What an endpoint adds is only its request model and span (gateway/
 endpoints.py); what a backend adds is how it runs the request (gateway/backend.py). The
-pipeline owns the request's lifetime: `_Lifetime.close()` runs once on every path (a whole
+pipeline owns the request's lifetime: `Lifetime.close()` runs once on every path (a whole
 response, an error, a client gone before or during the answer, a backend failing before the
 first byte or mid-stream), and releases everything: the backend's resources first, then the
 tenant's hold, settled with the tokens used (none when no answer was produced).
@@ -92,11 +92,14 @@ class Pipeline:
         caller: admission.Caller,
         http: Request | None,
         request_id: str | None = None,
-    ) -> _Lifetime:
-        """Resolve, plan and admit one parsed request: its lifetime, to execute then close."""
+        cached: Mapping[str, tuple[dict[str, Any], ...]] | None = None,
+        batch: bool | None = None,
+    ) -> Lifetime:
+        """Resolve, plan and admit one parsed request: its lifetime, to execute then close
+        (`batch`: settled at the batch price; by default when there is no `http` connection)."""
         served = await self.registry.resolve(req.model, endpoint, caller)
         request_id = request_id or new_id(endpoint.id_prefix)
-        work = Work(endpoint, req, _as_served(body, served.name), caller, served.name, request_id)
+        work = Work(endpoint, req, _as_served(body, served.name), caller, served.name, request_id, cached)
         state = self.state if endpoint.stateful else None
         try:
             if state is not None:
@@ -107,17 +110,51 @@ class Pipeline:
             raise
         if state is not None:
             plan = state.wrap(work, plan)
-        lifetime = _Lifetime(self, work, plan, endpoint.span(work), http)
+        batch = http is None if batch is None else batch
+        lifetime = Lifetime(self, work, plan, endpoint.span(work), http, batch)
         await lifetime.admit()
         return lifetime
 
+    async def start_turn(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        caller: admission.Caller,
+        cached: Mapping[str, tuple[dict[str, Any], ...]] | None = None,
+    ) -> tuple[Lifetime, Reply]:
+        """One turn of a WebSocket (gateway/responses/websocket.py): `handle`'s path for a body
+        that came in a frame from an authenticated `caller`, at the interactive price. The caller
+        sends the reply, then settles (`settle_if_final`) and closes the lifetime, once, on every
+        path; APIError for a turn refused before it ran (nothing is held then)."""
+        req = endpoint.parse(body)
+        lifetime = await self._admitted(endpoint, req, body, caller, None, cached=cached, batch=False)
+        try:
+            return lifetime, await lifetime.call_plan()
+        except APIError as exc:
+            self._refused(exc)
+            lifetime.span.error(exc)
+            await lifetime.close()
+            raise
+        except BaseException:
+            await lifetime.close()
+            raise
+
     async def answer(
-        self, endpoint: Endpoint, body: dict[str, Any], caller: admission.Caller, request_id: str
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        caller: admission.Caller,
+        request_id: str,
+        *,
+        cached: Mapping[str, tuple[dict[str, Any], ...]] | None = None,
+        batch: bool = True,
     ) -> Body:
-        """One request with no client connection (a Batch API line): the same path as `handle`,
-        settled at the batch price, answered whole (`stream` is refused before this); APIError
-        for what a client would have been answered with an error."""
-        lifetime = await self._admitted(endpoint, endpoint.parse(body), body, caller, None, request_id)
+        """One request with no client connection (a Batch API line; a compaction's summary,
+        `batch` False): the same path as `handle`, settled at the batch price unless not `batch`,
+        answered whole (`stream` is refused before this); APIError for what a client would have
+        been answered with an error."""
+        req = endpoint.parse(body)
+        lifetime = await self._admitted(endpoint, req, body, caller, None, request_id, cached, batch)
         try:
             reply = await lifetime.call_plan()
             if not isinstance(reply, Body):
@@ -212,23 +249,27 @@ def _merge(*layers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-class _Lifetime:
+class Lifetime:
     """One request from admission to its end: the tenant's hold, the backend's call, the span.
-    `http` None: a Batch API line (no connection; settled at the batch price)."""
+    `batch`: a Batch API line (no connection; settled at the batch price)."""
 
     def __init__(
-        self, pipeline: Pipeline, work: Work, plan: Plan, span: ChatSpan, http: Request | None
+        self, pipeline: Pipeline, work: Work, plan: Plan, span: ChatSpan, http: Request | None, batch: bool
     ) -> None:
         self._pipeline = pipeline
         self.plan = plan
         self.span = span
-        self._batch = http is None
+        self._batch = batch
         self._held: admission.Admission | None = None
         self._settled: tuple[int, int, int] | None = None  # (prompt, completion, cached) settled
         self._closed = False
         self._started_at = time.time()
         self.headers: dict[str, str] = {}
         self.call = Call(work, Usage(plan.num_prompt_tokens), span, http, pipeline.settings.keep_alive_s)
+
+    @property
+    def work(self) -> Work:
+        return self.call.work
 
     async def admit(self) -> None:
         work = self.call.work

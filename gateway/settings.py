@@ -433,6 +433,31 @@ class Settings:
         parse_bytes,
         "most bytes of one conversation as stored, where the tenant's plan sets no conversation_max_bytes",
     )
+    compaction_key: str | None = _opt(
+        None,
+        _str,
+        "the key that seals compaction items (32 bytes, hex or base64; gateway/responses/compaction.py): "
+        "unset, one is made and kept in --storage-dir (compaction.key), else made per process; a pool's "
+        "gateways share one",
+    )
+    websocket_max_open: int = _opt(
+        16,
+        _int,
+        "most Responses WebSockets one tenant holds open on this gateway, where its plan sets no "
+        "websocket_max_open; one more is refused (429) before the upgrade",
+    )
+    websocket_cache_size: int = _opt(
+        32,
+        _int,
+        "responses a Responses WebSocket keeps for continuing from (store false included); its "
+        "least recently used go first",
+    )
+    websocket_send_buffer_bytes: int = _opt(
+        4 * 1024 * 1024,
+        parse_bytes,
+        "bytes of events a Responses WebSocket holds for a client that reads slower than the model "
+        "writes; past it the turn is ended and the socket closed (1008)",
+    )
     responses_ttl_s: int = _opt(
         30 * 24 * 3600,
         _int,
@@ -480,6 +505,9 @@ class Settings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        for name in ("websocket_max_open", "websocket_cache_size", "websocket_send_buffer_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.responses_max_stored < 1:
             raise ValueError(f"responses_max_stored must be >= 1, got {self.responses_max_stored}")
         if self.responses_background_lease_s <= 0:

@@ -80,6 +80,7 @@ PLAN_BOUND_FIELDS = (
     "batch_max_open",
     "batch_max_queued_lines",
     "batch_max_running_per_tenant",
+    "websocket_max_open",
 )
 _PLAN_FIELDS = _PLAN_REQUIRED | _BUDGET_FIELDS | set(_PLAN_BATCH_FIELDS) | set(PLAN_BOUND_FIELDS)
 _TENANT_FIELDS = {"plan", "keys"} | _BUDGET_FIELDS
@@ -115,6 +116,7 @@ class Plan:
     batch_max_open: int | None = None  # its batches not yet completed, failed, expired or cancelled
     batch_max_queued_lines: int | None = None  # the lines of those batches
     batch_max_running_per_tenant: int | None = None  # of them running at once on one gateway
+    websocket_max_open: int | None = None  # its Responses WebSockets open at once on one gateway
 
     @property
     def unlimited(self) -> bool:

@@ -336,6 +336,9 @@ class HarmonyParser:
 
     num_calls: int = 0
     phase: str | None = None
+    # The phase of each content delta returned, in order (the Responses API's message items read
+    # them: gateway/responses/output.py; None: text outside any message).
+    content_phases: list[str | None] = field(default_factory=list)
     _buffer: str = ""
     _in_header: bool = True
     _route: str = "content"  # content, reasoning, call
@@ -351,6 +354,7 @@ class HarmonyParser:
                 if end < 0:
                     if final and self._buffer.strip():  # never a message: what there is is text
                         deltas += _content(self._buffer)
+                        self.content_phases.append(None)
                         self._buffer = ""
                     return deltas
                 deltas += self._header(self._buffer[:end])
@@ -401,6 +405,7 @@ class HarmonyParser:
             return [{"tool_calls": [{"index": self.num_calls, "function": {"arguments": text}}]}]
         if self._route == "reasoning":
             return [{"reasoning_content": text}]
+        self.content_phases.append(self.phase)
         return [{"content": text}]
 
     def _end_message(self) -> None:

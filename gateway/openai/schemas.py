@@ -380,6 +380,17 @@ class ResponseDeleted(TypedDict):
     deleted: Literal[True]
 
 
+class ResponseCompaction(TypedDict):
+    """`POST /v1/responses/compact`: the user messages, then one `compaction` item whose
+    `encrypted_content` is opaque (gateway/responses/compaction.py)."""
+
+    id: str
+    object: Literal["response.compaction"]
+    created_at: int
+    output: list[dict[str, object]]
+    usage: ResponseUsage
+
+
 class Conversation(TypedDict):
     id: str
     object: Literal["conversation"]
@@ -541,6 +552,7 @@ class PlanTable(BudgetFields):
     batch_max_open: NotRequired[PositiveInt]
     batch_max_queued_lines: NotRequired[PositiveInt]
     batch_max_running_per_tenant: NotRequired[PositiveInt]
+    websocket_max_open: NotRequired[PositiveInt]
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -829,6 +841,7 @@ RESPONSE_TYPES: tuple[type, ...] = (
     ResponseStreamEvent,
     ResponseItemList,
     ResponseDeleted,
+    ResponseCompaction,
     InputTokenCount,
     Conversation,
     ConversationDeleted,

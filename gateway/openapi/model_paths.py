@@ -164,6 +164,29 @@ def paths() -> dict[str, Any]:
                 "responses": {"200": json_op("The count", "MessageTokensCount"), **MESSAGES_ERRORS},
             }
         },
+        "/v1/responses/compact": {
+            "post": {
+                "summary": "Compact a conversation into an opaque item to send back as input",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["model"],
+                                "properties": {
+                                    "model": {"type": "string"},
+                                    "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                                    "previous_response_id": {"type": "string"},
+                                    "instructions": {"type": "string"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {"200": json_op("The compacted window", "ResponseCompaction"), **STORED_ERRORS},
+            }
+        },
         "/v1/responses/{response_id}": {
             "get": {
                 "summary": "Retrieve a stored response (the caller's tenant's own)",

@@ -31,7 +31,7 @@ from engine.types import TokenLogprob
 from gateway.errors import APIError
 from gateway.openai import bodies, generation
 from gateway.openai.generation import Job, Outputs
-from gateway.openai.parsers import DeltaParser
+from gateway.openai.parsers import DeltaParser, HarmonyParser
 from gateway.openai.tools import ToolCallParser
 from gateway.responses import custom_tools
 from gateway.responses.chat_form import text_echo, tool_choice_echo, tools_echo
@@ -123,15 +123,25 @@ def _logprobs(job: Job, logprobs: Sequence[TokenLogprob], with_bytes: bool) -> l
 
 
 def _message(
-    text: str, status: str, logprobs: list[dict[str, Any]], msg_id: str | None = None
+    text: str, status: str, logprobs: list[dict[str, Any]], phase: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "id": msg_id or item_id("msg"),
+    item = {
+        "id": item_id("msg"),
         "type": "message",
         "role": "assistant",
         "status": status,
         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}],
     }
+    if phase is not None:  # a model with channels (gpt-oss): commentary or final_answer
+        item["phase"] = phase
+    return item
+
+
+def _phases(reader: custom_tools.CallSplitter | DeltaParser | None) -> list[str | None] | None:
+    """The phases of the content deltas `reader` returned, in order (taken: the list empties as
+    it is read), where its model has channels; else None."""
+    inner = reader.inner if isinstance(reader, custom_tools.CallSplitter) else reader
+    return inner.content_phases if isinstance(inner, HarmonyParser) else None
 
 
 def _reasoning(text: str, status: str, item: str | None = None) -> dict[str, Any]:
@@ -175,11 +185,15 @@ def response_body(req: ResponsesRequest, job: Job, choice: bodies.Choice) -> dic
     length = choice.final_reason == "length"
     status = "incomplete" if length else "completed"
     logprobs = _logprobs(job, choice.logprobs, with_bytes=True) if job.logprobs else []
-    content, reasoning, calls = _split(choice.text, job)
+    contents, reasoning, calls = _split(choice.text, job)
     if reasoning:
         body["output"].append(_reasoning(reasoning, status))
-    if content.strip() or not calls:
-        body["output"].append(_message(content, status, logprobs))
+    if not calls and not any(text.strip() for _, text in contents):
+        contents = [(contents[0][0] if contents else None, "".join(text for _, text in contents))]
+    for phase, text in contents:  # one message per phase (gpt-oss's commentary, then its answer)
+        if text.strip() or not calls:
+            body["output"].append(_message(text, status, logprobs, phase))
+            logprobs = []
     for call in calls:
         if call["type"] == "function_call":
             item = _function_call(req, call["call_id"], call["name"], call["arguments"], status)
@@ -196,13 +210,15 @@ def _reader(job: Job) -> custom_tools.CallSplitter | DeltaParser | None:
     return job.parser() if job.parser is not None else None
 
 
-def _split(text: str, job: Job) -> tuple[str, str, list[dict[str, Any]]]:
-    """A whole output -> its text, its reasoning and its calls (function and custom, in order), by
-    the stream's own parser, so a streamed response assembles to exactly the non-streamed one."""
+def _split(text: str, job: Job) -> tuple[list[tuple[str | None, str]], str, list[dict[str, Any]]]:
+    """A whole output -> its text by phase, its reasoning and its calls (function and custom, in
+    order), by the stream's own parser, so a streamed response assembles to exactly the
+    non-streamed one."""
     reader = _reader(job)
     if reader is None:
-        return text, "", []
-    content: list[str] = []
+        return [(None, text)], "", []
+    phases = _phases(reader)
+    content: list[tuple[str | None, str]] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
     functions: dict[int, dict[str, Any]] = {}
@@ -215,7 +231,11 @@ def _split(text: str, job: Job) -> tuple[str, str, list[dict[str, Any]]]:
         elif isinstance(event, custom_tools.CustomEnd):
             continue
         elif "content" in event:
-            content.append(event["content"] or "")
+            phase = phases.pop(0) if phases else None
+            if content and content[-1][0] == phase:
+                content[-1] = (phase, content[-1][1] + (event["content"] or ""))
+            else:
+                content.append((phase, event["content"] or ""))
         elif "reasoning_content" in event:
             reasoning.append(event["reasoning_content"])
         else:
@@ -225,7 +245,7 @@ def _split(text: str, job: Job) -> tuple[str, str, list[dict[str, Any]]]:
                     functions[part["index"]] = {**call, "arguments": ""}
                     calls.append(functions[part["index"]])
                 functions[part["index"]]["arguments"] += part.get("function", {}).get("arguments", "")
-    return "".join(content), "".join(reasoning), calls
+    return content or [(None, "")], "".join(reasoning), calls
 
 
 def _custom_call(call_id: str, name: str, text: str) -> dict[str, Any]:
@@ -279,9 +299,17 @@ class _Writer:
         frames.append(self.emit("response.content_part.added", **where, part=part))
         return item, frames
 
-    def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+    def text_delta(self, text: str, logprobs: list[dict[str, Any]], phase: str | None = None) -> list[bytes]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item, frames = self._content_item("message", lambda: _message("", "in_progress", []), part)
+        frames: list[bytes] = []
+        if (
+            self.open_item is not None
+            and self.open_item["type"] == "message"
+            and self.open_item.get("phase") != phase
+        ):
+            frames += self.close_item("completed")  # a new phase is a new message
+        item, opened = self._content_item("message", lambda: _message("", "in_progress", [], phase), part)
+        frames += opened
         self.text.append(text)
         self.logprobs += logprobs
         frames.append(
@@ -344,7 +372,7 @@ class _Writer:
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "message":
             text = "".join(self.text)
-            done = _message(text, status, self.logprobs, msg_id=item["id"])
+            done = {**_message(text, status, self.logprobs, item.get("phase")), "id": item["id"]}
             logprobs = [{k: v for k, v in lp.items() if k != "bytes"} for lp in self.logprobs]
             frames.append(self.emit("response.output_text.done", **where, text=text, logprobs=logprobs))
             frames.append(self.emit("response.content_part.done", **where, part=done["content"][0]))
@@ -388,6 +416,7 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
     yield writer.emit("response.created", response=writer.snapshot())
     yield writer.emit("response.in_progress", response=writer.snapshot())
     parser = _reader(job)
+    phases = _phases(parser)
     num_output, length = 0, False
     try:
         async for index, out in outputs:
@@ -416,7 +445,8 @@ async def response_events(req: ResponsesRequest, outputs: Outputs, job: Job) -> 
                         yield frame
                     continue
                 if "content" in delta:
-                    for frame in writer.text_delta(delta["content"] or "", logprobs):
+                    phase = phases.pop(0) if phases else None
+                    for frame in writer.text_delta(delta["content"] or "", logprobs, phase):
                         yield frame
                     logprobs = []
                     continue

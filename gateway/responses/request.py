@@ -79,7 +79,6 @@ IGNORED_FIELDS = (
 # OpenAI fields we do not implement: accepted only with these values ("not asked for").
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt": (None,),
-    "context_management": (None,),
 }
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 MAX_METADATA_KEYS = 16
@@ -191,13 +190,23 @@ class ReasoningItem(StrictModel):
     status: str | None = None
 
 
+class CompactionItem(StrictModel):
+    """A compacted history (gateway/responses/compaction.py): expanded before the turn renders."""
+
+    type: Literal["compaction"]
+    encrypted_content: str
+    id: str | None = None
+    created_by: str | None = None
+
+
 Item = Annotated[
     MessageItem
     | FunctionCallItem
     | FunctionCallOutputItem
     | CustomToolCallItem
     | CustomToolCallOutputItem
-    | ReasoningItem,
+    | ReasoningItem
+    | CompactionItem,
     Field(discriminator="type"),
 ]
 _ITEM_TYPES = (
@@ -207,6 +216,7 @@ _ITEM_TYPES = (
     "custom_tool_call",
     "custom_tool_call_output",
     "reasoning",
+    "compaction",
 )
 
 
@@ -305,6 +315,13 @@ class ConversationRef(StrictModel):
     id: str
 
 
+class CompactionSetting(StrictModel):
+    """`context_management`'s one kind: compact the history once the prompt passes the threshold."""
+
+    type: Literal["compaction"]
+    compact_threshold: Annotated[int, Field(ge=1), BeforeValidator(_integral)] | None = None
+
+
 class ResponsesRequest(StrictModel):
     """OpenAI's create-response body (the subset of the module docstring)."""
 
@@ -330,6 +347,7 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
+    context_management: list[CompactionSetting] | None = None
     # Accepted and ignored, whatever their value (IGNORED_FIELDS; parsing takes them out first).
     reasoning: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
     client_metadata: Annotated[Any, Field(description="ignored (named in x-batchgate-ignored)")] = None
@@ -357,6 +375,11 @@ class ResponsesRequest(StrictModel):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    @property
+    def compact_threshold(self) -> int | None:
+        """Past how many prompt tokens the history is compacted first (`context_management`)."""
+        return next((c.compact_threshold for c in self.context_management or () if c.compact_threshold), None)
 
     @property
     def include_usage(self) -> bool:

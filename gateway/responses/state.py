@@ -4,7 +4,8 @@ runs, and the `/v1/responses/{id}` routes (retrieve, delete, input_items, cancel
 The pipeline (gateway/pipeline.py) calls the two hooks of a stateful endpoint around its backend:
 
     prepare(work): previous_response_id (or conversation) -> the stored conversation before this
-                   turn (404 if this tenant has no such response), as `ResponsesRequest.history`;
+                   turn (a WebSocket's own cache first; 400 previous_response_not_found if this
+                   tenant has no such response), as `ResponsesRequest.history`;
                    in gateway-only mode also as the body relayed, the history in front of `input`
     wrap(work, plan): the answer (a body, or the stream's terminal event) is stored under its id
                    with this turn's input items, when the request `store`s (OpenAI's default), and
@@ -34,14 +35,22 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.admission import Caller
 from gateway.backend import Body, Call, Plan, Reply, Stream, Work
+from gateway.body import read_json
 from gateway.drain import deadline_error
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.metrics import Metrics
 from gateway.openai.bodies import now
 from gateway.responses.background import ACTIVE, BackgroundRuns, Job
+from gateway.responses.compaction import (
+    Compactor,
+    check_compact_body,
+    compacted_response,
+    estimate_tokens,
+    split_at_compaction,
+)
 from gateway.responses.conversations import Conversations, guarded, page, with_ids
 from gateway.responses.output import TERMINAL_EVENTS, encode, skeleton, stored_events
-from gateway.responses.request import ResponsesRequest, items_of
+from gateway.responses.request import ResponsesRequest, items_of, parse_responses_request
 from gateway.responses.store import (
     SQLITE_FILE,
     Bound,
@@ -81,6 +90,16 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.", param=param)
 
 
+def previous_not_found(response_id: str) -> APIError:
+    """OpenAI's 400 for a `previous_response_id` this tenant has not got (another tenant's reads
+    the same as one that never existed), on HTTP and over the WebSocket alike."""
+    return APIError(
+        ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND,
+        f"Previous response with id '{response_id}' not found.",
+        param="previous_response_id",
+    )
+
+
 class ResponsesState:
     """The stateful endpoint hooks and routes over one `ResponseStore` (see the module docstring)."""
 
@@ -90,9 +109,15 @@ class ResponsesState:
         conversations: Conversations,
         background: BackgroundRuns,
         keep_alive_s: float,
+        compactor: Compactor,
+        max_body_bytes: int,
         lookup_seconds: Callable[[float], None] = lambda s: None,
+        compactions: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
+        self.compactor = compactor
+        self.max_body_bytes = max_body_bytes
+        self.compactions = compactions  # counts the histories compacted server-side
         self.lookup_seconds = lookup_seconds  # each continuation's state resolution, timed
         self.keep_alive_s = keep_alive_s  # between SSE keep-alive comments of a replay
         self.conversations = conversations
@@ -117,25 +142,45 @@ class ResponsesState:
             work.body = {k: v for k, v in work.body.items() if k != "background"}
         conversation_id = req.conversation_id
         start = time.perf_counter()
+        history: list[dict[str, Any]] = []
         if conversation_id is not None:
             conversation = await self.conversations.load(work.caller.name, conversation_id, "conversation")
             # Refused before it runs when the conversation is at its bounds (its turn is kept whole).
             self.conversations.check_room(
                 work.caller, conversation, "conversation", adding=len(items_of(req))
             )
-            history = conversation.items
+            history = list(conversation.items)
         elif req.previous_response_id is not None:
-            previous = await self._load(work.caller.name, req.previous_response_id)
-            if previous is None:
-                raise _not_found(req.previous_response_id, "previous_response_id")
-            history = previous.conversation()
-        else:
+            cached = work.cached.get(req.previous_response_id) if work.cached is not None else None
+            if cached is not None:  # the socket's own (gateway/responses/websocket.py)
+                history = list(cached)
+            else:
+                previous = await self._load(work.caller.name, req.previous_response_id)
+                if previous is None:
+                    raise previous_not_found(req.previous_response_id)
+                history = previous.conversation()
+        if conversation_id is not None or req.previous_response_id is not None:
+            self.lookup_seconds(time.perf_counter() - start)  # a continuation's lookup, timed
+        # Compaction (gateway/responses/compaction.py): the items up to the input's last compaction
+        # item join the history (each compaction item expanded); a prompt past the request's
+        # compact_threshold has its history compacted by the model first.
+        input_items = req.input
+        split = split_at_compaction(self.compactor.sealer, work.caller.name, items_of(req))
+        if split is not None:
+            history += split[0]
+            input_items = req.input[split[1] :]
+        threshold = None if work.endpoint.count_only else req.compact_threshold  # counting runs no model
+        if threshold is not None and history:
+            if estimate_tokens([*history, *items_of(req)]) > threshold:
+                history = await self.compactor.compact_history(work.caller, work.model, history)
+                self.compactions()
+        if not history and split is None:
             return
         # Stored items are rendered as they are (never parsed again: gateway/responses/request.py).
+        req = req.model_copy(update={"input": input_items})
         work.request = req.model_copy(update={"history": tuple(history)})
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
-        self.lookup_seconds(time.perf_counter() - start)
 
     def _saver(self, work: Work) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]], Saver]:
         """Whether `work`'s answer is stored, its input items and history as stored, and the
@@ -269,6 +314,25 @@ class ResponsesState:
     async def cancel(self, caller: Caller, request: Request) -> Response:
         record = await self._get(caller, request.path_params["response_id"])
         return JSONResponse(await self.background.cancel(caller.name, record))
+
+    async def compact(self, caller: Caller, request: Request) -> Response:
+        """`POST /v1/responses/compact`: the conversation (stored, then `input`) compacted."""
+        body = await read_json(request, self.max_body_bytes)
+        model = check_compact_body(body)
+        history: list[dict[str, Any]] = []
+        previous_id = body.get("previous_response_id")
+        if previous_id is not None:
+            previous = await self._load(caller.name, str(previous_id))
+            if previous is None:
+                raise previous_not_found(str(previous_id))
+            history = previous.conversation()
+        if body.get("input") is not None:
+            req = parse_responses_request({"model": model, "input": body["input"]})
+            items = items_of(req)
+            split = split_at_compaction(self.compactor.sealer, caller.name, items)
+            history += items if split is None else [*split[0], *items[split[1] :]]
+        summary, usage = await self.compactor.summary(caller, model, history)
+        return JSONResponse(compacted_response(self.compactor.sealer, caller.name, summary, usage, history))
 
     async def aclose(self) -> None:
         await self.background.aclose()

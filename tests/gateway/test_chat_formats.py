@@ -555,3 +555,36 @@ async def test_gpt_oss_channels_become_reasoning_content_and_calls(
             "name": "get_weather",
             "arguments": '{"city":"Paris"}',
         }
+
+
+async def test_gpt_oss_channels_carry_their_phase_in_the_responses_api(
+    tokenizer_with: Callable[[str, str], Tokenizer],
+) -> None:
+    tokenizer = tokenizer_with(STAND_INS["gpt_oss"], "gpt_oss")
+    reply = (
+        "<|channel|>analysis<|message|>The capital.<|end|><|start|>assistant<|channel|>commentary"
+        "<|message|>Checking my notes.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    )
+    app, _ = app_for(tokenizer, "gpt_oss", reply)
+    body = {"model": "fake-model", "input": "Capital of France?", "store": False}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        output = r.json()["output"]
+        assert [(i["type"], i.get("phase")) for i in output] == [
+            ("reasoning", None),
+            ("message", "commentary"),
+            ("message", "final_answer"),
+        ]
+        assert [i["content"][0]["text"] for i in output[1:]] == ["Checking my notes.", "Paris."]
+        r = await client.post("/v1/responses", json={**body, "stream": True})
+        final = json.loads(r.text.split("event: response.completed\ndata: ")[1].split("\n")[0])["response"]
+        assert [(i["type"], i.get("phase")) for i in final["output"]] == [
+            (i["type"], i.get("phase")) for i in output
+        ]
+        assert [i["content"][0]["text"] for i in final["output"][1:]] == ["Checking my notes.", "Paris."]
+        # The phases go back in as input (a continuation's history), as OpenAI's clients send them.
+        r = await client.post(
+            "/v1/responses", json={**body, "input": [*output[1:], {"role": "user", "content": "Sure?"}]}
+        )
+        assert r.status_code == 200, r.text

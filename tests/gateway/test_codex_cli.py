@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.gateway.conftest import TinyServer, serve_model
@@ -30,7 +32,9 @@ def terse_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path)
     yield from serve_model(model, WINDOW, max_num_seqs=2)
 
 
-def _codex(tmp_path: Path, server: TinyServer) -> subprocess.CompletedProcess[str]:
+def _codex(
+    tmp_path: Path, server: TinyServer, *, websockets: bool = False
+) -> subprocess.CompletedProcess[str]:
     assert CODEX.exists(), "Codex CLI missing: `make test` installs it (`make .tools/node_modules/...`)"
     home = tmp_path / "codex-home"
     home.mkdir()
@@ -42,7 +46,7 @@ def _codex(tmp_path: Path, server: TinyServer) -> subprocess.CompletedProcess[st
         f'base_url = "{server.base_url}/v1"\n'
         'wire_api = "responses"\n'
         "request_max_retries = 0\n"
-        "stream_max_retries = 0\n"
+        "stream_max_retries = 0\n" + ("supports_websockets = true\n" if websockets else "")
     )
     work = tmp_path / "work"
     work.mkdir()
@@ -78,6 +82,23 @@ def test_codex_completes_a_turn(tmp_path: Path, terse_server: TinyServer) -> Non
     run = _codex(tmp_path, terse_server)
     kinds = [e.get("type") for e in _events(run)]
     assert run.returncode == 0 and "turn.completed" in kinds, (kinds, run.stderr[-2000:])
+    terse_server.wait_idle()
+
+
+def _websocket_turns(server: TinyServer) -> float:
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    found = re.search(r"^batchgate_responses_websocket_turns_total (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, "no websocket turn counter"
+    return float(found.group(1))
+
+
+def test_codex_completes_a_turn_over_the_websocket(tmp_path: Path, terse_server: TinyServer) -> None:
+    before = _websocket_turns(terse_server)
+    run = _codex(tmp_path, terse_server, websockets=True)
+    kinds = [e.get("type") for e in _events(run)]
+    assert run.returncode == 0 and "turn.completed" in kinds, (kinds, run.stderr[-2000:])
+    # It went over the socket, not Codex's fallback to HTTP.
+    assert _websocket_turns(terse_server) > before, run.stderr[-2000:]
     terse_server.wait_idle()
 
 

@@ -276,7 +276,7 @@ def test_both_modes_answer_alike(both: dict[str, Deployment], case: int) -> None
         "rate limited: second": 429,
         "embeddings of a chat model": 400,
         "responses, image input": 400,
-        "responses, unknown previous": 404,
+        "responses, unknown previous": 400,  # OpenAI's previous_response_not_found
         "responses, anonymous": 401,
         "responses, context too long": 400,
         "messages, bad key": 401,
@@ -316,7 +316,8 @@ def test_a_conversation_continues_in_both_modes_and_only_for_its_tenant(
             stolen = client.post(
                 "/v1/responses", json=resp(previous_response_id=first["id"]), headers=UMBRELLA
             )
-            assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "previous_response_id"
+            assert stolen.status_code == 400 and stolen.json()["error"]["param"] == "previous_response_id"
+            assert stolen.json()["error"]["code"] == "previous_response_not_found"
             assert client.delete(f"/v1/responses/{first['id']}", headers=UMBRELLA).status_code == 404
             assert client.delete(f"/v1/responses/{first['id']}").json()["deleted"] is True
             assert client.get(f"/v1/responses/{first['id']}").status_code == 404
@@ -506,7 +507,7 @@ def test_ten_turns_alternate_two_gateways_over_one_redis_with_a_replica_gone(
             assert r.status_code == 200, r.text
             previous = {"previous_response_id": r.json()["id"]}
             prompts.append(r.json()["usage"]["input_tokens"])
-        assert 404 not in statuses
+        assert 404 not in statuses and 400 not in statuses  # never "not found" (400 since issue 42)
         assert prompts == sorted(prompts) and len(set(prompts)) == 10  # the whole conversation, each turn
     finally:
         for server in gateways:  # stopping twice is harmless
@@ -550,3 +551,31 @@ def test_a_background_response_whose_replica_fails_reads_failed_and_releases_eve
             assert deployment.engine.num_active == 0
     finally:
         deployment.stop()
+
+
+def test_websocket_turns_go_through_the_pipeline_in_both_modes(both: dict[str, Deployment]) -> None:
+    """A Responses WebSocket (gateway/responses/websocket.py) in process and in front of a replica
+    (pool mode: each turn routed and relayed as an HTTP turn): a `store: false` turn continued from
+    the socket's cache sends the engine the whole conversation; another tenant's response id reads
+    as one that never existed."""
+    from websockets.sync.client import connect
+
+    def turn(ws: Any, **fields: Any) -> dict[str, Any]:
+        ws.send(json.dumps({"type": "response.create", **resp(**fields)}))
+        while True:
+            event = json.loads(ws.recv(timeout=10))
+            if event["type"] in ("response.completed", "response.incomplete", "error"):
+                return dict(event)
+
+    for mode, d in both.items():
+        url = d.url.replace("http://", "ws://") + "/v1/responses"
+        with connect(url, additional_headers=ACME) as ws:
+            first = turn(ws, input="first turn", store=False)["response"]
+            second = turn(ws, input="second turn", previous_response_id=first["id"], store=False)
+            assert second["type"] == "response.incomplete", (mode, second)  # max_output_tokens 5
+            prompt = d.engine.tokenizer.decode(d.engine.submitted[-1].prompt_token_ids)
+            assert prompt.index("first turn") < prompt.index("second turn"), mode
+            stored = turn(ws, input="stored")["response"]
+        with connect(url, additional_headers=UMBRELLA) as ws:
+            stolen = turn(ws, input="x", previous_response_id=stored["id"])
+            assert stolen["error"]["code"] == "previous_response_not_found", (mode, stolen)

@@ -136,7 +136,7 @@ async def test_the_servers_store_keeps_its_bound_and_counts_evictions(make_app: 
         r = await client.post(
             "/v1/responses", json={"model": "fake-model", "input": "x", "previous_response_id": ids[0]}
         )
-        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
     assert SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=3).count() == 3
 
 

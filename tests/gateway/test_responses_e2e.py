@@ -187,8 +187,9 @@ def test_retrieve_delete_and_input_items(client: openai.OpenAI, tiny_server: Tin
     client.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as gone:  # OpenAI's 400 previous_response_not_found
         client.responses.create(model=tiny_server.model, input="x", previous_response_id=created.id)
+    assert gone.value.code == "previous_response_not_found"
     unstored = client.responses.create(model=tiny_server.model, input="x", store=False, max_output_tokens=1)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)

@@ -628,7 +628,11 @@ def test_another_tenants_state_is_a_404_everywhere(server: Server) -> None:
             "/v1/responses",
             json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "previous_response_id": response},
         )
-        assert continued.status_code == 404
+        # As for an id that never existed: OpenAI's 400 previous_response_not_found.
+        assert (
+            continued.status_code == 400
+            and continued.json()["error"]["code"] == "previous_response_not_found"
+        )
         assert alice.get(f"/v1/conversations/{conv}").status_code == 200  # still there for alice
 
 

@@ -89,6 +89,10 @@ NAMES = [
     ("responses_max_stored", "--responses-max-stored", "BATCHGATE_RESPONSES_MAX_STORED"),
     ("conversation_max_items", "--conversation-max-items", "BATCHGATE_CONVERSATION_MAX_ITEMS"),
     ("conversation_max_bytes", "--conversation-max-bytes", "BATCHGATE_CONVERSATION_MAX_BYTES"),
+    ("compaction_key", "--compaction-key", "BATCHGATE_COMPACTION_KEY"),  # issue 42's
+    ("websocket_max_open", "--websocket-max-open", "BATCHGATE_WEBSOCKET_MAX_OPEN"),
+    ("websocket_cache_size", "--websocket-cache-size", "BATCHGATE_WEBSOCKET_CACHE_SIZE"),
+    ("websocket_send_buffer_bytes", "--websocket-send-buffer-bytes", "BATCHGATE_WEBSOCKET_SEND_BUFFER_BYTES"),
     ("responses_ttl_s", "--responses-ttl", "BATCHGATE_RESPONSES_TTL"),
     ("responses_background_lease_s", "--responses-background-lease", "BATCHGATE_RESPONSES_BACKGROUND_LEASE"),
     ("log_level", "--log-level", "BATCHGATE_LOG_LEVEL"),
