@@ -34,10 +34,10 @@ from bench.servers import batchgate_spec, launched, llama_server_spec
 
 LISTING = "\n".join(
     f"def area_{i}(width, height):\n    scale = {i} + 1\n    return width * height * scale\n"
-    for i in range(10)
+    for i in range(8)
 )
 REPEAT = "Repeat this code exactly, with no other text:\n\n" + LISTING
-FREE = "Write a long story about a lighthouse keeper and a storm."
+FREE = "Describe the history of Rome from its founding to the fall of the Western Empire."
 EDIT_FILE = "\n".join(
     line
     for i in range(10)
