@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -35,7 +34,7 @@ from gateway.admin.state import StateRoutes
 from gateway.admin.webhooks import BudgetAlerts, BudgetWebhook
 from gateway.anthropic import models as anthropic_models
 from gateway.anthropic.errors import ANTHROPIC
-from gateway.backend import Backend, Endpoint, Reply, Task, new_id
+from gateway.backend import Backend, Endpoint, Task, new_id
 from gateway.batches.api import build_batches, num_lines
 from gateway.bounds import bounds_of, take_request
 from gateway.console.routes import Console
@@ -52,15 +51,16 @@ from gateway.local.engine_backend import (
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.openai import bodies
 from gateway.openapi.document import build_openapi
-from gateway.pipeline import Lifetime, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.pool.relay import ReplicaBackend
 from gateway.registry import ModelRegistry
 from gateway.responses.background import BackgroundRuns
-from gateway.responses.compaction import SUMMARY_MAX_TOKENS, SUMMARY_PROMPT, Compactor, Sealer, load_key
+from gateway.responses.compaction import Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
 from gateway.responses.state import ResponsesState, build_store
 from gateway.responses.websocket import ResponsesSockets
 from gateway.settings import Settings
+from gateway.turns import SocketTurns, summarize
 
 if TYPE_CHECKING:
     from engine.client import EngineClient
@@ -150,9 +150,9 @@ class Gateway:
             self.metrics.compactions.inc,
         )
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
-        compactor.summarize = functools.partial(_summarize, self.pipeline)
+        compactor.summarize = functools.partial(summarize, self.pipeline)
         self.sockets = ResponsesSockets(
-            _SocketTurns(self.pipeline),
+            SocketTurns(self.pipeline),
             self.drain,
             lambda caller: self.bounds(caller).websocket_max_open,
             settings.websocket_cache_size,
@@ -390,51 +390,6 @@ class Gateway:
             vocab_size = None  # models with different vocabularies: leave token ids unbounded
         embedding = next((b.service for b in self.embedders if b.service is not None), None)
         return JSONResponse(build_openapi(names, vocab_size, embedding=embedding, generate=True))
-
-
-class _SocketTurns:
-    """A Responses WebSocket's turns through the pipeline, as `POST /v1/responses` runs them."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
-
-    async def authenticate(self, headers: Mapping[str, str], user: str | None) -> admission.Caller:
-        return await self.pipeline.authenticate(headers, user)
-
-    async def start_turn(
-        self, body: dict[str, Any], caller: admission.Caller, cached: Mapping[str, tuple[dict[str, Any], ...]]
-    ) -> tuple[Lifetime, Reply]:
-        return await self.pipeline.start_turn(endpoints.RESPONSES, body, caller, cached)
-
-
-async def _summarize(
-    pipeline: Pipeline, caller: admission.Caller, model: str, conversation: Sequence[dict[str, Any]]
-) -> tuple[str, dict[str, Any]]:
-    """A compaction's summary (gateway/responses/compaction.py): a Responses turn through the
-    pipeline continuing `conversation` (held as if a socket kept it), charged as any turn."""
-    key = new_id("resp_")
-    body = {
-        "model": model,
-        "input": SUMMARY_PROMPT,
-        "previous_response_id": key,
-        "store": False,
-        "max_output_tokens": SUMMARY_MAX_TOKENS,
-        "truncation": "auto",
-        "temperature": 0,
-    }
-    cached = {key: tuple(conversation)}
-    reply = await pipeline.answer(
-        endpoints.RESPONSES, body, caller, new_id("resp_"), cached=cached, batch=False
-    )
-    payload = reply.payload
-    answer: dict[str, Any] = json.loads(payload) if isinstance(payload, bytes) else dict(payload)
-    texts = [
-        part.get("text", "")
-        for item in answer.get("output", ())
-        if item.get("type") == "message"
-        for part in item.get("content", ())
-    ]
-    return "".join(texts).strip(), dict(answer.get("usage") or {})
 
 
 # The stored-state routes that create or grow state: each costs a request of the tenant's budget.

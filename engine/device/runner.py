@@ -205,7 +205,7 @@ class ModelRunner:
                 for s, draft in zip(seqs, drafts, strict=True)
                 for j in range(len(draft) + 1)
             ]
-            verified = verify(logits, rows, drafts, bitmask)
+            verified = verify(logits, rows, drafts, bitmask, self.argmax)
             return StepResult(seqs, [v.tokens for v in verified], [v.logprobs for v in verified])
         rows = [self._row(s) for s in seqs]
         tokens, logprobs = sample_logits(logits, rows, bitmask, overwrite=True, argmax=self.argmax)

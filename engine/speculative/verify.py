@@ -15,6 +15,7 @@ as without speculation (Leviathan et al. 2023, Chen et al. 2023).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +38,15 @@ def verify(
     rows: list[SamplingRow],
     drafts: list[tuple[int, ...]],
     bitmask: torch.Tensor | None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[Verified]:
     """`logits` [R, vocab] and `rows` (one per logits row) hold each sequence's 1 + len(draft)
-    rows in turn, `drafts` each sequence's draft (() for a sequence without one)."""
+    rows in turn, `drafts` each sequence's draft (() for a sequence without one). `argmax`: the
+    one the sampler's greedy rows use (the native kernels'): ties break as they do without drafts."""
     logits, raw_logprobs = prepare(logits, rows, bitmask, overwrite=True)
-    greedy_tokens = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r in rows) else []
+    greedy_tokens: list[int] = []
+    if any(r.params.greedy for r in rows):
+        greedy_tokens = (logits.argmax(dim=-1) if argmax is None else argmax(logits)).tolist()
     results = []
     first = 0
     for draft in drafts:
