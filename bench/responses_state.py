@@ -48,6 +48,7 @@ from gateway.drain import Drain
 from gateway.endpoints import RESPONSES
 from gateway.metrics import Metrics
 from gateway.responses.background import BackgroundRuns
+from gateway.responses.compaction import Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
 from gateway.responses.state import ResponsesState, build_store
 from gateway.responses.store import StoredConversation, StoredResponse
@@ -197,7 +198,15 @@ async def main(turns: list[int], n: int, label: str) -> None:
                 store = build_store(settings, Metrics())
                 conversations = Conversations(store, settings.max_body_bytes)
                 background = BackgroundRuns(store, settings.responses_background_lease_s, Drain())
-                states.append((name, ResponsesState(store, conversations, background, 1.0)))
+                compactor = Compactor(Sealer(load_key(None, tmp)))
+                states.append(
+                    (
+                        name,
+                        ResponsesState(
+                            store, conversations, background, 1.0, compactor, settings.max_body_bytes
+                        ),
+                    )
+                )
             print(
                 "| store | lookup | turns | record KiB | p50 ms | p99 ms | cpu p50 | cpu p99 "
                 "| no state p50 | p99 | busy loop p50 | p99 | PING p50 | p99 |\n|---|---|---:|---:|"

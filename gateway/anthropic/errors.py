@@ -31,6 +31,7 @@ ERROR_MAP: dict[ErrorKind, tuple[int, ErrorType]] = {
     ErrorKind.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     ErrorKind.INVALID_API_KEY: (401, "authentication_error"),
     ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND: (400, "invalid_request_error"),
     ErrorKind.MODEL_NOT_FOUND: (404, "not_found_error"),
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorKind.CONFLICT: (409, "invalid_request_error"),
