@@ -93,6 +93,27 @@ def embeddings(plt: Any) -> Any:
     return fig
 
 
+def speculative(plt: Any) -> Any:
+    """One stream's decode tokens/s by workload, speculation off and on, beside llama.cpp's server
+    plain and with its n-gram drafts; the one-token-a-pass bound of the same run as a line."""
+    data = _load("speculative")
+    workloads: list[str] = data["workloads"]
+    systems: dict[str, list[float | None]] = data["systems"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(systems)
+    for k, (system, rates) in enumerate(systems.items()):
+        xs = [i - 0.4 + width * (k + 0.5) for i, r in enumerate(rates) if r is not None]
+        ax.bar(xs, [r for r in rates if r is not None], width, label=system)
+    ax.axhline(data["bound_tok_s"], color="black", linestyle="--", linewidth=1)
+    ax.annotate("one token per pass over the weights", (-0.45, data["bound_tok_s"] * 1.02), fontsize=8)
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=9)
+    ax.set_ylabel("decode tokens/s, one stream")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{data['title']}\n{_caption(data)}", fontsize=9)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=FIGURES, help="folder for the PNG files")
@@ -111,6 +132,7 @@ def main() -> None:
         "throughput_xeon_avx2_profile": throughput(plt, "throughput_xeon_avx2_profile"),
         "long_mix": long_mix(plt),
         "embeddings_latency": embeddings(plt),
+        "speculative": speculative(plt),
     }
     for name, fig in figures.items():
         path = args.out / f"{name}.png"

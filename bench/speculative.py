@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--stream-tokens", type=int, default=128)
+    parser.add_argument("--stream-rounds", type=int, default=6, help="32-stream rounds, alternating order")
     args = parser.parse_args()
     gguf = bundled_gguf()
     revision = subprocess.run(
@@ -214,7 +215,13 @@ def main() -> None:
                     outputs["listing"] if prompt == REPEAT else outputs["edit"] if prompt == EDIT else None
                 )
                 if expected is not None and run.text != expected:
-                    print(f"!! {name}: output differs from speculation off")
+                    pairs = zip(run.text, expected, strict=False)
+                    shorter = min(len(run.text), len(expected))
+                    at = next((i for i, (a, b) in enumerate(pairs) if a != b), shorter)
+                    print(
+                        f"!! {name}: output differs from speculation off at char {at}: "
+                        f"{run.text[max(0, at - 40) : at + 20]!r} vs {expected[max(0, at - 40) : at + 20]!r}"
+                    )
             for label, base in (llama or {}).items():
                 for name, prompt, max_tokens, extra in (
                     ("free text", FREE, reference.tokens, {"ignore_eos": True}),
@@ -233,9 +240,16 @@ def main() -> None:
             print(f"| {name} | {runs[-1].tokens} | {rate:.1f} | {rate / free:.2f}x | {pred} |")
         print(f"\n{args.streams} streams of free text ({args.stream_tokens} tokens each), in turns")
         ratios = []
-        for i in range(args.rounds):
-            with_spec = asyncio.run(streams_throughput(on.base_url, model, args.streams, args.stream_tokens))
-            without = asyncio.run(streams_throughput(off.base_url, model, args.streams, args.stream_tokens))
+        for i in range(args.stream_rounds):
+            # The order alternates by round: the machine's drift does not favour either server.
+            first, second = (on, off) if i % 2 == 0 else (off, on)
+            runs = {
+                s.base_url: asyncio.run(
+                    streams_throughput(s.base_url, model, args.streams, args.stream_tokens)
+                )
+                for s in (first, second)
+            }
+            with_spec, without = runs[on.base_url], runs[off.base_url]
             ratios.append(with_spec / without)
             print(f"round {i + 1}: on {with_spec:.1f} tok/s, off {without:.1f} tok/s, {ratios[-1]:.3f}x")
         print(f"median {statistics.median(ratios):.3f}x")

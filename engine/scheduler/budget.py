@@ -11,9 +11,12 @@ before running long prompts' chunks, so short prompts take the step's room first
 waits while a long prompt of its class (or a higher one) still prefills. Against starvation: the
 first long chunk of a step gets at least `min_long_prefill_chunk` tokens even when nothing fits,
 and a long prompt that has not progressed for `max_long_prefill_stall_steps` steps is scheduled
-ahead of the admissions with that many (`long_prefill_stalled`). When nothing else is interactive,
-long prefill takes the whole token budget. Until the cost model has seen enough steps with
-prefill, only the token caps apply.
+ahead of the admissions with that many (`long_prefill_stalled`). Within a class, a long prompt
+also leaves the step to the tenants served no more tokens than its own (fair_share.py): a step that
+carries a prompt of theirs (its first token) carries no chunk of it, and while their streams decode
+it fits FAIR_STEP_SHARE of the budget, so their next first token waits for a shorter step in flight
+(`Crowding`). When nothing else is interactive, long prefill takes the whole token budget. Until
+the cost model has seen enough steps with prefill, only the token caps apply.
 
 Lower classes yield under the same budget, so a paid request does not wait for free work on a CPU
 where every row lengthens the step: while a higher class has work in the step (running or
@@ -32,6 +35,7 @@ pace.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
 from engine.config import SchedulerConfig
@@ -50,6 +54,19 @@ RECENT_CLASS_S = 30.0
 # (and at least one batch row decodes), so interactive streams keep ~1/(1 + BATCH_SLACK) of their
 # pace; batch rows do not take the stall bound's turns. Alone, the batch takes the whole budget.
 BATCH_SLACK = 0.15
+
+# While tenants of its class that were served fewer tokens stream in the step, a long prompt's
+# chunk leaves the step this share of the budget: their next tokens (and the first token of
+# their next prompt, which waits for the step in flight) come twice as often.
+FAIR_STEP_SHARE = 0.5
+
+
+class Crowding(enum.Enum):
+    """Less-served tenants of a long prompt's class in the step being built (`time_limit`)."""
+
+    NONE = "none"
+    DECODES = "decodes"  # their streams decode in it
+    PROMPT = "prompt"  # a prompt of theirs prefills in it: its first token waits on the step
 
 
 class StepTimeBudget:
@@ -132,7 +149,13 @@ class StepTimeBudget:
         return lead, min(lead, recent)
 
     def time_limit(
-        self, step: StepBuilder, seq: Sequence, want: int, joining: bool, running: Iterable[Sequence]
+        self,
+        step: StepBuilder,
+        seq: Sequence,
+        want: int,
+        joining: bool,
+        running: Iterable[Sequence],
+        crowded: Crowding = Crowding.NONE,
     ) -> int:
         """`want` cut to what the step-time budget leaves beside what `step` already holds (a long
         prompt's chunk).
@@ -140,8 +163,10 @@ class StepTimeBudget:
         A newcomer waits (0) while long prompts of its class or a higher one still prefill (in
         `running`): they take the room first, and fewer prompts hold blocks half-computed. A stalled
         long prompt gets the floor (`min_long_prefill_chunk`) and no more: it is scheduled ahead of
-        the admissions, before the step's room is known. Otherwise a chunk is what fits, and below
-        the floor 0, except that the step's first long chunk gets the floor."""
+        the admissions, before the step's room is known. `crowded`: tenants of its class served
+        less than `seq`'s have work in the step: their prompt's first token waits for no chunk of
+        `seq` (0), their decodes share the step (FAIR_STEP_SHARE of the budget). Otherwise a chunk
+        is what fits, and below the floor 0, except that the step's first long chunk gets the floor."""
         budget_s = self.budget_s
         cost = self.step_cost.cost
         if budget_s is None or cost is None:
@@ -153,6 +178,10 @@ class StepTimeBudget:
         floor = self.config.min_long_prefill_chunk
         if self.long_prefill_stalled(seq):
             return min(want, floor)
+        if crowded is Crowding.PROMPT:
+            return 0
+        if crowded is Crowding.DECODES:
+            budget_s *= FAIR_STEP_SHARE
         fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
         if fits is None:
             return want

@@ -20,6 +20,7 @@ next waiting sequence's waits until that one is admitted.
 
 from __future__ import annotations
 
+from engine.scheduler.budget import Crowding
 from engine.scheduler.core import SchedulerCore
 from engine.scheduler.preemption import fair_share_swap, priority_victims, rank
 from engine.scheduler.step_builder import StepBuilder
@@ -82,10 +83,26 @@ class ContinuousScheduler(SchedulerCore):
         if shared:
             want = max(0, min(want, step.long_budget))
         if want > 0 and self._is_long(seq) and (step.interactive or shorter_waiting):
-            want = self.budget.time_limit(step, seq, want, joining, self.running)
+            crowded = self._crowding(step, seq)
+            want = self.budget.time_limit(step, seq, want, joining, self.running, crowded)
         elif want > 0 and seq.priority > step.recent and step.interactive:
             want = self.budget.yield_limit(step, want)
         return want, shared
+
+    def _crowding(self, step: StepBuilder, seq: Sequence) -> Crowding:
+        """What tenants of `seq`'s class served no more tokens than its tenant have in `step`."""
+        served = self.waiting.served
+        mine = served(seq)
+        others = [
+            c
+            for c in step.chunks.values()
+            if c.seq.priority == seq.priority
+            and c.seq.fairness_key != seq.fairness_key
+            and served(c.seq) <= mine  # equal: the newcomer was lifted to the floor
+        ]
+        if any(c.seq.is_prefilling for c in others):
+            return Crowding.PROMPT
+        return Crowding.DECODES if others else Crowding.NONE
 
     # ---- preemption for priority and fair share --------------------------------------------------
 

@@ -309,3 +309,30 @@ def test_random_workloads_keep_long_chunks_within_the_step_time_budget(seed: int
     for seq in seqs:
         assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.block_table == []
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_a_long_prompt_leaves_a_less_served_tenants_prompt_the_step_and_shares_it_with_its_streams() -> None:
+    """Tenant a's long prompt against tenant b's short ones (one class): the step that carries b's
+    prompts (their first tokens) carries no chunk of a's; while b's streams decode, a's chunks fit
+    FAIR_STEP_SHARE of the budget. The same short prompts of a's own tenant get neither."""
+    truth = StepCost(fixed_s=0.020, per_prefill_token_s=0.0005, per_decode_row_s=0.002)
+    chunks = {}
+    for tenant in ("b", "a"):
+        sched = slo_scheduler(truth)
+        long = make_seq(3000, max_tokens=2, fairness_key="a")
+        sched.add(long)
+        assert scheduled(timed_step(sched, truth)) == {long.request_id: 256}
+        shorts = [make_seq(20, max_tokens=10, fairness_key=tenant) for _ in range(2)]
+        for s in shorts:
+            sched.add(s)
+        first = scheduled(timed_step(sched, truth))
+        later = [scheduled(timed_step(sched, truth))[long.request_id] for _ in range(5)]
+        chunks[tenant] = (first.get(long.request_id, 0), later)
+        run_until_done(sched)
+        assert_all_done(sched, [long, *shorts])
+    # b: no chunk beside b's prompts, then (50 ms - 20 - 2 x 2) / 0.5 ms = 52 tokens a step.
+    assert chunks["b"][0] == 0
+    assert all(abs(c - 52) <= 2 for c in chunks["b"][1])
+    # a's own short prompts: (100 - 20 - 40) / 0.5 = 80 beside them, then (100 - 20 - 4) / 0.5 = 152.
+    assert chunks["a"][0] > 0
+    assert all(abs(c - 152) <= 2 for c in chunks["a"][1])

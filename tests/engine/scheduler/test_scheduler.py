@@ -36,9 +36,6 @@ from tests.engine.factories import (
 FREE, PAID, BATCH = Priority.FREE, Priority.PAID, Priority.BATCH
 
 
-
-
-
 # ---- budget, max_num_seqs, ordering ------------------------------------------------------------
 
 
