@@ -83,7 +83,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 MAX_METADATA_KEYS = 16
 # Fields of ResponsesRequest that parsing derives (never sent by a client; not in the document).
-DERIVED_FIELDS = ("functions", "customs", "namespaces", "ignored", "history")
+DERIVED_FIELDS = ("functions", "customs", "namespaces", "ignored", "history", "history_parent")
 _INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
 
 
@@ -363,6 +363,9 @@ class ResponsesRequest(StrictModel):
     # The conversation before this turn (from previous_response_id or conversation), as stored:
     # items in OpenAI's shape, validated and normalized when they came in, so read as they are.
     history: Annotated[tuple[dict[str, Any], ...], Field(exclude=True)] = ()
+    # The stored response whose conversation `history` starts with, and that conversation's
+    # length (gateway/responses/store.py `Parent`: how format 2 stores the history).
+    history_parent: Annotated[tuple[str, int] | None, Field(exclude=True)] = None
 
     @property
     def conversation_id(self) -> str | None:
