@@ -51,11 +51,10 @@ from gateway.responses.compaction import (
 from gateway.responses.conversations import Conversations, guarded, page, with_ids
 from gateway.responses.output import TERMINAL_EVENTS, encode, skeleton, stored_events
 from gateway.responses.redis_store import RedisStore
-from gateway.responses.request import ResponsesRequest, items_of, parse_responses_request
+from gateway.responses.request import Parent, ResponsesRequest, items_of, parse_responses_request
 from gateway.responses.store import (
     SQLITE_FILE,
     Bound,
-    Parent,
     ResponseStore,
     SQLiteStore,
     StoredResponse,
@@ -147,8 +146,7 @@ class ResponsesState:
         conversation_id = req.conversation_id
         start = time.perf_counter()
         history: list[dict[str, Any]] = []
-        # The stored response the history starts with, and its length (format 2 stores the rest).
-        parent: tuple[str, int] | None = None
+        parent: Parent | None = None  # the stored response the history continues (for format 2)
         if conversation_id is not None:
             conversation = await self.conversations.load(work.caller.name, conversation_id, "conversation")
             # Refused before it runs when the conversation is at its bounds (its turn is kept whole).
@@ -162,14 +160,14 @@ class ResponsesState:
                 history = list(cached)
                 # The same items as its stored conversation, if it was stored: a record that
                 # links to it is written whole instead where it was not (or in format 1).
-                parent = (req.previous_response_id, len(history))
+                parent = Parent(req.previous_response_id, len(history))
             else:
                 previous = await self._load(work.caller.name, req.previous_response_id)
                 if previous is None:
                     raise previous_not_found(req.previous_response_id)
                 history = previous.conversation()
                 if previous.version == 2:
-                    parent = (req.previous_response_id, len(history))
+                    parent = Parent(req.previous_response_id, len(history), previous.response)
         if conversation_id is not None or req.previous_response_id is not None:
             self.lookup_seconds(time.perf_counter() - start)  # a continuation's lookup, timed
         # Compaction (gateway/responses/compaction.py): the items up to the input's last compaction
@@ -207,7 +205,7 @@ class ResponsesState:
 
         async def save(response: dict[str, Any]) -> None:
             if req.stores:
-                record = StoredResponse(response, input_items, history, parent=_parent(req))
+                record = StoredResponse(response, input_items, history, parent=req.history_parent)
                 await guarded(save_response(self.store, tenant, record, self.store_format))
             if conversation_id is not None:  # the turn's items join the conversation
                 await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
@@ -255,7 +253,7 @@ class ResponsesState:
             # A replica's own id and time are not this one's (a replay's opening events show these).
             await save({**answer, "id": work.request_id, "created_at": response["created_at"]})
 
-        record = StoredResponse(response, input_items, history, parent=_parent(req))
+        record = StoredResponse(response, input_items, history, parent=req.history_parent)
         queued = await self.background.start(
             work.caller.name, record, Job(lambda: plan.execute(call), finish, close)
         )
@@ -349,10 +347,6 @@ class ResponsesState:
     async def aclose(self) -> None:
         await self.background.aclose()
         await self.store.aclose()
-
-
-def _parent(req: ResponsesRequest) -> Parent | None:
-    return None if req.history_parent is None else Parent(*req.history_parent)
 
 
 def _flag(request: Request, name: str) -> bool:

@@ -44,18 +44,10 @@ from typing import Any, Protocol
 import anyio
 import orjson
 
+from gateway.responses.request import Parent
 from gateway.storage import connect
 
 SQLITE_FILE = "responses.sqlite3"
-
-
-@dataclass(frozen=True)
-class Parent:
-    """The stored response a record continues: its conversation is the record's history's first
-    `num_items` items (format 2 stores only the rest)."""
-
-    response_id: str
-    num_items: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +78,17 @@ class StoredResponse:
             skip = self.parent.num_items if self.parent is not None else 0
             record = {"v": 2, "parent": self.parent and self.parent.response_id, **record}
             record["added_history"] = self.history[skip:]
+            before = self.parent.response if self.parent is not None else None
+            if before is not None:  # the settings echoed (tools, instructions...) stored once
+                record["response"] = {
+                    k: v
+                    for k, v in self.response.items()
+                    if k in _OWN or k not in before or not _same(before[k], v)
+                }
+                record["inherits"] = True  # the fields it lacks are its parent's
+                dropped = [k for k in before if k not in self.response]
+                if dropped:
+                    record["dropped"] = dropped
         if self.lease_until is not None:
             record["lease_until"] = self.lease_until
         return orjson.dumps(record)
@@ -103,25 +106,54 @@ class StoredResponse:
         """The response from its record and its ancestors' (newest first, as `chain` reads them);
         None when an ancestor is missing (which the stores' links prevent)."""
         records = [orjson.loads(raw) for raw in chain]
+        if records[-1].get("parent") is not None:
+            return None
         items: list[dict[str, Any]] = []
         for older, newer in zip(records[:0:-1], records[-2::-1], strict=True):  # oldest first
             if newer.get("parent") != older["response"]["id"]:
                 return None
             items += [*_added(older), *older["input_items"], *older["response"].get("output", ())]
-        first, data = records[-1], records[0]
-        if first.get("parent") is not None:
+        response = _response(records)
+        if response is None:
             return None
-        parent = None
-        if data.get("parent") is not None:
-            parent = Parent(data["parent"], len(items))
+        data = records[0]
+        parent = None if data.get("parent") is None else Parent(data["parent"], len(items))
         return cls(
-            data["response"],
+            response,
             data["input_items"],
             items + _added(data),
             data.get("lease_until"),
             parent,
             int(data.get("v", 1)),
         )
+
+
+# A response's fields that are its own every turn, never taken from its parent's.
+_OWN = ("id", "created_at", "completed_at", "output", "usage", "previous_response_id")
+
+
+def _response(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first record's response object whole (records newest first): its own fields, then
+    those it lacks from the nearest older record that has them, up to one stored whole, in that
+    one's (the skeleton's) order; None when the chain ends first."""
+    whole = dict(records[0]["response"])
+    dropped: set[str] = set()
+    i = 0
+    while records[i].get("inherits"):
+        dropped.update(records[i].get("dropped", ()))
+        i += 1
+        if i == len(records):
+            return None
+        older = records[i]["response"]
+        for key in older.keys() - whole.keys() - dropped:
+            whole[key] = older[key]
+    order = records[i]["response"]
+    return {**{k: whole[k] for k in order if k in whole}, **whole}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON (1 and 1.0, or True and 1, are not)."""
+    return a == b and orjson.dumps(a) == orjson.dumps(b)
 
 
 def _added(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from gateway.responses.store import (
     save_response,
 )
 from tests.gateway.conftest import client_for
+from tests.gateway.fakes import FakeEngine
 
 TENANT = "acme"
 
@@ -68,7 +69,7 @@ async def continue_chain(store: ResponseStore, i: int, previous: str | None, ver
         loaded = await load_response(store, TENANT, previous)
         assert loaded is not None
         history = loaded.conversation()
-        parent = Parent(previous, len(history)) if loaded.version == 2 else None
+        parent = Parent(previous, len(history), loaded.response) if loaded.version == 2 else None
     response, inputs = turn(i)
     await save_response(store, TENANT, StoredResponse(response, inputs, history, parent=parent), version)
 
@@ -103,6 +104,8 @@ async def test_a_chain_stores_each_item_once_and_reads_whole(make_store: Any) ->
         await continue_chain(store, i, f"resp_{i - 1}" if i else None)
     last = await load_response(store, TENANT, "resp_29")
     assert last is not None and last.conversation() == items_of_turns(30)
+    assert last.response == turn(29)[0]  # its fields shared with its parent's stored once
+    assert list(last.response) == list(turn(29)[0])  # in their order
     assert last.parent == Parent("resp_28", 58) and last.version == 2
     chain = await store.chain(TENANT, "resp_29")
     assert chain is not None and len(chain) == 30 == count()  # each record once
@@ -188,14 +191,23 @@ async def test_the_server_links_each_turn_over_http_and_over_the_socket(
 ) -> None:
     """With --responses-store-format 2, a continuation is stored linked to what it continued,
     whether its history came from the store (HTTP) or from a socket's own cache."""
-    app = make_app(storage_dir=str(tmp_path), responses_store_format="2")
+    engine = FakeEngine(max_model_len=4096)  # room for the whole conversation
+    app = make_app(engine=engine, storage_dir=str(tmp_path), responses_store_format="2")
     async with client_for(app) as client:
         previous = None
         for i in range(3):
-            body = {"model": "fake-model", "input": f"http {i}"}
+            body = {
+                "model": "fake-model",
+                "input": f"http {i}",
+                "instructions": "Be brief.",
+                "temperature": 0.5,
+            }
             r = await client.post("/v1/responses", json={**body, "previous_response_id": previous})
             assert r.status_code == 200, r.text
             previous = r.json()["id"]
+            retrieved = await client.get(f"/v1/responses/{previous}")
+            assert retrieved.json() == r.json()  # the response object as answered
+            assert list(retrieved.json()) == list(r.json())
     with TestClient(app) as client, client.websocket_connect("/v1/responses") as ws:
         for i in range(3):
             frame = {"type": "response.create", "model": "fake-model", "input": f"socket {i}"}
@@ -213,4 +225,33 @@ async def test_the_server_links_each_turn_over_http_and_over_the_socket(
         f"socket {i}" for i in range(3)
     ]
     assert len(last.conversation()) == 12
+    # The settings echoed in every response (instructions here) are stored once, in the first.
+    assert b"Be brief." in chain[-1] and all(b"Be brief." not in raw for raw in chain[1:-1])
     await store.aclose()
+
+
+def test_a_response_object_keeps_only_what_differs_from_its_parents_and_reads_back_exactly() -> None:
+    root = {
+        "id": "resp_0",
+        "object": "response",
+        "tools": ["t"] * 50,
+        "temperature": 1,
+        "x": None,
+        "output": [],
+    }
+    middle = {**root, "id": "resp_1", "output": [{"type": "message"}]}
+    last = {"id": "resp_2", "object": "response", "tools": ["t"] * 50, "temperature": 1.0, "output": []}
+    raws = [StoredResponse(root, [], []).dumps(2)]
+    for response, before in [(middle, root), (last, middle)]:
+        parent = Parent(before["id"], 0, before)
+        raws.insert(0, StoredResponse(response, [], [], parent=parent).dumps(2))
+    stored = [orjson.loads(raw)["response"] for raw in raws]
+    assert "tools" not in stored[0] and "tools" not in stored[1]  # stored once, in the root
+    assert stored[0]["temperature"] == 1.0 and "x" not in stored[0]  # 1.0 is not 1 in JSON
+    for i, response in enumerate([last, middle, root]):
+        got = StoredResponse.from_chain(raws[i:])
+        assert got is not None and got.response == response and list(got.response) == list(response)
+    got = StoredResponse.from_chain(raws)
+    assert got is not None and isinstance(got.response["temperature"], float)
+    assert "x" not in got.response  # dropped since its parent: not taken from the root
+    assert StoredResponse.from_chain(raws[:2]) is None  # an ancestor missing: no partial read
