@@ -25,6 +25,7 @@ from tenancy.keyspace import tenant_tag
 # KEYS[1]: the tenant's recency index. ARGV[1], ARGV[2]: the prefixes of its readable records and
 # of its hidden parts. The functions every script below starts with.
 _LIB = """
+local MAX_CHAIN = 100000  -- a walk's bound: links never loop, but Redis must never spin
 local function readable(id) return ARGV[1] .. id end
 local function part(id) return ARGV[2] .. id end
 -- the key holding id's record (readable first, then hidden), or nil
@@ -36,7 +37,8 @@ end
 local function linked(key) return redis.call('TYPE', key).ok == 'hash' end
 -- one record less links to `id`: a hidden one with none left goes, and so on up the chain
 local function unlink(id)
-  while id do
+  for _ = 1, MAX_CHAIN do
+    if not id then return end
     local key = find(id)
     if not key or not linked(key) then return end
     local refs = redis.call('HINCRBY', key, 'refs', -1)
@@ -116,8 +118,8 @@ if parent ~= '' then redis.call('HSET', key, 'parent', parent) else redis.call('
 redis.call('EXPIRE', key, ttl)
 -- its ancestors live as long as it does
 local up = parent ~= '' and parent or nil
-while up do
-  local pkey = find(up)
+for _ = 1, MAX_CHAIN do
+  local pkey = up and find(up)
   if not pkey then break end
   redis.call('EXPIRE', pkey, ttl)
   up = redis.call('HGET', pkey, 'parent')
@@ -135,7 +137,7 @@ if redis.call('EXISTS', key) == 0 then return false end
 local now = redis.call('TIME')
 redis.call('ZADD', KEYS[1], 'XX', tonumber(now[1]) + tonumber(now[2]) / 1e6, ARGV[3])
 local out = {}
-while key do
+while key and #out < MAX_CHAIN do
   if not linked(key) then
     out[#out + 1] = redis.call('GET', key)
     break

@@ -442,6 +442,7 @@ WITH RECURSIVE chain (depth, parent, record) AS (
     UNION ALL
     SELECT chain.depth + 1, r.parent, r.record FROM chain
     JOIN responses AS r ON r.tenant = ? AND r.id = chain.parent
+    WHERE chain.depth < 100000  -- links never loop; a bound all the same
 )
 SELECT record FROM chain ORDER BY depth
 """

@@ -255,3 +255,23 @@ def test_a_response_object_keeps_only_what_differs_from_its_parents_and_reads_ba
     assert got is not None and isinstance(got.response["temperature"], float)
     assert "x" not in got.response  # dropped since its parent: not taken from the root
     assert StoredResponse.from_chain(raws[:2]) is None  # an ancestor missing: no partial read
+
+
+async def test_on_redis_a_record_keeps_its_ancestors_as_long_as_itself(redis_url: str) -> None:
+    """Each write extends its ancestors' TTL to its own, so no older link lapses first."""
+    store = RedisStore(redis_url, ttl_s=600, max_num_responses=100)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await continue_chain(store, 0, None)
+        await continue_chain(store, 1, "resp_0")
+        assert await store.delete(TENANT, "resp_0")  # hidden, kept for resp_1
+        client.expire("{tenant:acme}:part:resp_0", 5)
+        client.expire("{tenant:acme}:stored:resp_1", 5)
+        await continue_chain(store, 2, "resp_1")
+        assert (
+            client.ttl("{tenant:acme}:part:resp_0") > 500 and client.ttl("{tenant:acme}:stored:resp_1") > 500
+        )
+        assert client.type("{tenant:acme}:stored:resp_2") == b"hash"
+    finally:
+        client.close()
+        await store.aclose()
