@@ -166,7 +166,9 @@ class ResponsesState:
                 if previous is None:
                     raise previous_not_found(req.previous_response_id)
                 history = previous.conversation()
-                if previous.version == 2:
+                # Linked only to a response whose record is final: a background one still running
+                # is written again (its output, its status), which would change what links to it.
+                if previous.version == 2 and previous.response.get("status") not in ACTIVE:
                     parent = Parent(req.previous_response_id, len(history), previous.response)
         if conversation_id is not None or req.previous_response_id is not None:
             self.lookup_seconds(time.perf_counter() - start)  # a continuation's lookup, timed

@@ -275,3 +275,22 @@ async def test_on_redis_a_record_keeps_its_ancestors_as_long_as_itself(redis_url
     finally:
         client.close()
         await store.aclose()
+
+
+@pytest.mark.parametrize("status", ["completed", "in_progress"])
+async def test_a_continuation_links_only_to_a_final_response(make_app: Any, status: str) -> None:
+    """A background response still running is written again when it ends (its output, its
+    status): what continues it meanwhile is stored whole, never linked to a record that changes."""
+    from gateway.admission import Caller
+    from gateway.backend import Work
+    from gateway.endpoints import RESPONSES
+
+    state = make_app(responses_store_format="2").state.gateway.responses
+    response, inputs = turn(0)
+    await save_response(state.store, "", StoredResponse({**response, "status": status}, inputs, []), 2)
+    body = {"model": "fake-model", "input": "next", "previous_response_id": "resp_0"}
+    work = Work(RESPONSES, RESPONSES.parse(body), body, Caller(""), "fake-model", "resp_1")
+    await state.prepare(work)
+    assert len(work.request.history) == 2
+    linked = work.request.history_parent
+    assert (linked is not None and linked.response_id == "resp_0") == (status == "completed")
