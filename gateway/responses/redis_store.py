@@ -11,7 +11,8 @@ Keys, all hash-tagged by tenant (`{tenant:<name>}`), each with the TTL `--respon
 
 One Lua script each writes and evicts, reads a record and its chain, or deletes, so a lookup is
 one round trip and every link is kept consistent whichever gateway of a pool writes. A record's
-write extends its ancestors' TTL to its own, so a chain never loses an older link to its TTL first.
+write extends its ancestors' TTL to its own, so a chain never loses an older link to its TTL first;
+a record unused for the TTL leaves the index at the next write (hidden, if records link to it).
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ local function drop(id)
   if parent then unlink(parent) end
   return 1
 end
--- note the use of id at Redis's clock, drop what passed its TTL and this tenant's least recently
--- used past the bound; how many were evicted
+-- note the use of id at Redis's clock, drop what was not used for its TTL (a string has expired;
+-- a hash may live on for its children, but is no longer the tenant's to read) and this tenant's
+-- least recently used past the bound; how many were evicted
 local function index(id, ttl, bound)
   local now = redis.call('TIME')
   local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
   redis.call('ZADD', KEYS[1], t, id)
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t - ttl)
+  local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', t - ttl, 'LIMIT', 0, 1000)
+  for i = 1, #stale do drop(stale[i]) end
   redis.call('EXPIRE', KEYS[1], ttl)
   local excess = redis.call('ZCARD', KEYS[1]) - bound
   if excess <= 0 then return 0 end

@@ -294,3 +294,25 @@ async def test_a_continuation_links_only_to_a_final_response(make_app: Any, stat
     assert len(work.request.history) == 2
     linked = work.request.history_parent
     assert (linked is not None and linked.response_id == "resp_0") == (status == "completed")
+
+
+async def test_on_redis_a_record_unused_for_its_ttl_goes_at_the_next_write_kept_for_its_children(
+    redis_url: str,
+) -> None:
+    """Its children's writes keep its hash alive; once unused for the TTL it is no longer the
+    tenant's to read (nor counted), but still resolves for them."""
+    store = RedisStore(redis_url, ttl_s=600, max_num_responses=100)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await continue_chain(store, 0, None)
+        await continue_chain(store, 1, "resp_0")
+        client.zadd("{tenant:acme}:stored", {"resp_0": 1.0})  # last used long ago (1970)
+        assert await store.num_stored(TENANT) == 1
+        await continue_chain(store, 2, "resp_1")
+        assert await store.get(TENANT, "resp_0") is None and client.exists("{tenant:acme}:part:resp_0")
+        last = await load_response(store, TENANT, "resp_2")
+        assert last is not None and last.conversation() == items_of_turns(3)
+        assert await store.num_stored(TENANT) == 2
+    finally:
+        client.close()
+        await store.aclose()
