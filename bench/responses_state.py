@@ -52,11 +52,10 @@ from gateway.responses.background import BackgroundRuns
 from gateway.responses.compaction import Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
 from gateway.responses.output import skeleton
-from gateway.responses.request import parse_responses_request
+from gateway.responses.request import Parent, parse_responses_request
 from gateway.responses.state import ResponsesState, build_store
 from gateway.responses.store import (
     SQLITE_FILE,
-    Parent,
     ResponseStore,
     StoredConversation,
     StoredResponse,
@@ -125,7 +124,7 @@ async def _write_chain(store: ResponseStore, tenant: str, turns: int, version: i
     for i in range(turns):
         *inputs, answer = _turn(i)
         response_id = f"resp_{turns:04d}_{i:027d}"
-        response = _response(response_id, previous and previous.response_id, [answer])
+        response = _response(response_id, previous.response_id if previous else None, [answer])
         history = previous.conversation() if previous is not None else []
         parent = None
         if previous is not None and previous.version == 2:

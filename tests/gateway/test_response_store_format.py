@@ -16,9 +16,9 @@ import redis
 from starlette.testclient import TestClient
 
 from gateway.responses.redis_store import RedisStore
+from gateway.responses.request import Parent, ResponsesRequest
 from gateway.responses.store import (
     SQLITE_FILE,
-    Parent,
     ResponseStore,
     SQLiteStore,
     StoredResponse,
@@ -208,7 +208,7 @@ async def test_the_server_links_each_turn_over_http_and_over_the_socket(
             retrieved = await client.get(f"/v1/responses/{previous}")
             assert retrieved.json() == r.json()  # the response object as answered
             assert list(retrieved.json()) == list(r.json())
-    with TestClient(app) as client, client.websocket_connect("/v1/responses") as ws:
+    with TestClient(app) as sync, sync.websocket_connect("/v1/responses") as ws:
         for i in range(3):
             frame = {"type": "response.create", "model": "fake-model", "input": f"socket {i}"}
             ws.send_text(json.dumps({**frame, "previous_response_id": previous}))
@@ -243,7 +243,7 @@ def test_a_response_object_keeps_only_what_differs_from_its_parents_and_reads_ba
     last = {"id": "resp_2", "object": "response", "tools": ["t"] * 50, "temperature": 1.0, "output": []}
     raws = [StoredResponse(root, [], []).dumps(2)]
     for response, before in [(middle, root), (last, middle)]:
-        parent = Parent(before["id"], 0, before)
+        parent = Parent(str(before["id"]), 0, before)
         raws.insert(0, StoredResponse(response, [], [], parent=parent).dumps(2))
     stored = [orjson.loads(raw)["response"] for raw in raws]
     assert "tools" not in stored[0] and "tools" not in stored[1]  # stored once, in the root
@@ -291,7 +291,7 @@ async def test_a_continuation_links_only_to_a_final_response(make_app: Any, stat
     body = {"model": "fake-model", "input": "next", "previous_response_id": "resp_0"}
     work = Work(RESPONSES, RESPONSES.parse(body), body, Caller(""), "fake-model", "resp_1")
     await state.prepare(work)
-    assert len(work.request.history) == 2
+    assert isinstance(work.request, ResponsesRequest) and len(work.request.history) == 2
     linked = work.request.history_parent
     assert (linked is not None and linked.response_id == "resp_0") == (status == "completed")
 

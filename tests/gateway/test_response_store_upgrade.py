@@ -21,7 +21,8 @@ import pytest
 import redis
 
 from gateway.responses.redis_store import RedisStore
-from gateway.responses.store import SQLITE_FILE, SQLiteStore, load_response
+from gateway.responses.request import Parent
+from gateway.responses.store import SQLITE_FILE, SQLiteStore, StoredResponse, load_response
 from tests.conftest_redis import free_port
 from tests.gateway.conftest import client_for
 
@@ -41,12 +42,32 @@ class OldStoredResponse:
         return [*history, *input_items, *response.get("output", ())]
 
 
+def old_dumps(response: Any, input_items: Any, history: Any, lease_until: float | None) -> bytes:
+    """The previous release's `StoredResponse.dumps`, frozen."""
+    record = {"response": response, "input_items": input_items, "history": history}
+    if lease_until is not None:
+        record["lease_until"] = lease_until
+    return orjson.dumps(record)
+
+
+@pytest.mark.parametrize("lease_until", [None, 1796473050.5])
+def test_format_1_is_the_previous_releases_records_byte_for_byte(lease_until: float | None) -> None:
+    """Whatever writes format 1 (a turn, a background run's lease and status, a cancel), with or
+    without a parent to link to: the bytes the previous release wrote and reads."""
+    response = {"id": "resp_2", "object": "response", "status": "in_progress", "output": []}
+    inputs = [{"type": "message", "id": "msg_2", "role": "user", "content": "hi"}]
+    history = [{"type": "message", "id": "msg_1", "role": "user", "content": "before"}]
+    parent = Parent("resp_1", 1, {"id": "resp_1", "object": "response"})
+    record = StoredResponse(response, inputs, history, lease_until, parent=parent)
+    assert record.dumps(1) == old_dumps(response, inputs, history, lease_until)
+
+
 def old_get(where: str, tenant: str, response_id: str) -> bytes | None:
     """The previous release's `get` of either store: its key, or its row, as is."""
     if where.startswith("redis://"):
         client = redis.Redis.from_url(where)
         try:
-            raw = client.get("{tenant:" + tenant + "}:stored:" + response_id)
+            raw: Any = client.get("{tenant:" + tenant + "}:stored:" + response_id)
         finally:
             client.close()
         return None if raw is None else bytes(raw)
