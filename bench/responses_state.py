@@ -1,10 +1,12 @@
 """What resolving stored state adds to a request: the time of `ResponsesState.prepare` and `wrap`
 (gateway/responses/state.py), the functions the pipeline runs before its backend, each call timed
-by a monotonic span, for a `previous_response_id` and a `conversation` of 10-50 turns, on the
-SQLite store and on Redis (a real redis-server on a free port), built as the server builds them,
-on the server's event loop (uvloop).
+by a monotonic span, for a `previous_response_id` (its chain written turn by turn, as the server
+writes it, in each stored format: 1 holds every response's whole history, 2 only its own items
+and a link) and a `conversation` of 10-50 turns, on the SQLite store and on Redis (a real
+redis-server on a free port), built as the server builds them, on the server's event loop (uvloop).
+Then the bytes a `--bytes-turns` chain stores in each format, against the bytes of its items.
 
-    .venv/bin/python -m bench.responses_state [--turns 10,25,50] [--lookups 300] [--baseline DIR]
+    .venv/bin/python -m bench.responses_state [--turns 10,25,50] [--lookups 300] [--bytes-turns 100]
 
 Each turn is a user message, a function call, its output and an answer (~80 words in all). Every
 sample of a lookup is taken beside its controls, in a shuffled order, so that all of them see the
@@ -20,25 +22,24 @@ same load on the machine:
 "cpu" is the lookup's own CPU time on the event loop's thread: its wall time less preemption and
 waiting (on Redis, or on a worker thread where a store read runs in one).
 
-`--baseline DIR` first measures the code of another checkout (DIR, e.g. `git archive main | tar
--x -C DIR`) with this same bench, in a child process, then this tree's: the same spans, one run.
+Format 1's rows are the previous release's layout (its lookup reads one record of the whole
+history): the baseline, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from bench.cpu import CpuMeter
@@ -50,8 +51,17 @@ from gateway.metrics import Metrics
 from gateway.responses.background import BackgroundRuns
 from gateway.responses.compaction import Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
+from gateway.responses.output import skeleton
+from gateway.responses.request import Parent, parse_responses_request
 from gateway.responses.state import ResponsesState, build_store
-from gateway.responses.store import StoredConversation, StoredResponse
+from gateway.responses.store import (
+    SQLITE_FILE,
+    ResponseStore,
+    StoredConversation,
+    StoredResponse,
+    load_response,
+    save_response,
+)
 from gateway.settings import Settings
 
 WORDS = "the quick brown fox jumps over the lazy dog " * 2
@@ -86,29 +96,79 @@ def _turn(i: int) -> list[dict[str, Any]]:
     ]
 
 
-def _records(turns: int) -> tuple[StoredResponse, StoredConversation]:
-    """A stored response whose conversation is `turns` turns, and a conversation of them."""
-    history = [item for i in range(turns - 1) for item in _turn(i)]
-    *inputs, answer = _turn(turns - 1)
-    response = {"id": f"resp_{turns:032d}", "object": "response", "status": "completed", "output": [answer]}
+def _conversation(turns: int) -> StoredConversation:
+    """A conversation of `turns` turns."""
     conversation = {"id": f"conv_{turns:032d}", "object": "conversation", "created_at": 0, "metadata": {}}
-    return StoredResponse(response, inputs, history), StoredConversation(
-        conversation, [*history, *inputs, answer]
-    )
+    return StoredConversation(conversation, [item for i in range(turns) for item in _turn(i)])
+
+
+# The response object as the server stores it: the request's settings echoed (one function tool).
+_REQUEST = parse_responses_request(
+    {
+        "model": "m",
+        "input": "x",
+        "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}],
+    }
+)
+
+
+def _response(response_id: str, previous: str | None, output: list[dict[str, Any]]) -> dict[str, Any]:
+    request = _REQUEST.model_copy(update={"previous_response_id": previous})
+    return {**skeleton(request, response_id, 0, "m"), "status": "completed", "output": output}
+
+
+async def _write_chain(store: ResponseStore, tenant: str, turns: int, version: int) -> str:
+    """`turns` responses, each continuing the one before, written as the server writes them in
+    format `version`; the last one's id."""
+    previous: StoredResponse | None = None
+    for i in range(turns):
+        *inputs, answer = _turn(i)
+        response_id = f"resp_{turns:04d}_{i:027d}"
+        response = _response(response_id, previous.response_id if previous else None, [answer])
+        history = previous.conversation() if previous is not None else []
+        parent = None
+        if previous is not None and previous.version == 2:
+            parent = Parent(previous.response_id, len(history), previous.response)
+        await save_response(store, tenant, StoredResponse(response, inputs, history, parent=parent), version)
+        previous = await load_response(store, tenant, response_id)
+        assert previous is not None
+    assert previous is not None
+    return previous.response_id
+
+
+async def _stored_bytes(name: str, where: str, tenant: str) -> int:
+    """The bytes of `tenant`'s records as the store holds them (each record's JSON)."""
+    if name.startswith("SQLite"):
+        import sqlite3
+
+        with sqlite3.connect(where) as db:
+            (num,) = db.execute(
+                "SELECT SUM(LENGTH(record)) FROM responses WHERE tenant = ?", (tenant,)
+            ).fetchone()
+        return int(num or 0)
+    client = aioredis.Redis.from_url(where)
+    total = 0
+    async for key in client.scan_iter(match="{tenant:" + tenant + "}:*:resp_*"):
+        is_hash = await client.type(key) == b"hash"
+        total += await (client.hstrlen(key, "record") if is_hash else client.strlen(key))
+    await client.aclose()
+    return total
 
 
 async def _unused(call: Call) -> Reply:
     return Body({})
 
 
-def _work(body: dict[str, Any]) -> Work:
-    return Work(RESPONSES, RESPONSES.parse(body), body, Caller(TENANT), "m", "resp_bench")
+def _work(body: dict[str, Any], tenant: str = TENANT) -> Work:
+    return Work(RESPONSES, RESPONSES.parse(body), body, Caller(tenant), "m", "resp_bench")
 
 
-async def _span(state: ResponsesState, body: dict[str, Any], num_items: int) -> tuple[float, float]:
+async def _span(
+    state: ResponsesState, body: dict[str, Any], num_items: int, tenant: str = TENANT
+) -> tuple[float, float]:
     """The wall and thread CPU time (ms) of the state's hooks for one request with `body`, whose
     history must come out `num_items` items long (so a span is never of a lookup that failed)."""
-    work = _work(body)  # parsing the body is every request's, outside the span
+    work = _work(body, tenant)  # parsing the body is every request's, outside the span
     start, cpu = time.perf_counter(), time.thread_time()
     await state.prepare(work)
     state.wrap(work, Plan(1, 1, _unused))
@@ -148,10 +208,11 @@ async def _measure(
     plain: dict[str, Any],
     n: int,
     ping: Callable[[], Awaitable[Any]] | None,
+    tenant: str,
 ) -> list[str]:
     for _ in range(20):  # warm: connections, the script cache, the page cache
-        await _span(state, body, num_items)
-    median = statistics.median(w for w, _ in [await _span(state, body, num_items) for _ in range(30)])
+        await _span(state, body, num_items, tenant)
+    median = statistics.median(w for w, _ in [await _span(state, body, num_items, tenant) for _ in range(30)])
     spin = _calibrate(median)
     wall, cpu, none, loop, trips = [], [], [], [], []
     for _ in range(n):
@@ -159,7 +220,7 @@ async def _measure(
         random.shuffle(order)
         for kind in order:
             if kind == "lookup":
-                w, c = await _span(state, body, num_items)
+                w, c = await _span(state, body, num_items, tenant)
                 wall.append(w)
                 cpu.append(c)
             elif kind == "none":
@@ -174,7 +235,7 @@ async def _measure(
     return [_stats(wall), _stats(cpu), _stats(none), _stats(loop), _stats(trips) if trips else "- | -"]
 
 
-async def main(turns: list[int], n: int, label: str) -> None:
+async def main(turns: list[int], n: int, bytes_turns: int, label: str) -> None:
     from tests.conftest_redis import find_redis_server, free_port
 
     meter = CpuMeter()
@@ -190,44 +251,74 @@ async def main(turns: list[int], n: int, label: str) -> None:
     try:
         await asyncio.sleep(0.3)
         with tempfile.TemporaryDirectory() as tmp:
-            states = []
-            for name, settings in [
-                ("SQLite (file)", Settings(storage_dir=tmp)),
-                ("Redis", Settings(redis_url=url)),
+            states = []  # (store, format, state): one store of each kind, a tenant per format
+            for name, settings, where in [
+                ("SQLite (file)", Settings(storage_dir=tmp), str(Path(tmp) / SQLITE_FILE)),
+                ("Redis", Settings(redis_url=url), url),
             ]:
                 store = build_store(settings, Metrics())
                 conversations = Conversations(store, settings.max_body_bytes)
-                background = BackgroundRuns(store, settings.responses_background_lease_s, Drain())
                 compactor = Compactor(Sealer(load_key(None, tmp)))
-                states.append(
-                    (
-                        name,
-                        ResponsesState(
-                            store, conversations, background, 1.0, compactor, settings.max_body_bytes
-                        ),
+                for version in (1, 2):
+                    background = BackgroundRuns(
+                        store, settings.responses_background_lease_s, Drain(), version
                     )
-                )
+                    state = ResponsesState(
+                        store,
+                        conversations,
+                        background,
+                        1.0,
+                        compactor,
+                        settings.max_body_bytes,
+                        store_format=version,
+                    )
+                    states.append((name, where, version, state))
             print(
-                "| store | lookup | turns | record KiB | p50 ms | p99 ms | cpu p50 | cpu p99 "
-                "| no state p50 | p99 | busy loop p50 | p99 | PING p50 | p99 |\n|---|---|---:|---:|"
+                "| store | format | lookup | turns | read KiB | p50 ms | p99 ms | cpu p50 | cpu p99 "
+                "| no state p50 | p99 | busy loop p50 | p99 | PING p50 | p99 |\n|---|---|---|---:|---:|"
                 + "---:|"
                 * 10
             )
             plain = {"model": "m", "input": "and then?"}
             for k in turns:
-                response, conversation = _records(k)
-                for name, state in states:
-                    await state.store.put(TENANT, response.response_id, response.dumps())
-                    await state.store.put(TENANT, conversation.conversation_id, conversation.dumps())
-                    for param, ref, size in [
-                        ("previous_response_id", response.response_id, len(response.dumps())),
-                        ("conversation", conversation.conversation_id, len(conversation.dumps())),
-                    ]:
-                        ping = pinger.ping if name == "Redis" else None
-                        row = await _measure(state, {**plain, param: ref}, 4 * k, plain, n, ping)
-                        print(f"| {name} | {param} | {k} | {size / 1024:.1f} | " + " | ".join(row) + " |")
-            for _, state in states:
-                await state.aclose()
+                for name, _, version, state in states:
+                    tenant = f"{TENANT}{version}"
+                    ping = pinger.ping if name == "Redis" else None
+                    last = await _write_chain(state.store, tenant, k, version)
+                    chain = await state.store.chain(tenant, last)
+                    size = sum(len(raw) for raw in chain or ())
+                    body = {**plain, "previous_response_id": last}
+                    row = await _measure(state, body, 4 * k, plain, n, ping, tenant)
+                    print(
+                        f"| {name} | {version} | previous_response_id | {k} | {size / 1024:.1f} | "
+                        + " | ".join(row)
+                        + " |"
+                    )
+                    if version == 1:  # a conversation is one record in either format
+                        conversation = _conversation(k)
+                        await state.store.put(tenant, conversation.conversation_id, conversation.dumps())
+                        body = {**plain, "conversation": conversation.conversation_id}
+                        row = await _measure(state, body, 4 * k, plain, n, ping, tenant)
+                        size = len(conversation.dumps())
+                        print(
+                            f"| {name} | - | conversation | {k} | {size / 1024:.1f} | "
+                            + " | ".join(row)
+                            + " |"
+                        )
+            items = sum(len(orjson.dumps(item)) for i in range(bytes_turns) for item in _turn(i))
+            print(
+                f"\nA chain of {bytes_turns} turns ({4 * bytes_turns} items, "
+                f"{items / 1024:.1f} KiB of items' JSON):\n\n"
+                "| store | format | stored KiB | stored / items |\n|---|---|---:|---:|"
+            )
+            for name, where, version, state in states:
+                tenant = f"bytes{version}"
+                await _write_chain(state.store, tenant, bytes_turns, version)
+                stored = await _stored_bytes(name, where, tenant)
+                print(f"| {name} | {version} | {stored / 1024:.1f} | {stored / items:.2f} |")
+            for _, _, version, state in states:
+                if version == 2:  # the two formats' states share their store
+                    await state.aclose()
     finally:
         await pinger.aclose()
         redis.terminate()
@@ -242,15 +333,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--turns", default="10,25,50")
     parser.add_argument("--lookups", type=int, default=300)
-    parser.add_argument("--baseline", help="another checkout whose code to measure first")
+    parser.add_argument("--bytes-turns", type=int, default=100)
     parser.add_argument("--label", default=str(Path(__file__).resolve().parents[1]))
     args = parser.parse_args()
-    if args.baseline:
-        # The child imports gateway/ from DIR: it runs there, with DIR on its path, this file.
-        argv = [__file__, "--turns", args.turns, "--lookups", str(args.lookups), "--label", args.baseline]
-        script = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({__file__!r}, run_name='__main__')"
-        env = {**os.environ, "PYTHONPATH": args.baseline}
-        subprocess.run([sys.executable, "-c", script], cwd=args.baseline, env=env, check=True)
     import uvloop  # the server's loop: uvicorn's "auto" picks uvloop where it is installed
 
-    uvloop.run(main([int(t) for t in args.turns.split(",")], args.lookups, args.label))
+    uvloop.run(main([int(t) for t in args.turns.split(",")], args.lookups, args.bytes_turns, args.label))

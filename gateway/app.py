@@ -137,7 +137,8 @@ class Gateway:
         self.bounds = functools.partial(bounds_of, settings)  # a caller's tenant's (gateway/bounds.py)
         store = build_store(settings, self.metrics, self._stored_bound)
         self.conversations = Conversations(store, settings.max_body_bytes, self.bounds)
-        background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain)
+        store_format = int(settings.responses_store_format)
+        background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain, store_format)
         compactor = Compactor(Sealer(load_key(settings.compaction_key, settings.storage_dir)))
         self.responses = ResponsesState(
             store,
@@ -148,6 +149,7 @@ class Gateway:
             settings.max_body_bytes,
             self.metrics.state_lookup.observe,
             self.metrics.compactions.inc,
+            store_format,
         )
         self.pipeline = Pipeline(settings, self.registry, tenancy, self.metrics, self.drain, self.responses)
         compactor.summarize = functools.partial(summarize, self.pipeline)

@@ -18,6 +18,9 @@ stored state costs, so no tenant can crowd out another.
 | `batch_max_running_per_tenant` | of them running at once on one gateway      | waits its turn     |
 | `websocket_max_open`           | Responses WebSockets open on one gateway    | 429 at the upgrade |
 
+`responses_max_stored` counts the records a tenant can read: a response kept only because later
+ones continue it (format 2, gateway/responses/store.py) is stored once and not counted.
+
 Batch outputs are written whatever the bounds say (the work is done and billed), but they count:
 a tenant at its file bounds creates no batch. In open mode (no tenants) the settings apply to the
 one tenant there is.

@@ -464,6 +464,15 @@ class Settings:
         "with --redis-url: seconds a stored response is kept after it was written",
         flag="--responses-ttl",
     )
+    responses_store_format: str = _opt(
+        "1",
+        _str,
+        "the format stored responses are written in (both are read): 1 holds each response's whole "
+        "history, as the previous release reads it; 2 holds only its own items and a link to the one "
+        "before (bytes linear in a conversation's length). Set 2 once every gateway sharing the store "
+        "runs this release (docs/OPERATIONS.md)",
+        choices=("1", "2"),
+    )
     responses_background_lease_s: float = _opt(
         15.0,
         _float,

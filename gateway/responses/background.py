@@ -33,7 +33,7 @@ from gateway.backend import Body, Reply
 from gateway.drain import Drain
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.responses.conversations import guarded
-from gateway.responses.store import ResponseStore, StoredResponse
+from gateway.responses.store import ResponseStore, StoredResponse, save_response
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -95,16 +95,17 @@ async def _ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:
 class BackgroundRuns:
     """This gateway's background runs over the shared store (see the module docstring)."""
 
-    def __init__(self, store: ResponseStore, lease_s: float, drain: Drain) -> None:
+    def __init__(self, store: ResponseStore, lease_s: float, drain: Drain, store_format: int = 1) -> None:
         if lease_s <= 0:
             raise ValueError(f"the background lease must be positive, got {lease_s}")
         self.store = store
+        self.store_format = store_format  # the format records are written in (gateway/responses/store.py)
         self.lease_s = lease_s
         self.drain = drain
         self._runs: dict[tuple[str, str], _Run] = {}
 
     async def _put(self, tenant: str, record: StoredResponse) -> None:
-        await guarded(self.store.put(tenant, record.response_id, record.dumps()))
+        await guarded(save_response(self.store, tenant, record, self.store_format))
 
     def _leased(self, record: StoredResponse, status: str) -> StoredResponse:
         response = {**record.response, "status": status}

@@ -18,7 +18,7 @@ A `ResponsesRequest` is parsed once, with a 400 naming the field for anything we
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
@@ -83,7 +83,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 MAX_METADATA_KEYS = 16
 # Fields of ResponsesRequest that parsing derives (never sent by a client; not in the document).
-DERIVED_FIELDS = ("functions", "customs", "namespaces", "ignored", "history")
+DERIVED_FIELDS = ("functions", "customs", "namespaces", "ignored", "history", "history_parent")
 _INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
 
 
@@ -110,6 +110,17 @@ def _tool_choice(value: Any) -> Any:
         "must be 'none', 'auto', 'required', {'type': 'function', 'name': ...}, "
         "{'type': 'custom', 'name': ...} or {'type': 'allowed_tools', 'mode': ..., 'tools': [...]}"
     )
+
+
+@dataclass(frozen=True)
+class Parent:
+    """The stored response a turn continues: its conversation is the turn's history's first
+    `num_items` items; `response` is its response object where known (format 2 stores only the
+    fields that differ from it), None where not (a WebSocket's cache)."""
+
+    response_id: str
+    num_items: int
+    response: dict[str, Any] | None = field(default=None, compare=False)
 
 
 class InputText(StrictModel):
@@ -363,6 +374,8 @@ class ResponsesRequest(StrictModel):
     # The conversation before this turn (from previous_response_id or conversation), as stored:
     # items in OpenAI's shape, validated and normalized when they came in, so read as they are.
     history: Annotated[tuple[dict[str, Any], ...], Field(exclude=True)] = ()
+    # The stored response `history` continues (how format 2 stores it: gateway/responses/store.py).
+    history_parent: Annotated[Parent | None, Field(exclude=True)] = None
 
     @property
     def conversation_id(self) -> str | None:

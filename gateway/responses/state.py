@@ -50,14 +50,16 @@ from gateway.responses.compaction import (
 )
 from gateway.responses.conversations import Conversations, guarded, page, with_ids
 from gateway.responses.output import TERMINAL_EVENTS, encode, skeleton, stored_events
-from gateway.responses.request import ResponsesRequest, items_of, parse_responses_request
+from gateway.responses.redis_store import RedisStore
+from gateway.responses.request import Parent, ResponsesRequest, items_of, parse_responses_request
 from gateway.responses.store import (
     SQLITE_FILE,
     Bound,
-    RedisStore,
     ResponseStore,
     SQLiteStore,
     StoredResponse,
+    load_response,
+    save_response,
 )
 from gateway.settings import Settings
 from gateway.sse import DONE, EventStreamResponse
@@ -113,8 +115,10 @@ class ResponsesState:
         max_body_bytes: int,
         lookup_seconds: Callable[[float], None] = lambda s: None,
         compactions: Callable[[], None] = lambda: None,
+        store_format: int = 1,
     ) -> None:
         self.store = store
+        self.store_format = store_format  # the format responses are written in (gateway/responses/store.py)
         self.compactor = compactor
         self.max_body_bytes = max_body_bytes
         self.compactions = compactions  # counts the histories compacted server-side
@@ -126,8 +130,7 @@ class ResponsesState:
     async def _load(self, tenant: str, response_id: str) -> StoredResponse | None:
         if not response_id.startswith("resp_"):
             return None
-        raw = await guarded(self.store.get(tenant, response_id))
-        return None if raw is None else StoredResponse.loads(raw)
+        return await guarded(load_response(self.store, tenant, response_id))
 
     # -- the pipeline's hooks ----------------------------------------------------------------
 
@@ -143,6 +146,7 @@ class ResponsesState:
         conversation_id = req.conversation_id
         start = time.perf_counter()
         history: list[dict[str, Any]] = []
+        parent: Parent | None = None  # the stored response the history continues (for format 2)
         if conversation_id is not None:
             conversation = await self.conversations.load(work.caller.name, conversation_id, "conversation")
             # Refused before it runs when the conversation is at its bounds (its turn is kept whole).
@@ -154,11 +158,18 @@ class ResponsesState:
             cached = work.cached.get(req.previous_response_id) if work.cached is not None else None
             if cached is not None:  # the socket's own (gateway/responses/websocket.py)
                 history = list(cached)
+                # The same items as its stored conversation, if it was stored: a record that
+                # links to it is written whole instead where it was not (or in format 1).
+                parent = Parent(req.previous_response_id, len(history))
             else:
                 previous = await self._load(work.caller.name, req.previous_response_id)
                 if previous is None:
                     raise previous_not_found(req.previous_response_id)
                 history = previous.conversation()
+                # Linked only to a response whose record is final: a background one still running
+                # is written again (its output, its status), which would change what links to it.
+                if previous.version == 2 and previous.response.get("status") not in ACTIVE:
+                    parent = Parent(req.previous_response_id, len(history), previous.response)
         if conversation_id is not None or req.previous_response_id is not None:
             self.lookup_seconds(time.perf_counter() - start)  # a continuation's lookup, timed
         # Compaction (gateway/responses/compaction.py): the items up to the input's last compaction
@@ -173,18 +184,19 @@ class ResponsesState:
         if threshold is not None and history:
             if estimate_tokens([*history, *items_of(req)]) > threshold:
                 history = await self.compactor.compact_history(work.caller, work.model, history)
+                parent = None  # stored whole: it is not the previous conversation
                 self.compactions()
         if not history and split is None:
             return
         # Stored items are rendered as they are (never parsed again: gateway/responses/request.py).
         req = req.model_copy(update={"input": input_items})
-        work.request = req.model_copy(update={"history": tuple(history)})
+        work.request = req.model_copy(update={"history": tuple(history), "history_parent": parent})
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
 
     def _saver(self, work: Work) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]], Saver]:
-        """Whether `work`'s answer is stored, its input items and history as stored, and the
-        function that stores an answer (and appends it to its conversation)."""
+        """Whether `work`'s answer is stored, its input items and history, and the function that
+        stores an answer (and appends it to its conversation)."""
         req = work.request
         assert isinstance(req, ResponsesRequest)
         conversation_id = None if work.caller.internal else req.conversation_id
@@ -195,8 +207,8 @@ class ResponsesState:
 
         async def save(response: dict[str, Any]) -> None:
             if req.stores:
-                record = StoredResponse(response, input_items, history)
-                await guarded(self.store.put(tenant, record.response_id, record.dumps()))
+                record = StoredResponse(response, input_items, history, parent=req.history_parent)
+                await guarded(save_response(self.store, tenant, record, self.store_format))
             if conversation_id is not None:  # the turn's items join the conversation
                 await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
 
@@ -243,7 +255,7 @@ class ResponsesState:
             # A replica's own id and time are not this one's (a replay's opening events show these).
             await save({**answer, "id": work.request_id, "created_at": response["created_at"]})
 
-        record = StoredResponse(response, input_items, history)
+        record = StoredResponse(response, input_items, history, parent=req.history_parent)
         queued = await self.background.start(
             work.caller.name, record, Job(lambda: plan.execute(call), finish, close)
         )

@@ -1,32 +1,42 @@
 """Stored responses and conversations, per tenant, behind one small interface: SQLite on one
-machine, Redis in a pool.
+machine, Redis in a pool (gateway/responses/redis_store.py).
 
-    ResponseStore.put(tenant, id, record) / get(tenant, id) / delete(tenant, id) / aclose()
+    ResponseStore.put(tenant, id, record) / put_linked(tenant, id, record, parent)
+                 get(tenant, id) / chain(tenant, id) / delete(tenant, id) / aclose()
 
 A `StoredResponse` is what a later turn needs: the response object as it was answered, this turn's
-input items (ids assigned, as `input_items` lists them) and the conversation before it (so a
-continuation never walks a chain whose older links may have been evicted). Every read and write
-names the tenant: another tenant's id is simply not there (a 404, never a 403).
+input items (ids assigned, as `input_items` lists them) and the conversation before it. Every read
+and write names the tenant: another tenant's id is simply not there (a 404, never a 403).
+
+Two formats (`--responses-store-format`), both read by this release:
+
+- 1, the previous release's: each record holds the whole conversation before it, so a chain of
+  N turns stores O(N^2) bytes. The previous release reads only this one.
+- 2: a record holds only its own items (`"v": 2`, this turn's input and output, and in
+  `added_history` any history that is not its parent's conversation, such as a compacted one, or
+  all of it without a parent) and names its `parent`, the
+  response it continued. A lookup reads the chain, newest first, in one round trip or query; bytes
+  grow linearly. A parent deleted or evicted while records link to it is hidden (a 404 for its
+  own id) but kept, with a count of the records that link to it, until the last of them goes.
 
 Both bound each tenant on its own (its plan's `responses_max_stored`, else
 `--responses-max-stored`: gateway/bounds.py), evicting that tenant's least recently used records
 first, so no tenant's writes evict another's; each eviction is counted
-(`batchgate_response_store_evictions_total`).
+(`batchgate_response_store_evictions_total`). The bound counts the records a tenant can read; a
+hidden part is an ancestor of one of them, so the bytes kept are at most what format 1 keeps for
+the same records (which holds each ancestor's items in every descendant).
 
-- `SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one.
-  Writes run in a worker thread; a read (one row by its key) runs on the caller's thread, on a
-  connection of its own that a writer never blocks (WAL), and its use is written with the next
-  write.
-- `RedisStore` (with `--redis-url`): `{tenant:<name>}:stored:<id>` strings with a TTL
-  (`--responses-ttl`) and a per-tenant recency index `{tenant:<name>}:stored` (a sorted set); one
-  Lua script writes and evicts, so any gateway of a pool reads what another wrote.
+`SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one. Writes
+run in a worker thread; a read runs on the caller's thread, on a connection of its own that a
+writer never blocks (WAL), and its use is written with the next write.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,8 +44,8 @@ from typing import Any, Protocol
 import anyio
 import orjson
 
+from gateway.responses.request import Parent
 from gateway.storage import connect
-from tenancy.keyspace import tenant_tag
 
 SQLITE_FILE = "responses.sqlite3"
 
@@ -44,9 +54,11 @@ SQLITE_FILE = "responses.sqlite3"
 class StoredResponse:
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]]  # the whole conversation before this turn, however stored
     # A background run's lease (epoch seconds; gateway/responses/background.py): None when none runs.
     lease_until: float | None = None
+    parent: Parent | None = None  # format 2's link; None: the history is stored whole
+    version: int = 1  # the format it was read in (a record can link to a parent of format 2 only)
 
     @property
     def response_id(self) -> str:
@@ -56,20 +68,98 @@ class StoredResponse:
         """The items a continuation of this response starts with: history, input, output."""
         return [*self.history, *self.input_items, *self.response.get("output", ())]
 
-    def dumps(self) -> bytes:
-        record: dict[str, Any] = {
-            "response": self.response,
-            "input_items": self.input_items,
-            "history": self.history,
-        }
+    def dumps(self, version: int = 1) -> bytes:
+        """The record in format `version`: 1 holds the whole history (and no parent), 2 the
+        history after its parent's conversation."""
+        record: dict[str, Any] = {"response": self.response, "input_items": self.input_items}
+        if version == 1:
+            record["history"] = self.history
+        else:  # under another name than format 1's, so the previous release fails, not misreads
+            skip = self.parent.num_items if self.parent is not None else 0
+            record = {"v": 2, "parent": self.parent and self.parent.response_id, **record}
+            record["added_history"] = self.history[skip:]
+            before = self.parent.response if self.parent is not None else None
+            if before is not None:  # the settings echoed (tools, instructions...) stored once
+                record["response"] = {
+                    k: v
+                    for k, v in self.response.items()
+                    if k in _OWN or k not in before or not _same(before[k], v)
+                }
+                record["inherits"] = True  # the fields it lacks are its parent's
+                dropped = [k for k in before if k not in self.response]
+                if dropped:
+                    record["dropped"] = dropped
         if self.lease_until is not None:
             record["lease_until"] = self.lease_until
         return orjson.dumps(record)
 
     @classmethod
     def loads(cls, raw: bytes) -> StoredResponse:
-        data = orjson.loads(raw)
-        return cls(data["response"], data["input_items"], data["history"], data.get("lease_until"))
+        """A record that names no parent (format 1, or a root of format 2)."""
+        record = cls.from_chain([raw])
+        if record is None:
+            raise ValueError("a record with a parent is read with its chain (ResponseStore.chain)")
+        return record
+
+    @classmethod
+    def from_chain(cls, chain: Sequence[bytes]) -> StoredResponse | None:
+        """The response from its record and its ancestors' (newest first, as `chain` reads them);
+        None when an ancestor is missing (which the stores' links prevent)."""
+        records = [orjson.loads(raw) for raw in chain]
+        if records[-1].get("parent") is not None:
+            return None
+        items: list[dict[str, Any]] = []
+        for older, newer in zip(records[:0:-1], records[-2::-1], strict=True):  # oldest first
+            if newer.get("parent") != older["response"]["id"]:
+                return None
+            items += [*_added(older), *older["input_items"], *older["response"].get("output", ())]
+        response = _response(records)
+        if response is None:
+            return None
+        data = records[0]
+        parent = None if data.get("parent") is None else Parent(data["parent"], len(items))
+        return cls(
+            response,
+            data["input_items"],
+            items + _added(data),
+            data.get("lease_until"),
+            parent,
+            int(data.get("v", 1)),
+        )
+
+
+# A response's fields that are its own every turn, never taken from its parent's.
+_OWN = ("id", "created_at", "completed_at", "output", "usage", "previous_response_id")
+
+
+def _response(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first record's response object whole (records newest first): its own fields, then
+    those it lacks from the nearest older record that has them, up to one stored whole, in that
+    one's (the skeleton's) order; None when the chain ends first."""
+    whole = dict(records[0]["response"])
+    dropped: set[str] = set()
+    i = 0
+    while records[i].get("inherits"):
+        dropped.update(records[i].get("dropped", ()))
+        i += 1
+        if i == len(records):
+            return None
+        older = records[i]["response"]
+        for key in older.keys() - whole.keys() - dropped:
+            whole[key] = older[key]
+    order = records[i]["response"]
+    return {**{k: whole[k] for k in order if k in whole}, **whole}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON (1 and 1.0, or True and 1, are not)."""
+    return a == b and orjson.dumps(a) == orjson.dumps(b)
+
+
+def _added(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The history a record holds: all of it (format 1), or what follows its parent's (2)."""
+    added: list[dict[str, Any]] = record["history"] if record.get("v", 1) == 1 else record["added_history"]
+    return added
 
 
 @dataclass(frozen=True)
@@ -99,14 +189,25 @@ class ResponseStore(Protocol):
     (evicting the least recently used); all methods are safe to call concurrently from the event
     loop."""
 
-    async def put(self, tenant: str, key: str, record: bytes) -> None: ...
+    async def put(self, tenant: str, key: str, record: bytes) -> None:
+        """A record the previous release reads too (format 1, conversations, marks)."""
+        ...
+
+    async def put_linked(self, tenant: str, key: str, record: bytes, parent: str | None) -> bool:
+        """A record of format 2 that continues `parent` (None: none): `parent` and its ancestors
+        are kept as long as this record is. False, and nothing written, when `parent` is gone."""
+        ...
 
     async def get(self, tenant: str, key: str) -> bytes | None: ...
+
+    async def chain(self, tenant: str, key: str) -> list[bytes] | None:
+        """The record at `key` and its ancestors' records, newest first, in one read."""
+        ...
 
     async def delete(self, tenant: str, key: str) -> bool: ...
 
     async def num_stored(self, tenant: str) -> int:
-        """The tenant's records now (for /v1/usage)."""
+        """The tenant's records now (for /v1/usage): those it can read, not hidden parents."""
         ...
 
     async def aclose(self) -> None: ...
@@ -115,9 +216,30 @@ class ResponseStore(Protocol):
 Bound = Callable[[str], int]  # a tenant's most records (its plan's responses_max_stored)
 
 
+async def load_response(store: ResponseStore, tenant: str, response_id: str) -> StoredResponse | None:
+    """The stored response `response_id` of `tenant`, in either format, with its whole history."""
+    chain = await store.chain(tenant, response_id)
+    return None if not chain else StoredResponse.from_chain(chain)
+
+
+async def save_response(store: ResponseStore, tenant: str, record: StoredResponse, version: int) -> None:
+    """Store `record` in format `version`; in format 2 linked to its parent where that is still
+    stored, else with its whole history (a parent evicted since it was read)."""
+    key = record.response_id
+    if version == 1:
+        await store.put(tenant, key, record.dumps(1))
+    elif record.parent is None or not await store.put_linked(
+        tenant, key, record.dumps(2), record.parent.response_id
+    ):
+        await store.put_linked(tenant, key, dataclasses.replace(record, parent=None).dumps(2), None)
+
+
 class SQLiteStore:
     """The embedded store (see the module docstring). `path` None: in memory (lost at exit).
-    `max_num_responses`: each tenant's bound, unless `bound` says a tenant's own."""
+    `max_num_responses`: each tenant's bound, unless `bound` says a tenant's own.
+
+    A row's `parent` is the record it links to, `refs` the rows that link to it, and `hidden` says
+    it was deleted or evicted while `refs` > 0 (kept only for them)."""
 
     def __init__(
         self,
@@ -148,19 +270,28 @@ class SQLiteStore:
                 "CREATE TABLE IF NOT EXISTS responses (tenant TEXT NOT NULL, id TEXT NOT NULL, "
                 "used REAL NOT NULL, record BLOB NOT NULL, PRIMARY KEY (tenant, id))"
             )
+            # Format 2's links, added to a file the previous release made (which ignores them).
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+            for column, declared in [
+                ("parent", "TEXT"),
+                ("refs", "INTEGER NOT NULL DEFAULT 0"),
+                ("hidden", "INTEGER NOT NULL DEFAULT 0"),
+            ]:
+                if column not in columns:
+                    self._db.execute(f"ALTER TABLE responses ADD COLUMN {column} {declared}")
             # Eviction picks a tenant's least recently used: by tenant, then use.
             self._db.execute("DROP INDEX IF EXISTS responses_used")
             self._db.execute("CREATE INDEX IF NOT EXISTS responses_tenant_used ON responses (tenant, used)")
 
     def count(self) -> int:
-        """Every tenant's records."""
+        """Every tenant's records, hidden parents included."""
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
     def _count(self, tenant: str) -> int:
         with self._read_lock:
             rows = self._reader.execute(
-                "SELECT COUNT(*) FROM responses WHERE tenant = ?", (tenant,)
+                "SELECT COUNT(*) FROM responses WHERE tenant = ? AND hidden = 0", (tenant,)
             ).fetchall()
         return int(rows[0][0])
 
@@ -177,48 +308,119 @@ class SQLiteStore:
                 [(t, tenant, key) for (tenant, key), t in used.items()],
             )
 
-    def _put(self, tenant: str, key: str, record: bytes) -> None:
+    def _unlink(self, tenant: str, parent: str | None) -> None:
+        """One record less links to `parent`: a hidden one with none left goes, and so on up."""
+        while parent is not None:
+            self._db.execute(
+                "UPDATE responses SET refs = refs - 1 WHERE tenant = ? AND id = ?", (tenant, parent)
+            )
+            row = self._db.execute(
+                "SELECT parent FROM responses WHERE tenant = ? AND id = ? AND hidden = 1 AND refs <= 0",
+                (tenant, parent),
+            ).fetchone()
+            if row is None:
+                return
+            self._db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, parent))
+            parent = row[0]
+
+    def _drop(self, tenant: str, key: str) -> None:
+        """Delete or evict `key`: hidden while records link to it, else gone (with its links)."""
+        row = self._db.execute(
+            "SELECT parent, refs FROM responses WHERE tenant = ? AND id = ?", (tenant, key)
+        ).fetchone()
+        if row is None:
+            return
+        if row[1] > 0:
+            self._db.execute("UPDATE responses SET hidden = 1 WHERE tenant = ? AND id = ?", (tenant, key))
+            return
+        self._db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, key))
+        self._unlink(tenant, row[0])
+
+    def _put(self, tenant: str, key: str, record: bytes, parent: str | None = None) -> bool:
         bound = max(1, self._bound(tenant))
         with self._lock, self._db:
             self._write_used()
-            self._db.execute(
-                "INSERT OR REPLACE INTO responses (tenant, id, used, record) VALUES (?, ?, ?, ?)",
-                (tenant, key, time.time(), record),
-            )
-            (num,) = self._db.execute("SELECT COUNT(*) FROM responses WHERE tenant = ?", (tenant,)).fetchone()
-            excess = int(num) - bound
-            if excess > 0:  # this tenant's least recently used, never another tenant's
-                self._db.execute(
-                    "DELETE FROM responses WHERE rowid IN "
-                    "(SELECT rowid FROM responses WHERE tenant = ? ORDER BY used LIMIT ?)",
-                    (tenant, excess),
+            row = self._db.execute(
+                "SELECT parent FROM responses WHERE tenant = ? AND id = ?", (tenant, key)
+            ).fetchone()
+            before = row[0] if row is not None else None
+            if parent is not None and parent != before:
+                linked = self._db.execute(
+                    "UPDATE responses SET refs = refs + 1 WHERE tenant = ? AND id = ?", (tenant, parent)
                 )
+                if linked.rowcount == 0:
+                    return False  # evicted or deleted (and unlinked) since it was read
+            # A record written again (a background run's) keeps the records that link to it.
+            self._db.execute(
+                "INSERT INTO responses (tenant, id, used, record, parent) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (tenant, id) DO UPDATE SET used = excluded.used, "
+                "record = excluded.record, parent = excluded.parent, hidden = 0",
+                (tenant, key, time.time(), record, parent),
+            )
+            if before is not None and before != parent:
+                self._unlink(tenant, before)
+            excess = self._count_visible(tenant) - bound
+            if excess > 0:  # this tenant's least recently used, never another tenant's
+                old = self._db.execute(
+                    "SELECT id FROM responses WHERE tenant = ? AND hidden = 0 ORDER BY used LIMIT ?",
+                    (tenant, excess),
+                ).fetchall()
+                for (old_key,) in old:
+                    self._drop(tenant, old_key)
         if excess > 0:
             self._on_evict(excess)
+        return True
 
-    def _get(self, tenant: str, key: str) -> bytes | None:
+    def _count_visible(self, tenant: str) -> int:
+        (num,) = self._db.execute(
+            "SELECT COUNT(*) FROM responses WHERE tenant = ? AND hidden = 0", (tenant,)
+        ).fetchone()
+        return int(num)
+
+    def _read(self, sql: str, args: tuple[str, ...]) -> list[Any]:
         with self._read_lock:  # fetchall: the statement ends, so no read transaction stays open
-            rows = self._reader.execute(
-                "SELECT record FROM responses WHERE tenant = ? AND id = ?", (tenant, key)
-            ).fetchall()
-        if not rows:
-            return None
+            return self._reader.execute(sql, args).fetchall()
+
+    def _touch(self, tenant: str, key: str) -> None:
         with self._used_lock:
             self._used[(tenant, key)] = time.time()
+
+    def _get(self, tenant: str, key: str) -> bytes | None:
+        rows = self._read(
+            "SELECT record FROM responses WHERE tenant = ? AND id = ? AND hidden = 0", (tenant, key)
+        )
+        if not rows:
+            return None
+        self._touch(tenant, key)
         return bytes(rows[0][0])
+
+    def _chain(self, tenant: str, key: str) -> list[bytes] | None:
+        rows = self._read(_CHAIN_SQL, (tenant, key, tenant))
+        if not rows:
+            return None
+        self._touch(tenant, key)
+        return [bytes(row[0]) for row in rows]
 
     def _delete(self, tenant: str, response_id: str) -> bool:
         with self._lock, self._db:
-            cursor = self._db.execute(
-                "DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
-            )
-        return cursor.rowcount > 0
+            found = self._db.execute(
+                "SELECT 1 FROM responses WHERE tenant = ? AND id = ? AND hidden = 0", (tenant, response_id)
+            ).fetchone()
+            if found is not None:
+                self._drop(tenant, response_id)
+        return found is not None
 
     async def put(self, tenant: str, key: str, record: bytes) -> None:
         await anyio.to_thread.run_sync(self._put, tenant, key, record)
 
+    async def put_linked(self, tenant: str, key: str, record: bytes, parent: str | None) -> bool:
+        return await anyio.to_thread.run_sync(self._put, tenant, key, record, parent)
+
     async def get(self, tenant: str, key: str) -> bytes | None:
         return self._get(tenant, key)
+
+    async def chain(self, tenant: str, key: str) -> list[bytes] | None:
+        return self._chain(tenant, key)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         return await anyio.to_thread.run_sync(self._delete, tenant, response_id)
@@ -233,85 +435,14 @@ class SQLiteStore:
                 self._reader.close()
 
 
-# KEYS: the response's key, the tenant's recency index. ARGV: id, record, ttl seconds, bound,
-# the key prefix of the tenant's responses. Returns how many responses were evicted.
-_PUT_SCRIPT = """
-local now = redis.call('TIME')
-local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-redis.call('ZADD', KEYS[2], t, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', t - tonumber(ARGV[3]))
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
-if excess <= 0 then return 0 end
-local old = redis.call('ZPOPMIN', KEYS[2], excess)
-for i = 1, #old, 2 do redis.call('DEL', ARGV[5] .. old[i]) end
-return excess
+# A record the tenant can read, then each parent in turn (hidden or not), newest first.
+_CHAIN_SQL = """
+WITH RECURSIVE chain (depth, parent, record) AS (
+    SELECT 0, parent, record FROM responses WHERE tenant = ? AND id = ? AND hidden = 0
+    UNION ALL
+    SELECT chain.depth + 1, r.parent, r.record FROM chain
+    JOIN responses AS r ON r.tenant = ? AND r.id = chain.parent
+    WHERE chain.depth < 100000  -- links never loop; a bound all the same
+)
+SELECT record FROM chain ORDER BY depth
 """
-_TOUCH_SCRIPT = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return false end
-local now = redis.call('TIME')
-redis.call('ZADD', KEYS[2], 'XX', tonumber(now[1]) + tonumber(now[2]) / 1e6, ARGV[1])
-return raw
-"""
-
-
-class RedisStore:
-    """The shared store (see the module docstring)."""
-
-    def __init__(
-        self,
-        url: str,
-        ttl_s: int,
-        max_num_responses: int,
-        on_evict: Callable[[int], None] = lambda n: None,
-        bound: Bound | None = None,
-    ) -> None:
-        import redis.asyncio as aioredis
-
-        if ttl_s < 1 or max_num_responses < 1:
-            raise ValueError("the response TTL and bound must be positive")
-        self._client: Any = aioredis.Redis.from_url(url)
-        self.ttl_s = ttl_s
-        self.max_num_responses = max_num_responses
-        self._bound: Bound = bound or (lambda tenant: max_num_responses)
-        self._on_evict = on_evict
-        self._put_script = self._client.register_script(_PUT_SCRIPT)
-        self._touch_script = self._client.register_script(_TOUCH_SCRIPT)
-
-    @staticmethod
-    def _keys(tenant: str, response_id: str) -> tuple[str, str, str]:
-        prefix = f"{tenant_tag(tenant)}:stored:"
-        return prefix + response_id, f"{tenant_tag(tenant)}:stored", prefix
-
-    async def put(self, tenant: str, key: str, record: bytes) -> None:
-        redis_key, index, prefix = self._keys(tenant, key)
-        evicted = await self._put_script(
-            keys=[redis_key, index],
-            args=[key, record, self.ttl_s, max(1, self._bound(tenant)), prefix],
-        )
-        if evicted:
-            self._on_evict(int(evicted))
-
-    async def get(self, tenant: str, key: str) -> bytes | None:
-        redis_key, index, _ = self._keys(tenant, key)
-        raw = await self._touch_script(keys=[redis_key, index], args=[key])
-        return None if raw is None else bytes(raw)
-
-    async def num_stored(self, tenant: str) -> int:
-        _, index, _ = self._keys(tenant, "")
-        now = float((await self._client.time())[0])
-        # Records past their TTL are gone; their index entries go with the next write.
-        return int(await self._client.zcount(index, now - self.ttl_s, "+inf"))
-
-    async def delete(self, tenant: str, response_id: str) -> bool:
-        key, index, _ = self._keys(tenant, response_id)
-        async with self._client.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            pipe.zrem(index, response_id)
-            deleted, _ = await pipe.execute()
-        return bool(deleted)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()

@@ -1,6 +1,6 @@
 """bench/responses_state.py, in brief: every row's spans are of lookups that resolved the whole
-conversation (the bench asserts the history's length in each span), for both stores and both
-kinds of reference."""
+conversation (the bench asserts the history's length in each span), for both stores, both stored
+formats and both kinds of reference; and its bytes table shows format 2 within 2x of the items."""
 
 from __future__ import annotations
 
@@ -12,12 +12,23 @@ from bench import responses_state
 async def test_each_row_times_lookups_that_resolve_the_conversation(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    await responses_state.main([3], 5, "this tree")
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| SQLite", "| Redis"))]
-    assert [r.split(" | ")[:3] for r in rows] == [
-        ["| SQLite (file)", "previous_response_id", "3"],
-        ["| SQLite (file)", "conversation", "3"],
-        ["| Redis", "previous_response_id", "3"],
-        ["| Redis", "conversation", "3"],
+    await responses_state.main([3], 5, 20, "this tree")
+    out = capsys.readouterr().out
+    lookups, stored = out.split("A chain of 20 turns")
+    rows = [line for line in lookups.splitlines() if line.startswith(("| SQLite", "| Redis"))]
+    assert [r.split(" | ")[:4] for r in rows] == [
+        ["| SQLite (file)", "1", "previous_response_id", "3"],
+        ["| SQLite (file)", "-", "conversation", "3"],
+        ["| SQLite (file)", "2", "previous_response_id", "3"],
+        ["| Redis", "1", "previous_response_id", "3"],
+        ["| Redis", "-", "conversation", "3"],
+        ["| Redis", "2", "previous_response_id", "3"],
     ]
-    assert all(float(r.split(" | ")[4]) > 0 for r in rows)  # a lookup's p50, in ms
+    assert all(float(r.split(" | ")[5]) > 0 for r in rows)  # a lookup's p50, in ms
+    ratios = {
+        tuple(r.split(" | ")[:2]): float(r.split(" | ")[3].rstrip(" |"))
+        for r in stored.splitlines()
+        if r.startswith(("| SQLite", "| Redis"))
+    }
+    assert ratios[("| SQLite (file)", "2")] <= 2 and ratios[("| Redis", "2")] <= 2
+    assert ratios[("| SQLite (file)", "1")] > 5 and ratios[("| Redis", "1")] > 5  # quadratic

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.responses.store import SQLITE_FILE, RedisStore, ResponseStore, SQLiteStore, StoredResponse
+from gateway.responses.redis_store import RedisStore
+from gateway.responses.store import SQLITE_FILE, ResponseStore, SQLiteStore, StoredResponse
 
 
 def record(response_id: str, **extra: Any) -> StoredResponse:

@@ -14,7 +14,8 @@ import pytest
 from openai.types.responses import Response, ResponseErrorEvent
 
 from gateway.responses.background import DRAINED, LAPSED
-from gateway.responses.store import RedisStore, StoredResponse
+from gateway.responses.redis_store import RedisStore
+from gateway.responses.store import StoredResponse
 from tests.gateway.conftest import AppFactory, TinyServer, client_for, stream_through
 from tests.gateway.fakes import FakeEngine
 

@@ -71,10 +71,13 @@ def test_the_sdk_compacts_and_the_item_continues(tiny_server: TinyServer) -> Non
     tiny_server.wait_idle()
 
 
-async def test_context_management_compacts_past_the_threshold(make_app: AppFactory) -> None:
+@pytest.mark.parametrize("store_format", ["1", "2"])
+async def test_context_management_compacts_past_the_threshold(
+    make_app: AppFactory, store_format: str
+) -> None:
     engine = FakeEngine(max_model_len=4096)
     engine.reply = lambda request, index: "summary-or-answer"
-    app = make_app(engine=engine)
+    app = make_app(engine=engine, responses_store_format=store_format)
     async with client_for(app) as client:
 
         async def create(**body: Any) -> dict[str, Any]:
@@ -92,7 +95,7 @@ async def test_context_management_compacts_past_the_threshold(make_app: AppFacto
         )
         prompt = engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
         assert "a long first turn" in prompt and "Summary of the conversation so far" not in prompt
-        await create(
+        compacted = await create(
             input="next",
             previous_response_id=below["id"],
             context_management=[{"type": "compaction", "compact_threshold": 50}],
@@ -101,6 +104,11 @@ async def test_context_management_compacts_past_the_threshold(make_app: AppFacto
         assert "Summarize the conversation so far" in summary_prompt  # the model was asked first
         prompt = engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
         assert "Summary of the conversation so far:\nsummary-or-answer" in prompt
+        # Stored with its compacted history (in either format): the next turn starts from it.
+        await create(input="after", previous_response_id=compacted["id"])
+        after = engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
+        assert after.startswith(prompt.removesuffix("<|im_start|>assistant\n"))
+        assert after.count("Summary of the conversation so far") == 1
         metrics = (await client.get("/metrics")).text
         assert "batchgate_responses_compactions_total 1.0" in metrics
         r = await client.post(

@@ -94,6 +94,7 @@ NAMES = [
     ("websocket_cache_size", "--websocket-cache-size", "BATCHGATE_WEBSOCKET_CACHE_SIZE"),
     ("websocket_send_buffer_bytes", "--websocket-send-buffer-bytes", "BATCHGATE_WEBSOCKET_SEND_BUFFER_BYTES"),
     ("responses_ttl_s", "--responses-ttl", "BATCHGATE_RESPONSES_TTL"),
+    ("responses_store_format", "--responses-store-format", "BATCHGATE_RESPONSES_STORE_FORMAT"),
     ("responses_background_lease_s", "--responses-background-lease", "BATCHGATE_RESPONSES_BACKGROUND_LEASE"),
     ("log_level", "--log-level", "BATCHGATE_LOG_LEVEL"),
 ]
