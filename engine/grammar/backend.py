@@ -43,9 +43,18 @@ class _LLGuidanceGrammar:
         # The plan's bytes still to write; None: none searched yet; b"": none found (not retried).
         self._plan: bytes | None = None
         self._fill = llguidance.torch.fill_next_token_bitmask
+        # Tokens accepted so far, and which of them came after the matcher had stopped: it accepts
+        # those (an EOS after a closed JSON) without recording them, so a rollback must skip them.
+        self._num_accepted = 0
+        self._unrecorded: list[int] = []
 
     def accept_token(self, token_id: int) -> bool:
+        stopped = self._matcher.is_stopped()
         accepted = bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
+        if accepted:
+            if stopped:
+                self._unrecorded.append(self._num_accepted)
+            self._num_accepted += 1
         text = self._closing.token_bytes[token_id]
         if accepted and self._json:
             self._states.append(self._states[-1].after(text))
@@ -76,7 +85,12 @@ class _LLGuidanceGrammar:
         return bool(self._matcher.is_stopped())
 
     def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
+        self._num_accepted -= num_tokens
+        skipped = 0
+        while self._unrecorded and self._unrecorded[-1] >= self._num_accepted:
+            self._unrecorded.pop()
+            skipped += 1
+        self._matcher.rollback(num_tokens - skipped)
         if num_tokens:
             self._plan = None
             if self._json:

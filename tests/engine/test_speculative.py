@@ -204,6 +204,20 @@ def test_a_grammar_never_accepts_a_draft_it_forbids(engines: dict[bool, LLMEngin
     drafted, accepted = _greedy(on, prompt, 40, grammar=grammar, prediction=prediction)
     assert drafted == plain and accepted > 0
     json.loads(on.tokenizer.decode(drafted))
+    # A valid JSON with another year, and the end of turn after it (as a previous turn in a prompt
+    # reads): the draft runs past the grammar's end, is rejected at the year, and the grammar is
+    # rolled back to the accepted tokens exactly (the matcher records no token after it stopped).
+    year = json.loads(off.tokenizer.decode(plain))["year"]
+    other = json.dumps({"name": name, "year": year + 1}, separators=(",", ":"))
+    eos = on.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prediction = (*on.tokenizer.encode(other, add_special_tokens=False), eos)
+    always = LLMEngine(EngineConfig.of(speculate_always=True, num_speculative_tokens=16, max_model_len=2048))
+    try:
+        always.grammar(grammar).result(timeout=60)
+        drafted, accepted = _greedy(always, prompt, 40, grammar=grammar, prediction=prediction)
+        assert drafted == plain and accepted > 0
+    finally:
+        always.close()
 
 
 def test_sampled_outputs_keep_their_distribution(tiny_model_dir: Path) -> None:
