@@ -55,14 +55,14 @@ RECENT_CLASS_S = 30.0
 # pace; batch rows do not take the stall bound's turns. Alone, the batch takes the whole budget.
 BATCH_SLACK = 0.15
 
-# While tenants of its class that were served fewer tokens stream in the step, a long prompt's
+# While tenants of its class served no more tokens than its own stream in the step, a long prompt's
 # chunk leaves the step this share of the budget: their next tokens (and the first token of
 # their next prompt, which waits for the step in flight) come twice as often.
 FAIR_STEP_SHARE = 0.5
 
 
 class Crowding(enum.Enum):
-    """Less-served tenants of a long prompt's class in the step being built (`time_limit`)."""
+    """Tenants of a long prompt's class served no more than its own, in the step being built."""
 
     NONE = "none"
     DECODES = "decodes"  # their streams decode in it
@@ -164,7 +164,7 @@ class StepTimeBudget:
         `running`): they take the room first, and fewer prompts hold blocks half-computed. A stalled
         long prompt gets the floor (`min_long_prefill_chunk`) and no more: it is scheduled ahead of
         the admissions, before the step's room is known. `crowded`: tenants of its class served
-        less than `seq`'s have work in the step: their prompt's first token waits for no chunk of
+        no more than `seq`'s have work in the step: their prompt's first token waits for no chunk of
         `seq` (0), their decodes share the step (FAIR_STEP_SHARE of the budget). Otherwise a chunk
         is what fits, and below the floor 0, except that the step's first long chunk gets the floor."""
         budget_s = self.budget_s
