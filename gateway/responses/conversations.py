@@ -183,6 +183,13 @@ class Conversations:
             )
         return StoredConversation.loads(raw)
 
+    async def find(self, tenant: str, conversation_id: str) -> StoredConversation | None:
+        """The conversation, or None where the tenant has none of that id."""
+        if not conversation_id.startswith("conv_"):
+            return None
+        raw = await guarded(self.store.get(tenant, conversation_id))
+        return None if raw is None else StoredConversation.loads(raw)
+
     async def save(self, tenant: str, conversation: StoredConversation) -> None:
         await guarded(self.store.put(tenant, conversation.conversation_id, conversation.dumps()))
 

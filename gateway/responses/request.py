@@ -123,6 +123,16 @@ class Parent:
     response: dict[str, Any] | None = field(default=None, compare=False)
 
 
+@dataclass(frozen=True)
+class InConversation:
+    """The conversation (`/v1/conversations`) a turn's history is: its items through `through`,
+    the id of the last one before the turn (None: it had none). Format 2 stores this instead of
+    the items (gateway/responses/store.py)."""
+
+    conversation_id: str
+    through: str | None
+
+
 class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
@@ -376,6 +386,8 @@ class ResponsesRequest(StrictModel):
     history: Annotated[tuple[dict[str, Any], ...], Field(exclude=True)] = ()
     # The stored response `history` continues (how format 2 stores it: gateway/responses/store.py).
     history_parent: Annotated[Parent | None, Field(exclude=True)] = None
+    # The conversation `history` is, item for item (format 2 stores the link, not the items).
+    history_conversation: Annotated[InConversation | None, Field(exclude=True)] = None
 
     @property
     def conversation_id(self) -> str | None:

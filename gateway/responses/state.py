@@ -51,7 +51,13 @@ from gateway.responses.compaction import (
 from gateway.responses.conversations import Conversations, guarded, page, with_ids
 from gateway.responses.output import TERMINAL_EVENTS, encode, skeleton, stored_events
 from gateway.responses.redis_store import RedisStore
-from gateway.responses.request import Parent, ResponsesRequest, items_of, parse_responses_request
+from gateway.responses.request import (
+    InConversation,
+    Parent,
+    ResponsesRequest,
+    items_of,
+    parse_responses_request,
+)
 from gateway.responses.store import (
     SQLITE_FILE,
     Bound,
@@ -132,6 +138,26 @@ class ResponsesState:
             return None
         return await guarded(load_response(self.store, tenant, response_id))
 
+    async def _continued(self, tenant: str, response_id: str) -> StoredResponse:
+        """The stored response a turn continues, with its whole history (a conversation's items
+        read back where it links to them); `previous_response_not_found` where there is none."""
+        record = await self._load(tenant, response_id)
+        if record is None:
+            raise previous_not_found(response_id)
+        link = record.in_conversation
+        if link is None:
+            return record
+        conversation = await self.conversations.find(tenant, link.conversation_id)
+        resolved = record.with_conversation(None if conversation is None else conversation.items)
+        if resolved is None:
+            raise invalid_request(
+                f"Previous response with id '{response_id}' continues conversation "
+                f"'{link.conversation_id}', whose items before it have been deleted; continue the "
+                "conversation with 'conversation' instead.",
+                param="previous_response_id",
+            )
+        return resolved
+
     # -- the pipeline's hooks ----------------------------------------------------------------
 
     async def prepare(self, work: Work) -> None:
@@ -147,6 +173,7 @@ class ResponsesState:
         start = time.perf_counter()
         history: list[dict[str, Any]] = []
         parent: Parent | None = None  # the stored response the history continues (for format 2)
+        link: InConversation | None = None  # the conversation the history is (for format 2)
         if conversation_id is not None:
             conversation = await self.conversations.load(work.caller.name, conversation_id, "conversation")
             # Refused before it runs when the conversation is at its bounds (its turn is kept whole).
@@ -154,6 +181,9 @@ class ResponsesState:
                 work.caller, conversation, "conversation", adding=len(items_of(req))
             )
             history = list(conversation.items)
+            ids = [item.get("id") for item in history]
+            if all(ids):
+                link = InConversation(conversation_id, ids[-1] if ids else None)
         elif req.previous_response_id is not None:
             cached = work.cached.get(req.previous_response_id) if work.cached is not None else None
             if cached is not None:  # the socket's own (gateway/responses/websocket.py)
@@ -162,13 +192,13 @@ class ResponsesState:
                 # links to it is written whole instead where it was not (or in format 1).
                 parent = Parent(req.previous_response_id, len(history))
             else:
-                previous = await self._load(work.caller.name, req.previous_response_id)
-                if previous is None:
-                    raise previous_not_found(req.previous_response_id)
+                previous = await self._continued(work.caller.name, req.previous_response_id)
                 history = previous.conversation()
                 # Linked only to a response whose record is final: a background one still running
-                # is written again (its output, its status), which would change what links to it.
-                if previous.version == 2 and previous.response.get("status") not in ACTIVE:
+                # is written again (its output, its status), which would change what links to it;
+                # and not to one whose history is its conversation's (stored whole instead).
+                final = previous.response.get("status") not in ACTIVE
+                if previous.version == 2 and final and previous.in_conversation is None:
                     parent = Parent(req.previous_response_id, len(history), previous.response)
         if conversation_id is not None or req.previous_response_id is not None:
             self.lookup_seconds(time.perf_counter() - start)  # a continuation's lookup, timed
@@ -180,17 +210,20 @@ class ResponsesState:
         if split is not None:
             history += split[0]
             input_items = req.input[split[1] :]
+            link = None
         threshold = None if work.endpoint.count_only else req.compact_threshold  # counting runs no model
         if threshold is not None and history:
             if estimate_tokens([*history, *items_of(req)]) > threshold:
                 history = await self.compactor.compact_history(work.caller, work.model, history)
-                parent = None  # stored whole: it is not the previous conversation
+                parent = link = None  # stored whole: it is not the previous conversation
                 self.compactions()
         if not history and split is None:
             return
         # Stored items are rendered as they are (never parsed again: gateway/responses/request.py).
         req = req.model_copy(update={"input": input_items})
-        work.request = req.model_copy(update={"history": tuple(history), "history_parent": parent})
+        work.request = req.model_copy(
+            update={"history": tuple(history), "history_parent": parent, "history_conversation": link}
+        )
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
 
@@ -207,7 +240,13 @@ class ResponsesState:
 
         async def save(response: dict[str, Any]) -> None:
             if req.stores:
-                record = StoredResponse(response, input_items, history, parent=req.history_parent)
+                record = StoredResponse(
+                    response,
+                    input_items,
+                    history,
+                    parent=req.history_parent,
+                    in_conversation=req.history_conversation,
+                )
                 await guarded(save_response(self.store, tenant, record, self.store_format))
             if conversation_id is not None:  # the turn's items join the conversation
                 await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
@@ -255,7 +294,13 @@ class ResponsesState:
             # A replica's own id and time are not this one's (a replay's opening events show these).
             await save({**answer, "id": work.request_id, "created_at": response["created_at"]})
 
-        record = StoredResponse(response, input_items, history, parent=req.history_parent)
+        record = StoredResponse(
+            response,
+            input_items,
+            history,
+            parent=req.history_parent,
+            in_conversation=req.history_conversation,
+        )
         queued = await self.background.start(
             work.caller.name, record, Job(lambda: plan.execute(call), finish, close)
         )
@@ -334,10 +379,7 @@ class ResponsesState:
         history: list[dict[str, Any]] = []
         previous_id = body.get("previous_response_id")
         if previous_id is not None:
-            previous = await self._load(caller.name, str(previous_id))
-            if previous is None:
-                raise previous_not_found(str(previous_id))
-            history = previous.conversation()
+            history = (await self._continued(caller.name, str(previous_id))).conversation()
         if body.get("input") is not None:
             req = parse_responses_request({"model": model, "input": body["input"]})
             items = items_of(req)

@@ -18,6 +18,11 @@ Two formats (`--responses-store-format`), both read by this release:
   response it continued. A lookup reads the chain, newest first, in one round trip or query; bytes
   grow linearly. A parent deleted or evicted while records link to it is hidden (a 404 for its
   own id) but kept, with a count of the records that link to it, until the last of them goes.
+  A response created with `conversation` names the conversation and the last of its items before
+  the turn (`conversation_history`) instead of holding them; a continuation reads them from the
+  conversation (`StoredResponse.with_conversation`), so a conversation's responses, too, store
+  each item once (in the conversation). No record links to such a response (its continuation is
+  stored whole).
 
 Both bound each tenant on its own (its plan's `responses_max_stored`, else
 `--responses-max-stored`: gateway/bounds.py), evicting that tenant's least recently used records
@@ -44,7 +49,7 @@ from typing import Any, Protocol
 import anyio
 import orjson
 
-from gateway.responses.request import Parent
+from gateway.responses.request import InConversation, Parent
 from gateway.storage import connect
 
 SQLITE_FILE = "responses.sqlite3"
@@ -59,6 +64,9 @@ class StoredResponse:
     lease_until: float | None = None
     parent: Parent | None = None  # format 2's link; None: the history is stored whole
     version: int = 1  # the format it was read in (a record can link to a parent of format 2 only)
+    # Format 2's link to the conversation its history is; `history` lacks those items until
+    # `with_conversation` puts them back.
+    in_conversation: InConversation | None = None
 
     @property
     def response_id(self) -> str:
@@ -67,6 +75,21 @@ class StoredResponse:
     def conversation(self) -> list[dict[str, Any]]:
         """The items a continuation of this response starts with: history, input, output."""
         return [*self.history, *self.input_items, *self.response.get("output", ())]
+
+    def with_conversation(self, items: list[dict[str, Any]] | None) -> StoredResponse | None:
+        """This record with the history it links to put back, from its conversation's `items`
+        now (None: the conversation is gone): those through its `through` item, or, that one
+        deleted since, those before this turn's own first input item. None when neither is there."""
+        link = self.in_conversation
+        if link is None or link.through is None:
+            return self
+        ids = [item.get("id") for item in items or ()]
+        first_own = self.input_items[0].get("id") if self.input_items else None
+        for anchor, past in ((link.through, 1), (first_own, 0)):
+            if anchor is not None and anchor in ids:
+                end = ids.index(anchor) + past
+                return dataclasses.replace(self, history=[*(items or ())[:end], *self.history])
+        return None
 
     def dumps(self, version: int = 1) -> bytes:
         """The record in format `version`: 1 holds the whole history (and no parent), 2 the
@@ -77,7 +100,10 @@ class StoredResponse:
         else:  # under another name than format 1's, so the previous release fails, not misreads
             skip = self.parent.num_items if self.parent is not None else 0
             record = {"v": 2, "parent": self.parent and self.parent.response_id, **record}
-            record["added_history"] = self.history[skip:]
+            link = self.in_conversation if self.parent is None else None
+            if link is not None:  # the history is the conversation's items: named, not stored
+                record["conversation_history"] = {"id": link.conversation_id, "through": link.through}
+            record["added_history"] = [] if link is not None else self.history[skip:]
             before = self.parent.response if self.parent is not None else None
             if before is not None:  # the settings echoed (tools, instructions...) stored once
                 record["response"] = {
@@ -108,6 +134,8 @@ class StoredResponse:
         records = [orjson.loads(raw) for raw in chain]
         if records[-1].get("parent") is not None:
             return None
+        if any(record.get("conversation_history") for record in records[1:]):
+            return None  # a conversation's history is no parent's (the state stores its child whole)
         items: list[dict[str, Any]] = []
         for older, newer in zip(records[:0:-1], records[-2::-1], strict=True):  # oldest first
             if newer.get("parent") != older["response"]["id"]:
@@ -118,6 +146,7 @@ class StoredResponse:
             return None
         data = records[0]
         parent = None if data.get("parent") is None else Parent(data["parent"], len(items))
+        link = data.get("conversation_history")
         return cls(
             response,
             data["input_items"],
@@ -125,6 +154,7 @@ class StoredResponse:
             data.get("lease_until"),
             parent,
             int(data.get("v", 1)),
+            None if link is None else InConversation(link["id"], link["through"]),
         )
 
 

@@ -332,8 +332,11 @@ class ResponsesSocket:
         if response is not None:
             req = lifetime.work.request
             assert isinstance(req, ResponsesRequest)
-            conversation = (*req.history, *with_ids(items_of(req)), *response.get("output", ()))
-            self.cache.put(str(response["id"]), tuple(conversation))
+            # A conversation's stored turn is continued from the store: a record that links to
+            # one is not read whole (gateway/responses/store.py), so none may link to it.
+            if req.conversation_id is None or not req.stores:
+                conversation = (*req.history, *with_ids(items_of(req)), *response.get("output", ()))
+                self.cache.put(str(response["id"]), tuple(conversation))
 
     def _whole(self, reply: Body, stream_id: str | None) -> None:
         payload = reply.payload if isinstance(reply.payload, bytes) else json.dumps(reply.payload).encode()

@@ -316,3 +316,93 @@ async def test_on_redis_a_record_unused_for_its_ttl_goes_at_the_next_write_kept_
     finally:
         client.close()
         await store.aclose()
+
+
+def _turns_seen(prompt: str, num_turns: int) -> list[int]:
+    """The conversation turns (`turn N `) a prompt holds, in the order it holds them."""
+    seen = [(prompt.index(f"turn {i} "), i) for i in range(num_turns) if f"turn {i} " in prompt]
+    return [i for _, i in sorted(seen)]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+async def test_a_conversations_responses_name_its_items_and_continue_from_them(
+    make_app: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str
+) -> None:
+    """With format 2, a response created with `conversation` names the conversation's items before
+    it instead of holding them: over 100 turns no record grows (the conversation holds each item
+    once; each response its own turn). A continuation by `previous_response_id` reads them back,
+    without the items deleted since (its anchor deleted too: the turn's own first item), and is
+    refused with a 400 naming the parameter once neither anchor is left; the response itself stays
+    readable."""
+    url = request.getfixturevalue("redis_url") if kind == "redis" else None
+    where: dict[str, Any] = {"redis_url": url} if url else {"storage_dir": str(tmp_path)}
+    engine = FakeEngine(max_model_len=1 << 20)
+    app = make_app(engine=engine, responses_store_format="2", **where)
+    store: ResponseStore = (
+        RedisStore(url, ttl_s=600, max_num_responses=1000)
+        if url
+        else SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=1000)
+    )
+
+    answered: list[str] = []  # the continuations' response ids
+
+    async def prompt_after(previous: str, text: str = "next") -> tuple[int, str]:
+        """Continue `previous`: the status, and the prompt the model saw (else the error)."""
+        body = {"model": "fake-model", "input": text, "previous_response_id": previous}
+        r = await client.post("/v1/responses", json=body)
+        if not r.is_success:
+            return r.status_code, r.text
+        answered.append(r.json()["id"])
+        return r.status_code, engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
+
+    async with client_for(app) as client:
+        conv = (await client.post("/v1/conversations", json={})).json()["id"]
+        ids = []
+        for i in range(100):
+            body = {"model": "fake-model", "input": f"turn {i} " + "words " * 20, "conversation": conv}
+            r = await client.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+        raw_conversation = await store.get("", conv)
+        assert raw_conversation is not None
+        items = orjson.loads(raw_conversation)["items"]
+        assert len(items) == 200
+        records = [await store.get("", rid) for rid in ids]
+        # Each holds its own turn's items, none of the turns before it.
+        assert all(raw is not None and f"turn {i - 1} ".encode() not in raw for i, raw in enumerate(records))
+        # So a record's size does not grow with the turns before it (format 1's last holds all).
+        sizes = [len(raw or b"") for raw in records]
+        assert max(sizes) <= sizes[1] + 64, sizes  # (the first names no items: none before it)
+
+        status, prompt = await prompt_after(ids[49])
+        assert status == 200 and _turns_seen(prompt, 100) == list(range(50)) and "next" in prompt
+        # The continuation of the last turn is stored whole (nothing links to a conversation's
+        # response), and one of it links to it as any chain does.
+        status, _ = await prompt_after(ids[99], "one more")
+        status, prompt = await prompt_after(answered[-1], "and another")
+        assert status == 200 and _turns_seen(prompt, 100) == list(range(100))
+        assert prompt.index("one more") < prompt.index("and another")
+        chain = await store.chain("", answered[-1])
+        assert chain is not None and len(chain) == 2 and b"turn 0 " in chain[1] and b"turn 0 " not in chain[0]
+
+        # Turn 10's input deleted, and turn 48's output (turn 49's anchor): turn 49's own first
+        # item anchors it instead.
+        for item in (items[20], items[97]):
+            r = await client.delete(f"/v1/conversations/{conv}/items/{item['id']}")
+            assert r.status_code == 200, r.text
+        status, prompt = await prompt_after(ids[49])
+        assert status == 200 and _turns_seen(prompt, 100) == [i for i in range(50) if i != 10]
+        r = await client.delete(f"/v1/conversations/{conv}/items/{items[98]['id']}")  # turn 49's input
+        status, text = await prompt_after(ids[49])
+        assert status == 400, text
+        error = json.loads(text)["error"]
+        assert error["param"] == "previous_response_id" and conv in error["message"]
+        assert (await client.get(f"/v1/responses/{ids[49]}")).status_code == 200
+
+        # The conversation deleted: the first turn (no history) still continues, a later one not.
+        assert (await client.delete(f"/v1/conversations/{conv}")).status_code == 200
+        status, prompt = await prompt_after(ids[0])
+        assert status == 200 and _turns_seen(prompt, 100) == [0]
+        status, _ = await prompt_after(ids[5])
+        assert status == 400
+    await store.aclose()
