@@ -53,16 +53,31 @@ async def serve_one(engine: Any, request: Any, record: Record) -> None:
 
 
 async def closed_loop(
-    engine: Any, wl: Workload, tag: str, clients: int, prompt_len: int, max_tokens: int, records: list[Record]
+    engine: Any,
+    wl: Workload,
+    tag: str,
+    clients: int,
+    prompt_len: int,
+    max_tokens: int,
+    records: list[Record],
+    together: bool = False,
 ) -> None:
     """`clients` requests of `prompt_len` tokens in flight until cancelled; each request's record
-    is in `records` from its start (so one cut short counts what it was served)."""
+    is in `records` from its start (so one cut short counts what it was served). `together`: in
+    rounds, all `clients` sent at once and the next round when the last has ended."""
+
+    async def one() -> None:
+        request, record = wl.request(tag, prompt_len, max_tokens, key=tag)
+        records.append(record)
+        await serve_one(engine, request, record)
+
+    if together:
+        while True:
+            await asyncio.gather(*(one() for _ in range(clients)))
 
     async def client() -> None:
         while True:
-            request, record = wl.request(tag, prompt_len, max_tokens, key=tag)
-            records.append(record)
-            await serve_one(engine, request, record)
+            await one()
 
     await asyncio.gather(*(client() for _ in range(clients)))
 
@@ -111,6 +126,7 @@ async def phase(
     if args.target_itl_ms is not None:
         settings["target_itl_ms"] = args.target_itl_ms
     engine = await asyncio.to_thread(AsyncEngine.from_config, EngineConfig.of(**settings))
+    steps = _step_log(engine) if args.explain else None
     try:
         wl = Workload(7)
 
@@ -124,7 +140,10 @@ async def phase(
                 ("short", args.short_clients, args.short_prompt, short),
             ):
                 if wanted:
-                    loop = closed_loop(engine, wl, tag, clients, prompt_len, args.max_tokens, records)
+                    together = tag == "short" and args.short_arrivals == "together"
+                    loop = closed_loop(
+                        engine, wl, tag, clients, prompt_len, args.max_tokens, records, together
+                    )
                     jobs.append(asyncio.ensure_future(loop))
             await asyncio.sleep(seconds)
             wall = time.perf_counter() - start
@@ -143,9 +162,56 @@ async def phase(
             mine = [r for r in records if r.tag == tag]
             if mine:
                 out[tag] = summary(mine, wall)
+        if steps is not None and "short" in out:
+            out["short"]["explained"] = explain([r for r in records if r.tag == "short"], steps)
         return out
     finally:
         await asyncio.to_thread(engine.shutdown)
+
+
+def _step_log(engine: Any) -> list[tuple[float, float, int, bool]]:
+    """Every step the engine runs from now on, as (start, end, short prompts it completes, whether
+    it carries a long prompt's chunk), from the scheduler's record of each step (perf_counter)."""
+    steps: list[tuple[float, float, int, bool]] = []
+    scheduler = engine.engine.scheduler
+    record = scheduler.record_step
+
+    def logged(output: Any, seconds: float) -> None:
+        end = time.perf_counter()
+        prompts = [c.seq for c in output.prefills]  # their progress already advanced by this step
+        short = sum(
+            s.fairness_key == "short" and s.num_computed_tokens >= s.num_prompt_tokens for s in prompts
+        )
+        steps.append((end - seconds, end, short, any(s.fairness_key == "long" for s in prompts)))
+        record(output, seconds)
+
+    scheduler.record_step = logged
+    return steps
+
+
+def explain(records: list[Record], steps: list[tuple[float, float, int, bool]]) -> dict[str, Any]:
+    """Where B's TTFTs went: for each B request, its own prompt's step (the last that ended before
+    its first token and completed a B prompt) and the wait before that step started."""
+    waits, own, together, behind_chunk = [], [], [], 0
+    for r in records:
+        if r.ttft_s is None or r.error is not None:
+            continue
+        first = r.sent_at + r.ttft_s
+        mine = [s for s in steps if s[1] <= first and s[2] and s[1] > r.sent_at]
+        if not mine:
+            continue
+        start, end, short, _ = mine[-1]
+        waits.append(max(0.0, start - r.sent_at))
+        own.append(end - start)
+        together.append(short)
+        behind_chunk += any(s[3] and s[0] < start and s[1] > r.sent_at for s in steps)
+    return {
+        "requests": len(own),
+        "wait_p50_s": percentile(waits, 50),
+        "own_step_p50_s": percentile(own, 50),
+        "prompts_in_own_step_p50": percentile(together, 50),
+        "waited_behind_long_chunk": behind_chunk / len(own) if own else None,
+    }
 
 
 def ms(v: float | None) -> str:
@@ -193,6 +259,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"alone {ms(a_alone['ttft_p50_s'])}, with B {ms(a['ttft_p50_s'])}",
             flush=True,
         )
+        for name, b_phase in (("alone", short_alone["short"]), ("with A", b)):
+            e = b_phase.get("explained")
+            if e:
+                print(
+                    f"  B {name}: wait before its prompt's step p50 {ms(e['wait_p50_s'])}, that step "
+                    f"p50 {ms(e['own_step_p50_s'])} with {e['prompts_in_own_step_p50']:.0f} B prompts; "
+                    f"{e['waited_behind_long_chunk'] * 100:.0f}% waited behind a step with A's chunk",
+                    flush=True,
+                )
     return results
 
 
@@ -205,7 +280,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-clients", type=int, default=32)
     p.add_argument("--short-prompt", type=int, default=20)
     p.add_argument("--short-clients", type=int, default=4)
+    p.add_argument(
+        "--short-arrivals",
+        choices=("closed", "together"),
+        default="closed",
+        help="B's clients: each sends its next request when its last ends (closed), or all in rounds "
+        "(together: the arrivals B's closed loop makes beside A, in both phases)",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--explain", action="store_true", help="log the steps: where B's TTFTs went")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-mib", type=int, default=1024)
     p.add_argument("--length-buckets", choices=("on", "off", "both"), default="both")
