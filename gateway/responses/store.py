@@ -102,8 +102,10 @@ class StoredResponse:
             record = {"v": 2, "parent": self.parent and self.parent.response_id, **record}
             link = self.in_conversation if self.parent is None else None
             if link is not None:  # the history is the conversation's items: named, not stored
+                # (no `added_history`: a reader of format 2 without links fails, not reads none)
                 record["conversation_history"] = {"id": link.conversation_id, "through": link.through}
-            record["added_history"] = [] if link is not None else self.history[skip:]
+            else:
+                record["added_history"] = self.history[skip:]
             before = self.parent.response if self.parent is not None else None
             if before is not None:  # the settings echoed (tools, instructions...) stored once
                 record["response"] = {
@@ -187,8 +189,14 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _added(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The history a record holds: all of it (format 1), or what follows its parent's (2)."""
-    added: list[dict[str, Any]] = record["history"] if record.get("v", 1) == 1 else record["added_history"]
+    """The history a record holds: all of it (format 1), or what follows its parent's (2), or
+    none where it names its conversation's (read back by `StoredResponse.with_conversation`)."""
+    if record.get("v", 1) == 1:
+        history: list[dict[str, Any]] = record["history"]
+        return history
+    if "conversation_history" in record:
+        return []
+    added: list[dict[str, Any]] = record["added_history"]
     return added
 
 

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from gateway.responses.redis_store import RedisStore
-from gateway.responses.request import Parent
+from gateway.responses.request import InConversation, Parent
 from gateway.responses.store import SQLITE_FILE, SQLiteStore, StoredResponse, load_response
 from tests.conftest_redis import free_port
 from tests.gateway.conftest import client_for
@@ -60,6 +60,29 @@ def test_format_1_is_the_previous_releases_records_byte_for_byte(lease_until: fl
     parent = Parent("resp_1", 1, {"id": "resp_1", "object": "response"})
     record = StoredResponse(response, inputs, history, lease_until, parent=parent)
     assert record.dumps(1) == old_dumps(response, inputs, history, lease_until)
+
+
+def links_unknown_added(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The history a record holds, as format 2's first release read it (gateway/responses/store.py
+    `_added` at f25d9db, before a response could name its conversation's items), frozen."""
+    added: list[dict[str, Any]] = record["history"] if record.get("v", 1) == 1 else record["added_history"]
+    return added
+
+
+def test_a_record_naming_its_conversation_fails_the_reader_that_knows_no_such_names() -> None:
+    """A response created with `conversation` names the items before it in format 2: this release
+    reads the name back; format 2's first release, which knows no such names, fails on the record
+    (a 503 its client retries on another gateway) instead of continuing it with no history."""
+    response = {"id": "resp_2", "object": "response", "status": "completed", "output": []}
+    inputs = [{"type": "message", "id": "msg_2", "role": "user", "content": "hi"}]
+    history = [{"type": "message", "id": "msg_1", "role": "user", "content": "before"}]
+    link = InConversation("conv_1", "msg_1")
+    named = StoredResponse(response, inputs, history, in_conversation=link).dumps(2)
+    assert StoredResponse.loads(named).in_conversation == link
+    with pytest.raises(KeyError):
+        links_unknown_added(orjson.loads(named))
+    whole = StoredResponse(response, inputs, history).dumps(2)  # the same turn, its history held
+    assert links_unknown_added(orjson.loads(whole)) == history
 
 
 def old_get(where: str, tenant: str, response_id: str) -> bytes | None:
