@@ -4,7 +4,9 @@ by a monotonic span, for a `previous_response_id` (its chain written turn by tur
 writes it, in each stored format: 1 holds every response's whole history, 2 only its own items
 and a link) and a `conversation` of 10-50 turns, on the SQLite store and on Redis (a real
 redis-server on a free port), built as the server builds them, on the server's event loop (uvloop).
-Then the bytes a `--bytes-turns` chain stores in each format, against the bytes of its items.
+Then the bytes a `--bytes-turns` chain stores in each format, against the bytes of its items, and
+those of a conversation of as many turns, each a response created with `conversation` (the
+conversation record and its responses' records together).
 
     .venv/bin/python -m bench.responses_state [--turns 10,25,50] [--lookups 300] [--bytes-turns 100]
 
@@ -52,7 +54,7 @@ from gateway.responses.background import BackgroundRuns
 from gateway.responses.compaction import Compactor, Sealer, load_key
 from gateway.responses.conversations import Conversations
 from gateway.responses.output import skeleton
-from gateway.responses.request import Parent, parse_responses_request
+from gateway.responses.request import InConversation, Parent, parse_responses_request
 from gateway.responses.state import ResponsesState, build_store
 from gateway.responses.store import (
     SQLITE_FILE,
@@ -136,6 +138,22 @@ async def _write_chain(store: ResponseStore, tenant: str, turns: int, version: i
     return previous.response_id
 
 
+async def _write_conversation(state: ResponsesState, tenant: str, turns: int, version: int) -> None:
+    """`turns` responses created with `conversation`, written as the server writes them in format
+    `version` (gateway/responses/state.py: the response, then its turn joins the conversation)."""
+    conversation_id = f"conv_{turns:032d}"
+    empty = {"id": conversation_id, "object": "conversation", "created_at": 0, "metadata": {}}
+    await state.conversations.save(tenant, StoredConversation(empty, []))
+    for i in range(turns):
+        *inputs, answer = _turn(i)
+        history = list((await state.conversations.load(tenant, conversation_id)).items)
+        link = InConversation(conversation_id, history[-1]["id"] if history else None)
+        response = _response(f"resp_c{turns:04d}_{i:026d}", None, [answer])
+        record = StoredResponse(response, inputs, history, in_conversation=link)
+        await save_response(state.store, tenant, record, version)
+        await state.conversations.append(tenant, conversation_id, [*inputs, answer])
+
+
 async def _stored_bytes(name: str, where: str, tenant: str) -> int:
     """The bytes of `tenant`'s records as the store holds them (each record's JSON)."""
     if name.startswith("SQLite"):
@@ -148,9 +166,10 @@ async def _stored_bytes(name: str, where: str, tenant: str) -> int:
         return int(num or 0)
     client = aioredis.Redis.from_url(where)
     total = 0
-    async for key in client.scan_iter(match="{tenant:" + tenant + "}:*:resp_*"):
-        is_hash = await client.type(key) == b"hash"
-        total += await (client.hstrlen(key, "record") if is_hash else client.strlen(key))
+    for kind in ("resp_", "conv_"):
+        async for key in client.scan_iter(match="{tenant:" + tenant + "}:*:" + kind + "*"):
+            is_hash = await client.type(key) == b"hash"
+            total += await (client.hstrlen(key, "record") if is_hash else client.strlen(key))
     await client.aclose()
     return total
 
@@ -309,13 +328,15 @@ async def main(turns: list[int], n: int, bytes_turns: int, label: str) -> None:
             print(
                 f"\nA chain of {bytes_turns} turns ({4 * bytes_turns} items, "
                 f"{items / 1024:.1f} KiB of items' JSON):\n\n"
-                "| store | format | stored KiB | stored / items |\n|---|---|---:|---:|"
+                "| store | format | continued by | stored KiB | stored / items |\n|---|---|---|---:|---:|"
             )
             for name, where, version, state in states:
-                tenant = f"bytes{version}"
-                await _write_chain(state.store, tenant, bytes_turns, version)
-                stored = await _stored_bytes(name, where, tenant)
-                print(f"| {name} | {version} | {stored / 1024:.1f} | {stored / items:.2f} |")
+                chain, conversation = f"bytes{version}p", f"bytes{version}c"
+                await _write_chain(state.store, chain, bytes_turns, version)
+                await _write_conversation(state, conversation, bytes_turns, version)
+                for how, tenant in (("previous_response_id", chain), ("conversation", conversation)):
+                    stored = await _stored_bytes(name, where, tenant)
+                    print(f"| {name} | {version} | {how} | {stored / 1024:.1f} | {stored / items:.2f} |")
             for _, _, version, state in states:
                 if version == 2:  # the two formats' states share their store
                     await state.aclose()

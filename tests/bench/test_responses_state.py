@@ -1,6 +1,7 @@
 """bench/responses_state.py, in brief: every row's spans are of lookups that resolved the whole
 conversation (the bench asserts the history's length in each span), for both stores, both stored
-formats and both kinds of reference; and its bytes table shows format 2 within 2x of the items."""
+formats and both kinds of reference; and its bytes table shows a chain within 2x of its items in
+format 2, and a conversation's responses there holding no more than their own turns."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ async def test_each_row_times_lookups_that_resolve_the_conversation(
     ]
     assert all(float(r.split(" | ")[5]) > 0 for r in rows)  # a lookup's p50, in ms
     ratios = {
-        tuple(r.split(" | ")[:2]): float(r.split(" | ")[3].rstrip(" |"))
+        tuple(r.split(" | ")[:3]): float(r.split(" | ")[4].rstrip(" |"))
         for r in stored.splitlines()
         if r.startswith(("| SQLite", "| Redis"))
     }
-    assert ratios[("| SQLite (file)", "2")] <= 2 and ratios[("| Redis", "2")] <= 2
-    assert ratios[("| SQLite (file)", "1")] > 5 and ratios[("| Redis", "1")] > 5  # quadratic
+    for store in ("| SQLite (file)", "| Redis"):
+        assert ratios[(store, "2", "previous_response_id")] <= 2
+        assert ratios[(store, "1", "previous_response_id")] > 5  # quadratic
+        # A conversation's responses name its items in format 2 instead of holding them.
+        assert ratios[(store, "2", "conversation")] * 2 < ratios[(store, "1", "conversation")]
