@@ -14,6 +14,15 @@ that B leaves of its rate alone. With `--length-buckets 0` too (the default runs
 per-tenant turns alone (engine/scheduler/fair_share.py) do it: without buckets A's prompts and
 B's wait in one FIFO per tenant.
 
+B's closed loop arrives differently alone and beside A: alone, the engine starts a step at each
+arrival, so B's four clients drift apart and a prompt mostly shares its step with one other; beside
+A the engine never idles, B's streams end in the same step and all four prompts arrive together
+and share the next one. `--short-arrivals together` makes B's clients send in rounds (all four at
+once, the next round when all have ended) in both phases, so the two phases compare the same
+arrivals. `--explain` logs every step and says where B's first tokens waited: before the step that
+took its prompt, that step's time and how many B prompts it carried, and how many of those steps
+carried a chunk of A's.
+
 Run it under another checkout (`PYTHONPATH=<checkout> python bench/fair_tokens.py`) to measure
 that checkout's scheduler with the same workload.
 """
