@@ -174,7 +174,12 @@ def compacted_response(
     sealer: Sealer, tenant: str, summary: str, usage: dict[str, Any], conversation: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
     """The `response.compaction` object of `POST /v1/responses/compact`."""
-    users = [i for i in conversation if _is_user_message(i)]
+    # Output items carry ids (the spec's message requires one); input ones may have none.
+    users = [
+        i if i.get("id") else {**i, "id": f"msg_{uuid.uuid4().hex}"}
+        for i in conversation
+        if _is_user_message(i)
+    ]
     token = sealer.seal(tenant, compact_content(summary, conversation))
     return {
         "id": f"resp_{uuid.uuid4().hex}",

@@ -158,6 +158,8 @@ class _Outbox:
 def error_event(exc: APIError, stream_id: str | None = None) -> dict[str, Any]:
     """OpenAI's WebSocket error event for a turn refused before it ran (its HTTP status too)."""
     event: dict[str, Any] = {"type": "error", "status": exc.status, "error": dict(exc.body()["error"])}
+    if event["error"].get("code") is None:  # the event's schema requires a string (HTTP's may be null)
+        event["error"]["code"] = exc.kind.value
     if stream_id is not None:
         event["stream_id"] = stream_id
     return event

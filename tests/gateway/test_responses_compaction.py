@@ -28,6 +28,7 @@ def test_the_sdk_compacts_and_the_item_continues(tiny_server: TinyServer) -> Non
     assert compacted.object == "response.compaction" and compacted.id.startswith("resp_")
     kinds = [item.type for item in compacted.output]
     assert kinds == ["message", "message", "compaction"], kinds  # the user messages, then the item
+    assert all(i.id and i.id.startswith("msg_") for i in compacted.output[:2])  # each output item has one
     item = compacted.output[-1]
     assert item.encrypted_content.startswith(PREFIX) and "kiwi" not in item.encrypted_content
     assert compacted.usage.output_tokens > 0  # the model wrote the summary

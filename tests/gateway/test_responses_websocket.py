@@ -138,6 +138,7 @@ def test_the_upgrade_is_authenticated_and_capped_per_tenant(make_app: AppFactory
             ws.send_text(_create(background=True, store=True))
             refused_turn = json.loads(ws.receive_text())
             assert refused_turn["type"] == "error" and refused_turn["error"]["param"] == "background"
+            assert refused_turn["error"]["code"] == "invalid_request"  # the event's code is never null
             ws.send_text(json.dumps({"type": "response.steer", "input": "x", "previous_response_id": "r"}))
             assert json.loads(ws.receive_text())["error"]["param"] == "type"
             ws.send_text("not json")
