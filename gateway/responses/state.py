@@ -240,13 +240,7 @@ class ResponsesState:
 
         async def save(response: dict[str, Any]) -> None:
             if req.stores:
-                record = StoredResponse(
-                    response,
-                    input_items,
-                    history,
-                    parent=req.history_parent,
-                    in_conversation=req.history_conversation,
-                )
+                record = _record(req, response, input_items, history)
                 await guarded(save_response(self.store, tenant, record, self.store_format))
             if conversation_id is not None:  # the turn's items join the conversation
                 await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
@@ -294,15 +288,10 @@ class ResponsesState:
             # A replica's own id and time are not this one's (a replay's opening events show these).
             await save({**answer, "id": work.request_id, "created_at": response["created_at"]})
 
-        record = StoredResponse(
-            response,
-            input_items,
-            history,
-            parent=req.history_parent,
-            in_conversation=req.history_conversation,
-        )
         queued = await self.background.start(
-            work.caller.name, record, Job(lambda: plan.execute(call), finish, close)
+            work.caller.name,
+            _record(req, response, input_items, history),
+            Job(lambda: plan.execute(call), finish, close),
         )
         headers = {"x-request-id": work.request_id}
         if req.ignored:
@@ -463,3 +452,15 @@ async def _saving(frames: AsyncIterator[bytes], save: Any) -> AsyncIterator[byte
                 data = frame.split(b"\ndata: ", 1)[1]
                 await save(json.loads(data)["response"])
             yield frame
+
+
+def _record(
+    req: ResponsesRequest,
+    response: dict[str, Any],
+    input_items: list[dict[str, Any]],
+    history: list[dict[str, Any]],
+) -> StoredResponse:
+    """`response` as stored, with the links its history was read through (format 2)."""
+    return StoredResponse(
+        response, input_items, history, parent=req.history_parent, in_conversation=req.history_conversation
+    )
