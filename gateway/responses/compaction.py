@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from gateway.admission import Caller
 from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.openai.bodies import now
+from gateway.responses.conversations import item_id
 
 logger = logging.getLogger("batchgate.gateway")
 
@@ -175,11 +176,7 @@ def compacted_response(
 ) -> dict[str, Any]:
     """The `response.compaction` object of `POST /v1/responses/compact`."""
     # Output items carry ids (the spec's message requires one); input ones may have none.
-    users = [
-        i if i.get("id") else {**i, "id": f"msg_{uuid.uuid4().hex}"}
-        for i in conversation
-        if _is_user_message(i)
-    ]
+    users = [i if i.get("id") else {**i, "id": item_id("msg")} for i in conversation if _is_user_message(i)]
     token = sealer.seal(tenant, compact_content(summary, conversation))
     return {
         "id": f"resp_{uuid.uuid4().hex}",

@@ -176,12 +176,12 @@ class Conversations:
     # -- used by the Responses API -------------------------------------------------------------
 
     async def load(self, tenant: str, conversation_id: str, param: str | None = None) -> StoredConversation:
-        raw = await guarded(self.store.get(tenant, conversation_id))
-        if raw is None or not conversation_id.startswith("conv_"):
+        conversation = await self.find(tenant, conversation_id)
+        if conversation is None:
             raise APIError(
                 ErrorKind.NOT_FOUND, f"Conversation with id '{conversation_id}' not found.", param=param
             )
-        return StoredConversation.loads(raw)
+        return conversation
 
     async def find(self, tenant: str, conversation_id: str) -> StoredConversation | None:
         """The conversation, or None where the tenant has none of that id."""
