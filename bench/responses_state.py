@@ -52,9 +52,9 @@ from gateway.endpoints import RESPONSES
 from gateway.metrics import Metrics
 from gateway.responses.background import BackgroundRuns
 from gateway.responses.compaction import Compactor, Sealer, load_key
-from gateway.responses.conversations import Conversations
+from gateway.responses.conversations import Conversations, Turn
 from gateway.responses.output import skeleton
-from gateway.responses.request import InConversation, Parent, parse_responses_request
+from gateway.responses.request import Parent, parse_responses_request
 from gateway.responses.state import ResponsesState, build_store
 from gateway.responses.store import (
     SQLITE_FILE,
@@ -146,12 +146,13 @@ async def _write_conversation(state: ResponsesState, tenant: str, turns: int, ve
     await state.conversations.save(tenant, StoredConversation(empty, []))
     for i in range(turns):
         *inputs, answer = _turn(i)
-        history = list((await state.conversations.load(tenant, conversation_id)).items)
-        link = InConversation(conversation_id, history[-1]["id"] if history else None)
+        conversation = await state.conversations.load(tenant, conversation_id)
+        history = list(conversation.items)
         response = _response(f"resp_c{turns:04d}_{i:026d}", None, [answer])
-        record = StoredResponse(response, inputs, history, in_conversation=link)
+        record = StoredResponse(response, inputs, history, parent=conversation.head)
         await save_response(state.store, tenant, record, version)
-        await state.conversations.append(tenant, conversation_id, [*inputs, answer])
+        turn = Turn(response["id"], response, [item.get("id") for item in history])
+        await state.conversations.append(tenant, conversation_id, [*inputs, answer], turn)
 
 
 async def _stored_bytes(name: str, where: str, tenant: str) -> int:
@@ -276,9 +277,9 @@ async def main(turns: list[int], n: int, bytes_turns: int, label: str) -> None:
                 ("Redis", Settings(redis_url=url), url),
             ]:
                 store = build_store(settings, Metrics())
-                conversations = Conversations(store, settings.max_body_bytes)
                 compactor = Compactor(Sealer(load_key(None, tmp)))
                 for version in (1, 2):
+                    conversations = Conversations(store, settings.max_body_bytes, store_format=version)
                     background = BackgroundRuns(
                         store, settings.responses_background_lease_s, Drain(), version
                     )
@@ -313,17 +314,21 @@ async def main(turns: list[int], n: int, bytes_turns: int, label: str) -> None:
                         + " | ".join(row)
                         + " |"
                     )
-                    if version == 1:  # a conversation is one record in either format
+                    if version == 1:  # one record of its items
                         conversation = _conversation(k)
                         await state.store.put(tenant, conversation.conversation_id, conversation.dumps())
-                        body = {**plain, "conversation": conversation.conversation_id}
-                        row = await _measure(state, body, 4 * k, plain, n, ping, tenant)
                         size = len(conversation.dumps())
-                        print(
-                            f"| {name} | - | conversation | {k} | {size / 1024:.1f} | "
-                            + " | ".join(row)
-                            + " |"
-                        )
+                    else:  # its latest response's chain and its own record (links and no items)
+                        await _write_conversation(state, tenant, k, version)
+                        conversation_id = f"conv_{k:032d}"
+                        size = sum(len(raw) for raw in await state.store.chain(tenant, conversation_id) or ())
+                    body = {**plain, "conversation": f"conv_{k:032d}"}
+                    row = await _measure(state, body, 4 * k, plain, n, ping, tenant)
+                    print(
+                        f"| {name} | {version} | conversation | {k} | {size / 1024:.1f} | "
+                        + " | ".join(row)
+                        + " |"
+                    )
             items = sum(len(orjson.dumps(item)) for i in range(bytes_turns) for item in _turn(i))
             print(
                 f"\nA chain of {bytes_turns} turns ({4 * bytes_turns} items, "

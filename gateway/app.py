@@ -136,8 +136,8 @@ class Gateway:
         self.drain = Drain()
         self.bounds = functools.partial(bounds_of, settings)  # a caller's tenant's (gateway/bounds.py)
         store = build_store(settings, self.metrics, self._stored_bound)
-        self.conversations = Conversations(store, settings.max_body_bytes, self.bounds)
         store_format = int(settings.responses_store_format)
+        self.conversations = Conversations(store, settings.max_body_bytes, self.bounds, store_format)
         background = BackgroundRuns(store, settings.responses_background_lease_s, self.drain, store_format)
         compactor = Compactor(Sealer(load_key(settings.compaction_key, settings.storage_dir)))
         self.responses = ResponsesState(

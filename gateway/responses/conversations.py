@@ -13,10 +13,13 @@ A response created with `conversation` starts from the conversation's items, and
 output items are appended to it (gateway/responses/state.py). Conversations live in the response
 store (gateway/responses/store.py) beside the responses, within the same per-tenant bound. Another
 tenant's id is a 404. Appending is read-modify-write: two turns of one conversation at once may
-lose one's items (clients send a conversation's turns one after another).
+lose one's items (clients send a conversation's turns one after another). In format 2 a
+conversation names its latest stored response instead of holding the items through that turn
+(`StoredConversation`), so each item is stored once; deleting one of those items stores the
+conversation whole again.
 
 A conversation holds at most the tenant's `conversation_max_items` items and
-`conversation_max_bytes` bytes as stored (gateway/bounds.py): a create, an update or an add that
+`conversation_max_bytes` bytes held whole (gateway/bounds.py): a create, an update or an add that
 would go over is a 400 naming the bound, and so is a response whose conversation is already at it
 (a response's own turn is appended whole, so a conversation may pass the bound by that turn).
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, ValidationError
@@ -39,7 +43,7 @@ from gateway.errors import APIError, ErrorKind, invalid_request
 from gateway.openai.bodies import now
 from gateway.openai.listing import list_page, list_params
 from gateway.openai.protocol import StrictModel, validation_error
-from gateway.responses.request import MAX_METADATA_KEYS, ResponsesRequest, _check_media, items_of
+from gateway.responses.request import MAX_METADATA_KEYS, Parent, ResponsesRequest, _check_media, items_of
 from gateway.responses.store import ResponseStore, StoredConversation
 
 logger = logging.getLogger("batchgate.gateway")
@@ -56,6 +60,16 @@ _ITEM_PREFIX = {
     "custom_tool_call_output": "ctco",
     "reasoning": "rs",
 }
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A stored response created with `conversation`: its id and object, and the ids of the items
+    of the history it was given (`Conversations.append`)."""
+
+    response_id: str
+    response: dict[str, Any]
+    history_ids: list[str | None]
 
 
 def item_id(prefix: str) -> str:
@@ -147,14 +161,20 @@ def parse_body(model: type[M], body: Any) -> M:
 
 
 class Conversations:
-    """The routes above, over one store; `bounds`: a caller's tenant's bounds (gateway/bounds.py)."""
+    """The routes above, over one store; `bounds`: a caller's tenant's bounds (gateway/bounds.py);
+    `store_format`: the format conversations are written in (gateway/responses/store.py)."""
 
     def __init__(
-        self, store: ResponseStore, max_body_bytes: int, bounds: Callable[[Caller], Bounds] | None = None
+        self,
+        store: ResponseStore,
+        max_body_bytes: int,
+        bounds: Callable[[Caller], Bounds] | None = None,
+        store_format: int = 1,
     ) -> None:
         self.store = store
         self.max_body_bytes = max_body_bytes
         self.bounds = bounds
+        self.store_format = store_format
 
     def check_room(
         self, caller: Caller, conversation: StoredConversation, param: str = "items", *, adding: int = 0
@@ -168,7 +188,7 @@ class Conversations:
         if num_items > bounds.conversation_max_items:
             what = f"The conversation would hold {num_items:,} items"
             raise exceeded("conversation_max_items", bounds.conversation_max_items, what, param)
-        size = len(conversation.dumps())
+        size = conversation.size()
         if size > bounds.conversation_max_bytes:
             what = f"The conversation would take {size:,} bytes"
             raise exceeded("conversation_max_bytes", bounds.conversation_max_bytes, what, param)
@@ -187,16 +207,41 @@ class Conversations:
         """The conversation, or None where the tenant has none of that id."""
         if not conversation_id.startswith("conv_"):
             return None
-        raw = await guarded(self.store.get(tenant, conversation_id))
-        return None if raw is None else StoredConversation.loads(raw)
+        return await guarded(self._read(tenant, conversation_id))
+
+    async def _read(self, tenant: str, conversation_id: str) -> StoredConversation | None:
+        chain = await self.store.chain(tenant, conversation_id)
+        if not chain:
+            return None
+        conversation = StoredConversation.from_chain(chain)
+        if conversation is None:  # the links keep a head's chain: a store that lost it fails
+            raise ValueError(f"conversation {conversation_id}'s head is not stored")
+        return conversation
 
     async def save(self, tenant: str, conversation: StoredConversation) -> None:
-        await guarded(self.store.put(tenant, conversation.conversation_id, conversation.dumps()))
+        """Stored naming its head where it has one (format 2) still stored, else whole."""
+        key, head = conversation.conversation_id, conversation.head
+        if self.store_format == 2 and head is not None:
+            if await guarded(self.store.put_linked(tenant, key, conversation.dumps(2), head.response_id)):
+                return
+        await guarded(self.store.put(tenant, key, conversation.dumps(1)))
 
-    async def append(self, tenant: str, conversation_id: str, items: list[dict[str, Any]]) -> None:
-        """Add a turn's items (read-modify-write; see the module docstring)."""
+    async def append(
+        self,
+        tenant: str,
+        conversation_id: str,
+        items: list[dict[str, Any]],
+        turn: Turn | None = None,
+    ) -> None:
+        """Add a turn's items (read-modify-write; see the module docstring). `turn`: the stored
+        response whose conversation is `turn.history` and then `items`; it becomes the head where
+        that history is the conversation's items still (not compacted, and nothing added since)."""
         current = await self.load(tenant, conversation_id)
-        await self.save(tenant, StoredConversation(current.conversation, [*current.items, *items]))
+        grown = [*current.items, *items]
+        head = current.head
+        if turn is not None and [i.get("id") for i in current.items] == turn.history_ids:
+            head = Parent(turn.response_id, len(grown), turn.response)
+        await self.save(tenant, StoredConversation(current.conversation, grown, head))
 
     # -- routes ----------------------------------------------------------------------------------
 
@@ -222,7 +267,7 @@ class Conversations:
         body = parse_body(ConversationUpdateRequest, await read_json(request, self.max_body_bytes))
         stored = await self.load(caller.name, request.path_params["conversation_id"])
         conversation = {**stored.conversation, "metadata": dict(body.metadata)}
-        updated = StoredConversation(conversation, stored.items)
+        updated = StoredConversation(conversation, stored.items, stored.head)
         self.check_room(caller, updated, "metadata")
         await self.save(caller.name, updated)
         return JSONResponse(conversation)
@@ -242,7 +287,7 @@ class Conversations:
         items = _items(body.items, "items")
         conversation_id = request.path_params["conversation_id"]
         current = await self.load(caller.name, conversation_id)
-        grown = StoredConversation(current.conversation, [*current.items, *items])
+        grown = StoredConversation(current.conversation, [*current.items, *items], current.head)
         self.check_room(caller, grown)
         await self.save(caller.name, grown)
         return JSONResponse(
@@ -268,8 +313,7 @@ class Conversations:
     async def delete_item(self, caller: Caller, request: Request) -> Response:
         stored = await self.load(caller.name, request.path_params["conversation_id"])
         index = self._item_index(stored, request.path_params["item_id"])
-        await self.save(
-            caller.name,
-            StoredConversation(stored.conversation, stored.items[:index] + stored.items[index + 1 :]),
-        )
+        head = stored.head if stored.head is not None and index >= stored.head.num_items else None
+        items = stored.items[:index] + stored.items[index + 1 :]
+        await self.save(caller.name, StoredConversation(stored.conversation, items, head))
         return JSONResponse(stored.conversation)

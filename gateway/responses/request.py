@@ -126,8 +126,8 @@ class Parent:
 @dataclass(frozen=True)
 class InConversation:
     """The conversation (`/v1/conversations`) a turn's history is: its items through `through`,
-    the id of the last one before the turn (None: it had none). Format 2 stores this instead of
-    the items (gateway/responses/store.py)."""
+    the id of the last one before the turn (None: it had none). Format 2 stored this instead of
+    the items in 52b05c6; records written so are still read (gateway/responses/store.py)."""
 
     conversation_id: str
     through: str | None
@@ -386,8 +386,6 @@ class ResponsesRequest(StrictModel):
     history: Annotated[tuple[dict[str, Any], ...], Field(exclude=True)] = ()
     # The stored response `history` continues (how format 2 stores it: gateway/responses/store.py).
     history_parent: Annotated[Parent | None, Field(exclude=True)] = None
-    # The conversation `history` is, item for item (format 2 stores the link, not the items).
-    history_conversation: Annotated[InConversation | None, Field(exclude=True)] = None
 
     @property
     def conversation_id(self) -> str | None:

@@ -48,11 +48,10 @@ from gateway.responses.compaction import (
     estimate_tokens,
     split_at_compaction,
 )
-from gateway.responses.conversations import Conversations, guarded, page, with_ids
+from gateway.responses.conversations import Conversations, Turn, guarded, page, with_ids
 from gateway.responses.output import TERMINAL_EVENTS, encode, skeleton, stored_events
 from gateway.responses.redis_store import RedisStore
 from gateway.responses.request import (
-    InConversation,
     Parent,
     ResponsesRequest,
     items_of,
@@ -173,7 +172,6 @@ class ResponsesState:
         start = time.perf_counter()
         history: list[dict[str, Any]] = []
         parent: Parent | None = None  # the stored response the history continues (for format 2)
-        link: InConversation | None = None  # the conversation the history is (for format 2)
         if conversation_id is not None:
             conversation = await self.conversations.load(work.caller.name, conversation_id, "conversation")
             # Refused before it runs when the conversation is at its bounds (its turn is kept whole).
@@ -181,9 +179,7 @@ class ResponsesState:
                 work.caller, conversation, "conversation", adding=len(items_of(req))
             )
             history = list(conversation.items)
-            ids = [item.get("id") for item in history]
-            if all(ids):
-                link = InConversation(conversation_id, ids[-1] if ids else None)
+            parent = conversation.head  # its latest stored response, in format 2 (always final)
         elif req.previous_response_id is not None:
             cached = work.cached.get(req.previous_response_id) if work.cached is not None else None
             if cached is not None:  # the socket's own (gateway/responses/websocket.py)
@@ -210,20 +206,17 @@ class ResponsesState:
         if split is not None:
             history += split[0]
             input_items = req.input[split[1] :]
-            link = None
         threshold = None if work.endpoint.count_only else req.compact_threshold  # counting runs no model
         if threshold is not None and history:
             if estimate_tokens([*history, *items_of(req)]) > threshold:
                 history = await self.compactor.compact_history(work.caller, work.model, history)
-                parent = link = None  # stored whole: it is not the previous conversation
+                parent = None  # stored whole: it is not the previous conversation
                 self.compactions()
         if not history and split is None:
             return
         # Stored items are rendered as they are (never parsed again: gateway/responses/request.py).
         req = req.model_copy(update={"input": input_items})
-        work.request = req.model_copy(
-            update={"history": tuple(history), "history_parent": parent, "history_conversation": link}
-        )
+        work.request = req.model_copy(update={"history": tuple(history), "history_parent": parent})
         # What a replica renders (it resolves nothing): the history in front of this turn's input.
         work.body = {**work.body, "input": [*history, *items_of(req)]}
 
@@ -243,7 +236,10 @@ class ResponsesState:
                 record = _record(req, response, input_items, history)
                 await guarded(save_response(self.store, tenant, record, self.store_format))
             if conversation_id is not None:  # the turn's items join the conversation
-                await self.conversations.append(tenant, conversation_id, [*input_items, *response["output"]])
+                turn = Turn(response["id"], response, [i.get("id") for i in history]) if req.stores else None
+                await self.conversations.append(
+                    tenant, conversation_id, [*input_items, *response["output"]], turn
+                )
 
         return store, input_items, history, save
 
@@ -461,6 +457,4 @@ def _record(
     history: list[dict[str, Any]],
 ) -> StoredResponse:
     """`response` as stored, with the links its history was read through (format 2)."""
-    return StoredResponse(
-        response, input_items, history, parent=req.history_parent, in_conversation=req.history_conversation
-    )
+    return StoredResponse(response, input_items, history, parent=req.history_parent)

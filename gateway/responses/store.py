@@ -18,18 +18,20 @@ Two formats (`--responses-store-format`), both read by this release:
   response it continued. A lookup reads the chain, newest first, in one round trip or query; bytes
   grow linearly. A parent deleted or evicted while records link to it is hidden (a 404 for its
   own id) but kept, with a count of the records that link to it, until the last of them goes.
-  A response created with `conversation` names the conversation and the last of its items before
-  the turn (`conversation_history`) instead of holding them; a continuation reads them from the
-  conversation (`StoredResponse.with_conversation`), so a conversation's responses, too, store
-  each item once (in the conversation). No record links to such a response (its continuation is
-  stored whole).
+  A conversation links the same way to its latest stored response, its `head`
+  (`StoredConversation`), and a response created with `conversation` links to that head as its
+  parent: a conversation's items are stored once, in its responses' records. (52b05c6 wrote such
+  a response naming its conversation's items instead, `conversation_history`; those records are
+  still read, through `StoredResponse.with_conversation`, and no record links to one.)
 
 Both bound each tenant on its own (its plan's `responses_max_stored`, else
 `--responses-max-stored`: gateway/bounds.py), evicting that tenant's least recently used records
 first, so no tenant's writes evict another's; each eviction is counted
 (`batchgate_response_store_evictions_total`). The bound counts the records a tenant can read; a
-hidden part is an ancestor of one of them, so the bytes kept are at most what format 1 keeps for
-the same records (which holds each ancestor's items in every descendant).
+hidden part is an ancestor of one of them (a response, or a conversation's head), so the items
+kept are at most those format 1 keeps for the same records (which holds each ancestor's items in
+every descendant, and a conversation's in its record), each hidden part adding its own response
+fields (about a quarter of a tool-call turn's bytes: docs/BENCHMARKS.md).
 
 `SQLiteStore`: one file in `--storage-dir` (`responses.sqlite3`), or in memory without one. Writes
 run in a worker thread; a read runs on the caller's thread, on a connection of its own that a
@@ -202,22 +204,53 @@ def _added(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class StoredConversation:
-    """A conversation (`/v1/conversations`): its object (id, created_at, metadata) and its items."""
+    """A conversation (`/v1/conversations`): its object (id, created_at, metadata) and its items.
+
+    In format 2 a conversation whose latest turn is a stored response names that response (`head`)
+    instead of holding the items through its turn: its items are the head's conversation (read with
+    its chain) and then `tail`, the items added since. A record with no head holds its items whole,
+    as format 1 does."""
 
     conversation: dict[str, Any]
-    items: list[dict[str, Any]]
+    items: list[dict[str, Any]]  # all of them, however stored
+    head: Parent | None = None  # the stored response whose conversation is items[:head.num_items]
 
     @property
     def conversation_id(self) -> str:
         return str(self.conversation["id"])
 
-    def dumps(self) -> bytes:
-        return orjson.dumps({"conversation": self.conversation, "items": self.items})
+    def dumps(self, version: int = 1) -> bytes:
+        """The record: the items whole (format 1, or no head), or the head and the tail (2)."""
+        if version == 1 or self.head is None:
+            return orjson.dumps({"conversation": self.conversation, "items": self.items})
+        # No `items`: a reader that knows no heads fails (a 503), it does not read an empty one.
+        tail = self.items[self.head.num_items :]
+        return orjson.dumps(
+            {"v": 2, "conversation": self.conversation, "head": self.head.response_id, "tail": tail}
+        )
+
+    def size(self) -> int:
+        """Its bytes held whole (what its bounds count, however it is stored)."""
+        return len(self.dumps(1))
+
+    def without_head(self) -> StoredConversation:
+        return dataclasses.replace(self, head=None)
 
     @classmethod
-    def loads(cls, raw: bytes) -> StoredConversation:
-        data = orjson.loads(raw)
-        return cls(data["conversation"], data["items"])
+    def from_chain(cls, chain: Sequence[bytes]) -> StoredConversation | None:
+        """The conversation from its record and, where it names a head, the head's chain (as
+        `ResponseStore.chain` reads them); None when the head's chain is broken (which the
+        stores' links prevent)."""
+        data = orjson.loads(chain[0])
+        if "items" in data:
+            return cls(data["conversation"], data["items"])
+        head = StoredResponse.from_chain(chain[1:]) if len(chain) > 1 else None
+        if head is None or head.response_id != data["head"]:
+            return None
+        before = head.conversation()
+        return cls(
+            data["conversation"], [*before, *data["tail"]], Parent(data["head"], len(before), head.response)
+        )
 
 
 class ResponseStore(Protocol):

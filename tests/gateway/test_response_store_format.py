@@ -6,6 +6,7 @@ counts the records it can read; format 1 (the default) stays what the previous r
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,12 @@ import redis
 from starlette.testclient import TestClient
 
 from gateway.responses.redis_store import RedisStore
-from gateway.responses.request import Parent, ResponsesRequest
+from gateway.responses.request import InConversation, Parent, ResponsesRequest
 from gateway.responses.store import (
     SQLITE_FILE,
     ResponseStore,
     SQLiteStore,
+    StoredConversation,
     StoredResponse,
     load_response,
     save_response,
@@ -324,16 +326,33 @@ def _turns_seen(prompt: str, num_turns: int) -> list[int]:
     return [i for _, i in sorted(seen)]
 
 
+async def stored_bytes(kind: str, url: str | None, tmp_path: Path) -> int:
+    """Every record's bytes in the store, hidden parts included."""
+    if kind == "sqlite":
+        with sqlite3.connect(tmp_path / SQLITE_FILE) as db:
+            return int(db.execute("SELECT SUM(LENGTH(record)) FROM responses").fetchone()[0])
+    client = redis.Redis.from_url(url or "")
+    try:
+        total = 0
+        for key in client.keys("*:stored:*") + client.keys("*:part:*"):
+            raw = client.hget(key, "record") if client.type(key) == b"hash" else client.get(key)
+            total += len(raw or b"")
+        return total
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
-async def test_a_conversations_responses_name_its_items_and_continue_from_them(
+async def test_a_conversation_names_its_latest_response_and_stores_each_item_once(
     make_app: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str
 ) -> None:
-    """With format 2, a response created with `conversation` names the conversation's items before
-    it instead of holding them: over 100 turns no record grows (the conversation holds each item
-    once; each response its own turn). A continuation by `previous_response_id` reads them back,
-    without the items deleted since (its anchor deleted too: the turn's own first item), and is
-    refused with a 400 naming the parameter once neither anchor is left; the response itself stays
-    readable."""
+    """With format 2, a conversation names its latest stored response (its head) instead of
+    holding the items through it, and each response created with `conversation` links to the head
+    before it: over 100 turns no record grows and the store holds at most 2x the items' bytes. The
+    conversation lists every item; a `previous_response_id` continuation reads its response's own
+    history; an item added by the items API waits in the tail for the next turn; a response deleted
+    is kept for the conversation; an item deleted from the head's part stores the conversation whole
+    again; the conversation deleted, what only it kept goes."""
     url = request.getfixturevalue("redis_url") if kind == "redis" else None
     where: dict[str, Any] = {"redis_url": url} if url else {"storage_dir": str(tmp_path)}
     engine = FakeEngine(max_model_len=1 << 20)
@@ -344,65 +363,119 @@ async def test_a_conversations_responses_name_its_items_and_continue_from_them(
         else SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=1000)
     )
 
-    answered: list[str] = []  # the continuations' response ids
+    async def prompt_of(body: dict[str, Any]) -> str:
+        r = await client.post("/v1/responses", json={"model": "fake-model", **body})
+        assert r.status_code == 200, r.text
+        return engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
 
-    async def prompt_after(previous: str, text: str = "next") -> tuple[int, str]:
-        """Continue `previous`: the status, and the prompt the model saw (else the error)."""
-        body = {"model": "fake-model", "input": text, "previous_response_id": previous}
-        r = await client.post("/v1/responses", json=body)
-        if not r.is_success:
-            return r.status_code, r.text
-        answered.append(r.json()["id"])
-        return r.status_code, engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
+    async def record_of(key: str) -> dict[str, Any]:
+        raw = await store.get("", key)
+        assert raw is not None
+        return dict(orjson.loads(raw))
+
+    async def listed() -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        after: dict[str, str] = {}
+        while True:
+            query = {"order": "asc", "limit": "100", **after}
+            page = (await client.get(f"/v1/conversations/{conv}/items", params=query)).json()
+            items += page["data"]
+            if not page["has_more"]:
+                return items
+            after = {"after": items[-1]["id"]}
 
     async with client_for(app) as client:
         conv = (await client.post("/v1/conversations", json={})).json()["id"]
-        ids = []
         for i in range(100):
-            body = {"model": "fake-model", "input": f"turn {i} " + "words " * 20, "conversation": conv}
-            r = await client.post("/v1/responses", json=body)
-            assert r.status_code == 200, r.text
-            ids.append(r.json()["id"])
-        raw_conversation = await store.get("", conv)
-        assert raw_conversation is not None
-        items = orjson.loads(raw_conversation)["items"]
-        assert len(items) == 200
-        records = [await store.get("", rid) for rid in ids]
-        # Each holds its own turn's items, none of the turns before it.
-        assert all(raw is not None and f"turn {i - 1} ".encode() not in raw for i, raw in enumerate(records))
-        # So a record's size does not grow with the turns before it (format 1's last holds all).
-        sizes = [len(raw or b"") for raw in records]
-        assert max(sizes) <= sizes[1] + 64, sizes  # (the first names no items: none before it)
+            prompt = await prompt_of({"input": f"turn {i} " + "words " * 20, "conversation": conv})
+            assert _turns_seen(prompt, 100) == list(range(i + 1))
+        record = await record_of(conv)
+        assert "items" not in record and record["tail"] == [] and record["head"].startswith("resp_")
+        items = await listed()
+        assert len(items) == 200 and [i["role"] for i in items] == ["user", "assistant"] * 100
+        # Each response's record holds its own turn only, so none grows with the turns before it.
+        chain = await store.chain("", record["head"])
+        assert chain is not None and len(chain) == 100
+        sizes = [len(raw) for raw in chain[:-1]]  # (the first holds the settings all inherit)
+        assert max(sizes) <= min(sizes) + 64, sizes
+        assert all(b"turn %d " % (98 - k) not in raw for k, raw in enumerate(chain[:-1]))
+        total, items_bytes = await stored_bytes(kind, url, tmp_path), len(orjson.dumps(items))
+        assert total <= 2 * items_bytes, (total, items_bytes)
+        ids = [orjson.loads(raw)["response"]["id"] for raw in chain[::-1]]
 
-        status, prompt = await prompt_after(ids[49])
-        assert status == 200 and _turns_seen(prompt, 100) == list(range(50)) and "next" in prompt
-        # The continuation of the last turn is stored whole (nothing links to a conversation's
-        # response), and one of it links to it as any chain does.
-        status, _ = await prompt_after(ids[99], "one more")
-        status, prompt = await prompt_after(answered[-1], "and another")
-        assert status == 200 and _turns_seen(prompt, 100) == list(range(100))
-        assert prompt.index("one more") < prompt.index("and another")
-        chain = await store.chain("", answered[-1])
-        assert chain is not None and len(chain) == 2 and b"turn 0 " in chain[1] and b"turn 0 " not in chain[0]
+        # A continuation reads its response's history.
+        prompt = await prompt_of({"input": "next", "previous_response_id": ids[49]})
+        assert _turns_seen(prompt, 100) == list(range(50)) and "next" in prompt
 
-        # Turn 10's input deleted, and turn 48's output (turn 49's anchor): turn 49's own first
-        # item anchors it instead.
-        for item in (items[20], items[97]):
-            r = await client.delete(f"/v1/conversations/{conv}/items/{item['id']}")
-            assert r.status_code == 200, r.text
-        status, prompt = await prompt_after(ids[49])
-        assert status == 200 and _turns_seen(prompt, 100) == [i for i in range(50) if i != 10]
-        r = await client.delete(f"/v1/conversations/{conv}/items/{items[98]['id']}")  # turn 49's input
-        status, text = await prompt_after(ids[49])
-        assert status == 400, text
-        error = json.loads(text)["error"]
-        assert error["param"] == "previous_response_id" and conv in error["message"]
-        assert (await client.get(f"/v1/responses/{ids[49]}")).status_code == 200
+        # An item added waits in the tail; the next turn takes it in and becomes the head.
+        added = {"type": "message", "role": "user", "content": "an added note"}
+        r = await client.post(f"/v1/conversations/{conv}/items", json={"items": [added]})
+        assert r.status_code == 200, r.text
+        assert (await record_of(conv))["tail"][0]["content"][0]["text"] == "an added note"
+        prompt = await prompt_of({"input": "turn 100 after the note", "conversation": conv})
+        assert prompt.index("turn 99 ") < prompt.index("an added note") < prompt.index("turn 100 ")
+        record = await record_of(conv)
+        assert record["tail"] == [] and record["head"] not in ids
 
-        # The conversation deleted: the first turn (no history) still continues, a later one not.
+        # The head deleted as a response: a 404 for its id, kept for the conversation.
+        assert (await client.delete(f"/v1/responses/{record['head']}")).status_code == 200
+        assert (await client.get(f"/v1/responses/{record['head']}")).status_code == 404
+        assert len(await listed()) == 203
+
+        # An item of the head's part deleted: the conversation is stored whole without it; the
+        # responses keep their own histories (turn 10 stays in turn 49's).
+        r = await client.delete(f"/v1/conversations/{conv}/items/{items[20]['id']}")
+        assert r.status_code == 200, r.text
+        whole = await record_of(conv)
+        assert len(whole["items"]) == 202 and items[20]["id"] not in {i["id"] for i in whole["items"]}
+        assert [i["id"] for i in await listed()] == [i["id"] for i in whole["items"]]
+        prompt = await prompt_of({"input": "again", "previous_response_id": ids[49]})
+        assert _turns_seen(prompt, 100) == list(range(50))
+        prompt = await prompt_of({"input": "turn 101 ", "conversation": conv})
+        seen = _turns_seen(prompt, 102)
+        assert 10 not in seen and 11 in seen and 101 in seen
+        assert "head" in await record_of(conv)
+
+        # The conversation deleted: what only it kept goes (the response deleted above).
+        before = await stored_bytes(kind, url, tmp_path)
         assert (await client.delete(f"/v1/conversations/{conv}")).status_code == 200
-        status, prompt = await prompt_after(ids[0])
-        assert status == 200 and _turns_seen(prompt, 100) == [0]
-        status, _ = await prompt_after(ids[5])
-        assert status == 400
+        assert (await client.get(f"/v1/conversations/{conv}")).status_code == 404
+        assert await stored_bytes(kind, url, tmp_path) < before
+        assert (await client.get(f"/v1/responses/{ids[99]}")).status_code == 200
+    await store.aclose()
+
+
+async def test_a_response_that_names_its_conversations_items_is_still_continued(
+    make_app: Any, tmp_path: Path
+) -> None:
+    """52b05c6 stored a response created with `conversation` naming the conversation's items before
+    it (`conversation_history`) instead of holding them: a continuation reads them back from the
+    conversation, and is refused with a 400 naming the parameter once they are deleted."""
+    engine = FakeEngine(max_model_len=1 << 20)
+    app = make_app(engine=engine, responses_store_format="2", storage_dir=str(tmp_path))
+    store = SQLiteStore(tmp_path / SQLITE_FILE, max_num_responses=100)
+    before = [
+        {
+            "type": "message",
+            "id": f"msg_b{i}",
+            "role": "user",
+            "content": [{"type": "input_text", "text": f"turn {i} "}],
+        }
+        for i in range(2)
+    ]
+    response, inputs = turn(2)
+    conversation = {"id": "conv_legacy", "object": "conversation", "created_at": 0, "metadata": {}}
+    await store.put(
+        "", "conv_legacy", StoredConversation(conversation, [*before, *inputs, *response["output"]]).dumps()
+    )
+    named = StoredResponse(response, inputs, before, in_conversation=InConversation("conv_legacy", "msg_b1"))
+    assert await store.put_linked("", "resp_2", named.dumps(2), None)
+    async with client_for(app) as client:
+        body = {"model": "fake-model", "input": "next", "previous_response_id": "resp_2"}
+        assert (await client.post("/v1/responses", json=body)).status_code == 200
+        assert _turns_seen(engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids), 3) == [0, 1, 2]
+        for item in ("msg_b1", "msg_in2"):  # its anchor, then its own first item
+            assert (await client.delete(f"/v1/conversations/conv_legacy/items/{item}")).status_code == 200
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     await store.aclose()

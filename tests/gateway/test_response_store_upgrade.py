@@ -22,7 +22,13 @@ import redis
 
 from gateway.responses.redis_store import RedisStore
 from gateway.responses.request import InConversation, Parent
-from gateway.responses.store import SQLITE_FILE, SQLiteStore, StoredResponse, load_response
+from gateway.responses.store import (
+    SQLITE_FILE,
+    SQLiteStore,
+    StoredConversation,
+    StoredResponse,
+    load_response,
+)
 from tests.conftest_redis import free_port
 from tests.gateway.conftest import client_for
 
@@ -83,6 +89,27 @@ def test_a_record_naming_its_conversation_fails_the_reader_that_knows_no_such_na
         links_unknown_added(orjson.loads(named))
     whole = StoredResponse(response, inputs, history).dumps(2)  # the same turn, its history held
     assert links_unknown_added(orjson.loads(whole)) == history
+
+
+def test_a_conversation_naming_its_head_fails_the_readers_that_know_no_heads() -> None:
+    """In format 2 a conversation names its latest response instead of holding the items through
+    it: the readers before this release (`StoredConversation.loads` at 52b05c6, frozen: its object
+    and `items`) fail on the record (a 503 their client retries) instead of reading no items; with
+    no head, or in format 1, it is the record they read."""
+    items = [{"type": "message", "id": "msg_1", "role": "user", "content": "before"}]
+    conversation = {"id": "conv_1", "object": "conversation", "created_at": 0, "metadata": {}}
+    head = Parent("resp_1", 1, {"id": "resp_1", "object": "response"})
+    named = StoredConversation(conversation, items, head)
+
+    def old_items(raw: bytes) -> list[dict[str, Any]]:
+        data = orjson.loads(raw)
+        conversation_items: list[dict[str, Any]] = data["items"]
+        return conversation_items
+
+    with pytest.raises(KeyError):
+        old_items(named.dumps(2))
+    assert old_items(named.dumps(1)) == items
+    assert old_items(named.without_head().dumps(2)) == items
 
 
 def old_get(where: str, tenant: str, response_id: str) -> bytes | None:
