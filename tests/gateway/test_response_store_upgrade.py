@@ -249,8 +249,9 @@ def servers() -> Iterator[list[subprocess.Popen[bytes]]]:
 def test_a_mixed_version_pool_serves_one_conversation_with_no_errors(
     redis_url: str, previous_release: Path, servers: list[subprocess.Popen[bytes]]
 ) -> None:
-    """Old and new gateways on one Redis take turns on one conversation; then, every gateway on
-    this release, the flip to format 2 (gateways on either setting at once) goes on with it."""
+    """Old and new gateways on one Redis take turns on one conversation (by `previous_response_id`,
+    then one of `/v1/conversations`); then, every gateway on this release, the flip to format 2
+    (gateways on either setting at once) goes on with it."""
     gateways = {}
     for name, tree, store_format in [
         ("old", previous_release, "-"),
@@ -275,18 +276,27 @@ def test_a_mixed_version_pool_serves_one_conversation_with_no_errors(
             previous = r.json()["id"]
             for other in ("old", "new") if name != "flipped" else ("new",):  # any gateway retrieves it
                 assert http.get(f"{gateways[other]}/v1/responses/{previous}").status_code == 200
-    assert statuses == [200] * len(order)
+        # And a conversation (`/v1/conversations`) the same way: in format 2 it names its head.
+        conv = http.post(gateways["old"] + "/v1/conversations", json={}).json()["id"]
+        for i, name in enumerate(order):
+            body = {"model": "fake-model", "input": f"said {i}", "conversation": conv}
+            statuses.append(http.post(gateways[name] + "/v1/responses", json=body).status_code)
+        listed = http.get(f"{gateways['new']}/v1/conversations/{conv}/items", params={"order": "asc", "limit": 100})
+        assert texts(listed.json()["data"]) == [f"said {i}" for i in range(len(order))]
+    assert statuses == [200] * 2 * len(order)
     store = RedisStore(redis_url, ttl_s=600, max_num_responses=100)
 
-    async def last() -> list[dict[str, Any]]:
+    async def last() -> tuple[list[dict[str, Any]], bytes | None]:
         assert previous is not None
         record = await load_response(store, "", previous)
+        named = await store.get("", conv)
         await store.aclose()
         assert record is not None
-        return record.conversation()
+        return record.conversation(), named
 
     import asyncio
 
-    conversation = asyncio.run(last())
+    conversation, named = asyncio.run(last())
+    assert named is not None and orjson.loads(named)["head"].startswith("resp_")  # the flipped one's
     assert texts(conversation) == [f"turn {i}" for i in range(len(order))]
     assert len(conversation) == 2 * len(order)
