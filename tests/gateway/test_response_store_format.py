@@ -5,6 +5,7 @@ counts the records it can read; format 1 (the default) stays what the previous r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from collections.abc import AsyncIterator
@@ -479,3 +480,60 @@ async def test_a_response_that_names_its_conversations_items_is_still_continued(
         r = await client.post("/v1/responses", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     await store.aclose()
+
+
+async def test_a_conversations_background_unstored_and_compacted_turns_keep_it_whole(make_app: Any) -> None:
+    """In format 2: a background turn becomes the conversation's head once it ends; a `store:
+    false` turn and one whose history was compacted are not its history whole, so their items wait
+    in the tail, and the next turn takes them in; the conversation lists every turn in order."""
+    engine = FakeEngine(max_model_len=1 << 16)
+    engine.reply = lambda request, index: "summary-or-answer"
+    app = make_app(engine=engine, responses_store_format="2")
+    async with client_for(app) as client:
+
+        async def turn_in(text: str, **body: Any) -> dict[str, Any]:
+            r = await client.post(
+                "/v1/responses",
+                json={
+                    "model": "fake-model",
+                    "input": text,
+                    "conversation": conv,
+                    "max_output_tokens": 8,
+                    **body,
+                },
+            )
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        async def head() -> tuple[str | None, int]:
+            state = app.state.gateway.conversations
+            stored = await state.load("", conv)
+            return (stored.head.response_id if stored.head else None), len(stored.items) - (
+                stored.head.num_items if stored.head else 0
+            )
+
+        conv = (await client.post("/v1/conversations", json={})).json()["id"]
+        first = await turn_in("turn 0 ")
+        assert await head() == (first["id"], 0)
+        queued = await turn_in("turn 1 ", background=True)
+        assert queued["status"] == "queued"
+        for _ in range(500):  # the fake engine answers at once; the run ends within a few loops
+            if (await client.get(f"/v1/responses/{queued['id']}")).json()["status"] == "completed":
+                break
+            await asyncio.sleep(0.01)
+        assert await head() == (queued["id"], 0)
+        await turn_in("turn 2 ", store=False)
+        assert await head() == (queued["id"], 2)
+        await turn_in(
+            "turn 3 " + "long " * 60, context_management=[{"type": "compaction", "compact_threshold": 50}]
+        )
+        assert await head() == (queued["id"], 4)
+        last = await turn_in("turn 4 ")
+        assert await head() == (last["id"], 0)
+        prompt = engine.tokenizer.decode(engine.submitted[-1].prompt_token_ids)
+        assert _turns_seen(prompt, 5) == [0, 1, 2, 3, 4]
+        page = (
+            await client.get(f"/v1/conversations/{conv}/items", params={"order": "asc", "limit": 100})
+        ).json()
+        said = [i["content"][0]["text"][:7] for i in page["data"] if i["role"] == "user"]
+        assert said == [f"turn {i} " for i in range(5)]
