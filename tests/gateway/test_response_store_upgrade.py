@@ -281,7 +281,8 @@ def test_a_mixed_version_pool_serves_one_conversation_with_no_errors(
         for i, name in enumerate(order):
             body = {"model": "fake-model", "input": f"said {i}", "conversation": conv}
             statuses.append(http.post(gateways[name] + "/v1/responses", json=body).status_code)
-        listed = http.get(f"{gateways['new']}/v1/conversations/{conv}/items", params={"order": "asc", "limit": 100})
+        query = {"order": "asc", "limit": 100}
+        listed = http.get(f"{gateways['new']}/v1/conversations/{conv}/items", params=query)
         assert texts(listed.json()["data"]) == [f"said {i}" for i in range(len(order))]
     assert statuses == [200] * 2 * len(order)
     store = RedisStore(redis_url, ttl_s=600, max_num_responses=100)
