@@ -19,9 +19,12 @@ arrival, so B's four clients drift apart and a prompt mostly shares its step wit
 A the engine never idles, B's streams end in the same step and all four prompts arrive together
 and share the next one. `--short-arrivals together` makes B's clients send in rounds (all four at
 once, the next round when all have ended) in both phases, so the two phases compare the same
-arrivals. `--explain` logs every step and says where B's first tokens waited: before the step that
-took its prompt, that step's time and how many B prompts it carried, and how many of those steps
-carried a chunk of A's.
+arrivals. `--short-spread S` draws each B request's outputs from 32 +- S, so B's streams end in
+different steps as real ones do; `--short-arrivals poisson` sends B's requests at random instead,
+`--short-rate` a second (open loop: a prompt then also waits for the step in flight). `--explain`
+logs every step and says where B's first tokens waited: before the step that took its prompt,
+that step's time and how many B prompts it carried, and how many of those steps carried a chunk
+of A's.
 
 Run it under another checkout (`PYTHONPATH=<checkout> python bench/fair_tokens.py`) to measure
 that checkout's scheduler with the same workload.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -69,20 +73,38 @@ async def closed_loop(
     prompt_len: int,
     max_tokens: int,
     records: list[Record],
-    together: bool = False,
+    arrivals: str = "closed",
+    spread: int = 0,
+    rate: float = 1.0,
 ) -> None:
     """`clients` requests of `prompt_len` tokens in flight until cancelled; each request's record
-    is in `records` from its start (so one cut short counts what it was served). `together`: in
-    rounds, all `clients` sent at once and the next round when the last has ended."""
+    is in `records` from its start (so one cut short counts what it was served). `arrivals`:
+    closed (each client sends its next when its last ends), together (in rounds: all `clients`
+    at once, the next round when the last has ended) or poisson (open loop at `rate` a second,
+    however many are in flight). `spread`: each request's outputs drawn from max_tokens +- spread."""
+    draw = random.Random(f"{tag}-arrivals")
 
     async def one() -> None:
-        request, record = wl.request(tag, prompt_len, max_tokens, key=tag)
+        wanted = max_tokens + draw.randint(-spread, spread) if spread else max_tokens
+        request, record = wl.request(tag, prompt_len, wanted, key=tag)
         records.append(record)
         await serve_one(engine, request, record)
 
-    if together:
+    if arrivals == "together":
         while True:
             await asyncio.gather(*(one() for _ in range(clients)))
+    if arrivals == "poisson":
+        in_flight: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await asyncio.sleep(draw.expovariate(rate))
+                task = asyncio.ensure_future(one())
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+        finally:
+            for task in list(in_flight):
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def client() -> None:
         while True:
@@ -149,9 +171,18 @@ async def phase(
                 ("short", args.short_clients, args.short_prompt, short),
             ):
                 if wanted:
-                    together = tag == "short" and args.short_arrivals == "together"
+                    is_b = tag == "short"
                     loop = closed_loop(
-                        engine, wl, tag, clients, prompt_len, args.max_tokens, records, together
+                        engine,
+                        wl,
+                        tag,
+                        clients,
+                        prompt_len,
+                        args.max_tokens,
+                        records,
+                        args.short_arrivals if is_b else "closed",
+                        args.short_spread if is_b else 0,
+                        args.short_rate,
                     )
                     jobs.append(asyncio.ensure_future(loop))
             await asyncio.sleep(seconds)
@@ -291,10 +322,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--short-clients", type=int, default=4)
     p.add_argument(
         "--short-arrivals",
-        choices=("closed", "together"),
+        choices=("closed", "together", "poisson"),
         default="closed",
         help="B's clients: each sends its next request when its last ends (closed), or all in rounds "
-        "(together: the arrivals B's closed loop makes beside A, in both phases)",
+        "(together: the arrivals B's closed loop makes beside A, in both phases), or B's requests "
+        "arrive at random, --short-rate a second on average (poisson, open loop)",
+    )
+    p.add_argument("--short-rate", type=float, default=2.0, help="B's requests a second (poisson)")
+    p.add_argument(
+        "--short-spread", type=int, default=0, help="B's outputs: --max-tokens +- this, drawn per request"
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--explain", action="store_true", help="log the steps: where B's TTFTs went")
