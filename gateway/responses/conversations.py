@@ -234,8 +234,8 @@ class Conversations:
         turn: Turn | None = None,
     ) -> None:
         """Add a turn's items (read-modify-write; see the module docstring). `turn`: the stored
-        response whose conversation is `turn.history` and then `items`; it becomes the head where
-        that history is the conversation's items still (not compacted, and nothing added since)."""
+        response whose turn they are; it becomes the head where the history it was given is the
+        conversation's items still (by their ids: not compacted, and nothing added since)."""
         current = await self.load(tenant, conversation_id)
         grown = [*current.items, *items]
         head = current.head

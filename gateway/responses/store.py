@@ -233,9 +233,6 @@ class StoredConversation:
         """Its bytes held whole (what its bounds count, however it is stored)."""
         return len(self.dumps(1))
 
-    def without_head(self) -> StoredConversation:
-        return dataclasses.replace(self, head=None)
-
     @classmethod
     def from_chain(cls, chain: Sequence[bytes]) -> StoredConversation | None:
         """The conversation from its record and, where it names a head, the head's chain (as
