@@ -418,17 +418,21 @@ async def test_a_conversation_names_its_latest_response_and_stores_each_item_onc
         record = await record_of(conv)
         assert record["tail"] == [] and record["head"] not in ids
 
-        # The head deleted as a response: a 404 for its id, kept for the conversation.
+        # The head deleted as a response: a 404 for its id, kept for the conversation, whose next
+        # turn links to it still.
         assert (await client.delete(f"/v1/responses/{record['head']}")).status_code == 200
         assert (await client.get(f"/v1/responses/{record['head']}")).status_code == 404
         assert len(await listed()) == 203
+        prompt = await prompt_of({"input": "after the head went", "conversation": conv})
+        assert prompt.index("turn 100 after the note") < prompt.index("after the head went")
+        assert len(await listed()) == 205 and (await record_of(conv))["head"] != record["head"]
 
         # An item of the head's part deleted: the conversation is stored whole without it; the
         # responses keep their own histories (turn 10 stays in turn 49's).
         r = await client.delete(f"/v1/conversations/{conv}/items/{items[20]['id']}")
         assert r.status_code == 200, r.text
         whole = await record_of(conv)
-        assert len(whole["items"]) == 202 and items[20]["id"] not in {i["id"] for i in whole["items"]}
+        assert len(whole["items"]) == 204 and items[20]["id"] not in {i["id"] for i in whole["items"]}
         assert [i["id"] for i in await listed()] == [i["id"] for i in whole["items"]]
         prompt = await prompt_of({"input": "again", "previous_response_id": ids[49]})
         assert _turns_seen(prompt, 100) == list(range(50))
