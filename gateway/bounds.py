@@ -10,7 +10,7 @@ stored state costs, so no tenant can crowd out another.
 |--------------------------------|---------------------------------------------|--------------------|
 | `responses_max_stored`         | stored responses and conversations          | its LRU evicted    |
 | `conversation_max_items`       | items of one conversation                   | 400                |
-| `conversation_max_bytes`       | bytes of one conversation as stored         | 400                |
+| `conversation_max_bytes`       | bytes of one conversation held whole        | 400                |
 | `max_files`                    | files (uploads and batch outputs)           | 400                |
 | `storage_quota_bytes`          | bytes of those files                        | 400                |
 | `batch_max_open`               | batches not yet in a final status           | 400                |

@@ -431,7 +431,7 @@ class Settings:
     conversation_max_bytes: int = _opt(
         4 * 1024 * 1024,
         parse_bytes,
-        "most bytes of one conversation as stored, where the tenant's plan sets no conversation_max_bytes",
+        "most bytes of one conversation held whole, where the tenant's plan sets no conversation_max_bytes",
     )
     compaction_key: str | None = _opt(
         None,
