@@ -65,7 +65,7 @@ async def serve_one(engine: Any, request: Any, record: Record) -> None:
         await stream.aclose()
 
 
-async def closed_loop(
+async def send_requests(
     engine: Any,
     wl: Workload,
     tag: str,
@@ -172,7 +172,7 @@ async def phase(
             ):
                 if wanted:
                     is_b = tag == "short"
-                    loop = closed_loop(
+                    loop = send_requests(
                         engine,
                         wl,
                         tag,
