@@ -157,6 +157,7 @@ async def phase(
     if args.target_itl_ms is not None:
         settings["target_itl_ms"] = args.target_itl_ms
     engine = await asyncio.to_thread(AsyncEngine.from_config, EngineConfig.of(**settings))
+    computed = _computed(engine)
     steps = _step_log(engine) if args.explain else None
     try:
         wl = Workload(7)
@@ -196,17 +197,37 @@ async def phase(
         # shape, the threads' trials and the step-cost model are behind the window (without it, B
         # alone saw steps stall 0.6-2.4 s at a time in its first half minute: B's p90 in seconds).
         await window(args.warmup)
+        before = dict(computed)
         records, wall = await window(args.seconds)
         out: dict[str, Any] = {"wall_s": wall}
         for tag in ("long", "short"):
             mine = [r for r in records if r.tag == tag]
             if mine:
                 out[tag] = summary(mine, wall)
+                out[tag]["computed_per_s"] = (computed.get(tag, 0) - before.get(tag, 0)) / wall
         if steps is not None and "short" in out:
             out["short"]["explained"] = explain([r for r in records if r.tag == "short"], steps)
         return out
     finally:
         await asyncio.to_thread(engine.shutdown)
+
+
+def _computed(engine: Any) -> dict[str, int]:
+    """Tokens the engine computes for each tenant from now on (prefill chunks and decodes, counted as
+    each step ends): a tenant's work as it is done. `tokens_per_s` counts a 2,000-token prompt only
+    once its first token came, so in a 40 s window A's figure moves in steps of ~15%."""
+    counts: dict[str, int] = {}
+    scheduler = engine.engine.scheduler
+    record = scheduler.record_step
+
+    def counted(output: Any, seconds: float) -> None:
+        for chunk in output.chunks:
+            key = chunk.seq.fairness_key
+            counts[key] = counts.get(key, 0) + chunk.num_tokens
+        record(output, seconds)
+
+    scheduler.record_step = counted
+    return counts
 
 
 def _step_log(engine: Any) -> list[tuple[float, float, int, bool]]:
@@ -275,15 +296,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         b_alone, a_alone = short_alone["short"], long_alone["long"]
         a, b = both["long"], both["short"]
         ratio = b["ttft_p50_s"] / b_alone["ttft_p50_s"] if b["ttft_p50_s"] and b_alone["ttft_p50_s"] else None
-        share = a["tokens_per_s"] / (a["tokens_per_s"] + b["tokens_per_s"])
-        left = a_alone["tokens_per_s"] - b["tokens_per_s"]  # what B leaves of A's rate alone
+        a_rate, b_rate = a["computed_per_s"], b["computed_per_s"]
+        share = a_rate / (a_rate + b_rate)
+        left = a_alone["computed_per_s"] - b_rate  # what B leaves of A's rate alone
         results[label] = {
             "short_alone": short_alone,
             "long_alone": long_alone,
             "both": both,
             "short_ttft_p50_vs_alone": ratio,
             "long_share_of_tokens": share,
-            "long_tokens_vs_left_by_short": a["tokens_per_s"] / left if left > 0 else None,
+            "long_tokens_vs_left_by_short": a_rate / left if left > 0 else None,
             "cpu": meter.stop().as_dict(),
         }
         r = results[label]
@@ -293,8 +315,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{num(ratio)}x [target <= 2x]; p90 alone {ms(b_alone['ttft_p90_s'])}, with A "
             f"{ms(b['ttft_p90_s'])}; requests started {b['requests']} (alone {b_alone['requests']}); B's "
             f"decode step p50 alone {ms(b_alone['tpot_p50_s'])}, with A {ms(b['tpot_p50_s'])}\n"
-            f"  A (long) tokens/s: alone {a_alone['tokens_per_s']:.0f}, with B {a['tokens_per_s']:.0f} "
-            f"(B {b['tokens_per_s']:.0f}): A's share {share * 100:.1f}% [target >= 50%], "
+            f"  A (long) tokens computed/s: alone {a_alone['computed_per_s']:.0f}, with B {a_rate:.0f} "
+            f"(B {b_rate:.0f}): A's share {share * 100:.1f}% [target >= 50%], "
             f"{num(r['long_tokens_vs_left_by_short'])}x of what B leaves of A's rate alone; A TTFT p50 "
             f"alone {ms(a_alone['ttft_p50_s'])}, with B {ms(a['ttft_p50_s'])}",
             flush=True,
@@ -338,6 +360,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-mib", type=int, default=1024)
     p.add_argument("--length-buckets", choices=("on", "off", "both"), default="both")
     p.add_argument("--target-itl-ms", type=float, default=None, help="the engine's (default: its own, 120)")
+    p.add_argument(
+        "--fair-step-share",
+        type=float,
+        default=None,
+        help="what if: engine/scheduler/budget.py's FAIR_STEP_SHARE (default: its own, 0.5), the share of "
+        "the target a long prompt's step keeps while a less served tenant's streams decode",
+    )
     p.add_argument("--quiet", type=float, default=0.25, help="wait (up to 10 min) until others use < this")
     p.add_argument("--json", type=Path, default=None, help="also write all figures here")
     return p.parse_args(argv)
@@ -345,6 +374,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.fair_step_share is not None:
+        import engine.scheduler.budget
+
+        engine.scheduler.budget.FAIR_STEP_SHARE = args.fair_step_share  # read at each step: in process
     quiet, busy = wait_quiet(args.quiet, 600.0)
     print(
         f"machine busy {busy * 100:.0f}% before the start ({'quiet' if quiet else 'NOT quiet'})", flush=True

@@ -48,6 +48,8 @@ class SchedulerOutput:
     expired: tuple[Sequence, ...]  # waited past their queue deadline; the engine fails them
     # Their grammar failed to compile, each with the error; the engine fails them.
     grammar_failed: tuple[tuple[Sequence, GrammarError], ...] = ()
+    # The prefill chunks' query-key pairs, counted when scheduled (the step-time budget's cost model).
+    num_context_pairs: int = 0
 
     @property
     def chunks(self) -> tuple[ScheduledChunk, ...]:

@@ -12,11 +12,13 @@ waits while a long prompt of its class (or a higher one) still prefills. Against
 first long chunk of a step gets at least `min_long_prefill_chunk` tokens even when nothing fits,
 and a long prompt that has not progressed for `max_long_prefill_stall_steps` steps is scheduled
 ahead of the admissions with that many (`long_prefill_stalled`). Within a class, a long prompt
-also leaves the step to the tenants served no more tokens than its own (fair_share.py): a step that
-carries a prompt of theirs (its first token) carries no chunk of it, and while their streams decode
-it fits FAIR_STEP_SHARE of the budget, so their next first token waits for a shorter step in flight
-(`Crowding`). When nothing else is interactive, long prefill takes the whole token budget. Until
-the cost model has seen enough steps with prefill, only the token caps apply.
+also leaves the step to the tenants served fewer tokens lately than its own (`LATELY_DECAY`): a
+step that carries a prompt of theirs (its first token) carries no chunk of it, and while their
+streams decode it fits FAIR_STEP_SHARE of the budget, so their next first token waits for a shorter
+step in flight (`Crowding`); a step that completes a short prompt of theirs carries no decodes of
+the more served tenants either (continuous.py, within the yield stall bound). When nothing else is
+interactive, long prefill takes the whole token budget. Until the cost model has seen enough steps
+with prefill, only the token caps apply.
 
 Lower classes yield under the same budget, so a paid request does not wait for free work on a CPU
 where every row lengthens the step: while a higher class has work in the step (running or
@@ -55,14 +57,20 @@ RECENT_CLASS_S = 30.0
 # pace; batch rows do not take the stall bound's turns. Alone, the batch takes the whole budget.
 BATCH_SLACK = 0.15
 
-# While tenants of its class served no more tokens than its own stream in the step, a long prompt's
-# chunk leaves the step this share of the budget: their next tokens (and the first token of
-# their next prompt, which waits for the step in flight) come twice as often.
+# While tenants of its class served fewer tokens lately than its own have streams in the step, a
+# long prompt's chunk leaves the step this share of the budget: their next tokens (and the first
+# token of their next prompt, which waits for the step in flight) come twice as often.
 FAIR_STEP_SHARE = 0.5
+
+# Who is served less "lately" (the crowding above): tokens each tenant's sequences computed, the
+# past's weight decaying by this much a step (a time constant of ~100 steps). Not the turns' virtual
+# counters (fair_share.py): those lift a tenant that starts waiting to the others' level, so right
+# after a light tenant's prompt its counter leads the heavy tenant's and could not tell them apart.
+LATELY_DECAY = 0.99
 
 
 class Crowding(enum.Enum):
-    """Tenants of a long prompt's class served no more than its own, in the step being built."""
+    """Tenants of a long prompt's class served fewer tokens lately than its own, in the step being built."""
 
     NONE = "none"
     DECODES = "decodes"  # their streams decode in it
@@ -83,6 +91,7 @@ class StepTimeBudget:
         self._last_run: dict[tuple[str, int], int] = {}
         self._long_last_run: dict[tuple[str, int], int] = {}
         self._arrived: dict[Priority, float] = {}
+        self._lately: dict[tuple[Priority, str], tuple[float, int]] = {}  # tokens, as of which step
 
     # ---- what happened ------------------------------------------------------------------------
 
@@ -94,10 +103,18 @@ class StepTimeBudget:
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         """The measured duration of the step that ran `output`: trains the step-cost model."""
-        self.step_cost.observe(seconds, output.num_prefill_tokens, output.num_decode_rows)
+        self.step_cost.observe(
+            seconds, output.num_prefill_tokens, output.num_decode_rows, output.num_context_pairs
+        )
 
     def note_progress(self, output: SchedulerOutput) -> None:
         """After the forward pass ran `output` (its sequences' progress already advanced)."""
+        for chunk in output.chunks:
+            key = (chunk.seq.priority, chunk.seq.fairness_key)
+            self._lately[key] = (self._served_lately(key) + chunk.num_tokens, self.num_steps)
+        if len(self._lately) > 64:
+            for key in [k for k in self._lately if self._served_lately(k) < 1.0]:
+                del self._lately[key]  # bounded by the tenants served in the last few hundred steps
         for chunk in output.chunks:
             if not chunk.seq.finished:
                 self._last_run[chunk.seq.seq_id] = self.num_steps
@@ -112,6 +129,22 @@ class StepTimeBudget:
         """`seq` stopped running (finished or preempted)."""
         self._long_last_run.pop(seq.seq_id, None)
         self._last_run.pop(seq.seq_id, None)
+
+    def _served_lately(self, key: tuple[Priority, str]) -> float:
+        tokens, step = self._lately.get(key, (0.0, self.num_steps))
+        return float(tokens * LATELY_DECAY ** (self.num_steps - step))
+
+    def served_lately(self, seq: Sequence) -> float:
+        """Tokens `seq`'s tenant was served in its class lately (LATELY_DECAY)."""
+        return self._served_lately((seq.priority, seq.fairness_key))
+
+    def less_served_lately(self, seq: Sequence, than: Sequence) -> bool:
+        """Whether `seq`'s tenant is another of `than`'s class, served fewer tokens lately."""
+        return (
+            seq.priority == than.priority
+            and seq.fairness_key != than.fairness_key
+            and self.served_lately(seq) < self.served_lately(than)
+        )
 
     # ---- what it allows -------------------------------------------------------------------------
 
@@ -180,26 +213,31 @@ class StepTimeBudget:
             return min(want, floor)
         if crowded is Crowding.PROMPT:
             return 0
-        if crowded is Crowding.DECODES:
+        if crowded is not Crowding.NONE:
             budget_s *= FAIR_STEP_SHARE
-        fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
+        fits = self._fits(step, budget_s, seq)
         if fits is None:
             return want
-        fits -= step.num_prefill_tokens
         if fits >= floor:
             return min(want, fits)
         return min(want, floor) if step.num_long_prefills == 0 else 0
 
-    def yield_limit(self, step: StepBuilder, want: int) -> int:
+    def _fits(self, step: StepBuilder, budget_s: float, seq: Sequence) -> int | None:
+        """The tokens of `seq`'s next chunk that keep `step` predicted within `budget_s`."""
+        cost = self.step_cost.cost
+        assert cost is not None
+        held = (len(step.decodes), step.num_prefill_tokens, step.num_context_pairs)
+        return cost.max_prefill_tokens(budget_s, *held, context=seq.num_computed_tokens)
+
+    def yield_limit(self, step: StepBuilder, seq: Sequence, want: int) -> int:
         """A lower class's chunk: cut to what the time budget leaves beside `step`; the step's first
         prefill gets the floor (`min_long_prefill_chunk`) even when nothing fits."""
         budget_s, cost = step.batch_budget_s or self.budget_s, self.step_cost.cost
         if budget_s is None or cost is None:
             return want
-        fits = cost.max_prefill_tokens(budget_s, len(step.decodes))
+        fits = self._fits(step, budget_s, seq)
         if fits is None:
             return want
-        fits -= step.num_prefill_tokens
         if step.batch_budget_s is not None:
             return max(0, min(want, fits))  # the batch class gets no floor beside interactive work
         floor = self.config.min_long_prefill_chunk
@@ -216,11 +254,13 @@ class StepTimeBudget:
         batch_rows = (c for c in step.decodes if c.seq.priority is Priority.BATCH)
         if step.batch_budget_s is not None and next(batch_rows, None) is None:
             return True
-        return cost.predict(step.num_prefill_tokens, len(step.decodes) + 1) <= budget_s
+        predicted = cost.predict(step.num_prefill_tokens, len(step.decodes) + 1, step.num_context_pairs)
+        return predicted <= budget_s
 
     def batch_budget(self, step: StepBuilder) -> float | None:
         """The step's predicted time with the interactive classes' work, plus BATCH_SLACK of it."""
         budget_s, cost = self.budget_s, self.step_cost.cost
         if budget_s is None or cost is None:
             return None
-        return min(budget_s, cost.predict(step.num_prefill_tokens, len(step.decodes)) * (1 + BATCH_SLACK))
+        work = cost.predict(step.num_prefill_tokens, len(step.decodes), step.num_context_pairs)
+        return min(budget_s, work * (1 + BATCH_SLACK))

@@ -15,7 +15,8 @@ long-prompt share (buckets.py) and by the budget; a sequence that lacks a slot o
 preempt a lower class's sequence, and a tenant far below its fair share of the slots another's.
 Within a class, tenants share the step by work (fair_share.py): the prefill chunks of the tenants
 served the fewest tokens go first, and a running prefill of a tenant served more tokens than the
-next waiting sequence's waits until that one is admitted.
+next waiting sequence's waits until that one is admitted. A step that completes a short prompt of
+a tenant served fewer tokens lately carries no decodes of its class's more served tenants (budget.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ class ContinuousScheduler(SchedulerCore):
             later = [s for s in mine if self._is_long(s) and not budget.long_prefill_stalled(s)]
             self._prefills_and_admissions(step, priority, [s for s in mine if s not in later])
             self._schedule_prefills(step, later)
+        if timed and not step.preempted:
+            self._leave_first_tokens(step)
+
+    def _leave_first_tokens(self, step: StepBuilder) -> None:
+        """A step that completes a short prompt (its first token) carries no decodes of tenants of
+        its class served more than that prompt's: their streams wait one short step, its first token
+        waits for none of their rows. A row left out `max_yield_stall_steps` times stays."""
+        firsts = [c.seq for c in step.prefills if c.completes and not self._is_long(c.seq)]
+        if not firsts:
+            return
+        less = self.budget.less_served_lately
+        for chunk in list(step.decodes):
+            if any(less(f, chunk.seq) for f in firsts) and not self.budget.yield_stalled(chunk.seq):
+                step.drop(chunk.seq, long=False)
 
     def _prefills_and_admissions(self, step: StepBuilder, priority: Priority, mine: list[Sequence]) -> None:
         """The class's running prefills (of `mine`) and its admissions, by fair share: prefills of
@@ -86,23 +101,17 @@ class ContinuousScheduler(SchedulerCore):
             crowded = self._crowding(step, seq)
             want = self.budget.time_limit(step, seq, want, joining, self.running, crowded)
         elif want > 0 and seq.priority > step.recent and step.interactive:
-            want = self.budget.yield_limit(step, want)
+            want = self.budget.yield_limit(step, seq, want)
         return want, shared
 
     def _crowding(self, step: StepBuilder, seq: Sequence) -> Crowding:
-        """What tenants of `seq`'s class served no more tokens than its tenant have in `step`."""
-        served = self.waiting.served
-        mine = served(seq)
-        others = [
-            c
-            for c in step.chunks.values()
-            if c.seq.priority == seq.priority
-            and c.seq.fairness_key != seq.fairness_key
-            and served(c.seq) <= mine  # equal: the newcomer was lifted to the floor
-        ]
+        """What tenants of `seq`'s class served fewer tokens lately than its tenant have in `step`."""
+        others = [c for c in step.chunks.values() if self.budget.less_served_lately(c.seq, seq)]
         if any(c.seq.is_prefilling for c in others):
             return Crowding.PROMPT
-        return Crowding.DECODES if others else Crowding.NONE
+        if others:
+            return Crowding.DECODES
+        return Crowding.NONE
 
     # ---- preemption for priority and fair share --------------------------------------------------
 

@@ -129,7 +129,12 @@ class SchedulerCore(SchedulerInterface):
         step = StepBuilder(self.config.max_num_batched_tokens, self.config.long_prefill_budget)
         self._fill(step)
         return SchedulerOutput(
-            tuple(step.decodes), tuple(step.prefills), tuple(step.preempted), tuple(expired), grammar_failed
+            tuple(step.decodes),
+            tuple(step.prefills),
+            tuple(step.preempted),
+            tuple(expired),
+            grammar_failed,
+            step.num_context_pairs,
         )
 
     @abstractmethod

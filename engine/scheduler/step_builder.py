@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.scheduler.step_cost import context_pairs
 from engine.sequence import Sequence
 from engine.step import ScheduledChunk
 from engine.types import Priority
@@ -26,6 +27,7 @@ class StepBuilder:
     chunks: dict[tuple[str, int], ScheduledChunk] = field(default_factory=dict)
     long_chunks: dict[tuple[str, int], int] = field(default_factory=dict)  # against long_budget
     num_prefill_tokens: int = 0
+    num_context_pairs: int = 0  # the prefill chunks' query-key pairs (what their attention costs)
     num_short_prefills: int = 0  # prefill chunks of prompts within the first length bucket
     num_long_prefills: int = 0  # and of longer ones
     memory_preempted: bool = False
@@ -48,6 +50,7 @@ class StepBuilder:
             self.long_budget -= chunk.num_tokens
         if not decode:
             self.num_prefill_tokens += chunk.num_tokens
+            self.num_context_pairs += context_pairs(chunk.seq.num_computed_tokens, chunk.num_tokens)
             if long:
                 self.num_long_prefills += 1
             else:
@@ -64,6 +67,7 @@ class StepBuilder:
         self.long_budget += self.long_chunks.pop(seq.seq_id, 0)
         if not decode:
             self.num_prefill_tokens -= chunk.num_tokens
+            self.num_context_pairs -= context_pairs(chunk.seq.num_computed_tokens, chunk.num_tokens)
             if long:
                 self.num_long_prefills -= 1
             else:

@@ -1,6 +1,7 @@
 """What a step costs, learned online from the engine's own step times.
 
     seconds(step) ~= fixed_s + per_prefill_token_s * prefill tokens + per_decode_row_s * decode rows
+                     + per_context_pair_s * the prefill chunks' query-key pairs
 
 The scheduler asks how many prefill tokens fit a step-time budget next to the decode rows it has
 already scheduled (`StepCost.max_prefill_tokens`), so that a long prompt's chunk shrinks while
@@ -14,9 +15,12 @@ chooses.
 Why a small linear fit and not a table or a model of the forward pass: on the CPU a prefill token
 costs about the same in any chunk size above a few dozen (the matmuls are compute-bound), decode
 rows add little each (they share one pass over the weights), and the fixed part (reading the weights
-once, Python, sampling) dominates small steps. Attention's growth with context length is folded into
-the per-token term, so a chunk deep into a long prompt is predicted a little low; the fit follows
-the steps actually run, which are mostly of that kind under a long-prompt load.
+once, Python, sampling) dominates small steps. What grows with context is a chunk's attention: each
+of its tokens attends to every token before it, so a chunk of n tokens after c computed ones has
+n * c + n * (n + 1) / 2 query-key pairs (`context_pairs`). On a 2-core CPU a 32-token chunk's
+step took 38 ms at context 0 and 75-85 ms past 1,900; without that term such chunks were
+predicted low, and steps meant to stay within the 120 ms target took up to 171 ms
+(docs/BENCHMARKS.md, fair shares).
 
 Ties in the data (every step alike: prefill tokens and the fixed cost cannot be told apart) are
 broken by a weak pull (ridge) toward "every batched token costs the same and nothing is fixed",
@@ -29,7 +33,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-_NUM_FEATURES = 3  # 1 (fixed), prefill tokens, decode rows
+_NUM_FEATURES = 4  # 1 (fixed), prefill tokens, decode rows, thousands of query-key pairs
+_PAIRS_SCALE = 1e-3  # pairs enter the fit in thousands, near the other features' magnitudes
+
+
+def context_pairs(num_computed: int, num_tokens: int) -> int:
+    """The query-key pairs of a chunk of `num_tokens` after `num_computed` tokens (causal)."""
+    return num_tokens * num_computed + num_tokens * (num_tokens + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -39,26 +49,43 @@ class StepCost:
     fixed_s: float
     per_prefill_token_s: float
     per_decode_row_s: float
+    per_context_pair_s: float = 0.0
 
-    def predict(self, num_prefill_tokens: int, num_decode_rows: int) -> float:
+    def predict(self, num_prefill_tokens: int, num_decode_rows: int, num_context_pairs: int = 0) -> float:
         return (
             self.fixed_s
             + self.per_prefill_token_s * num_prefill_tokens
             + self.per_decode_row_s * num_decode_rows
+            + self.per_context_pair_s * num_context_pairs
         )
 
-    def max_prefill_tokens(self, budget_s: float, num_decode_rows: int) -> int | None:
-        """The most prefill tokens a step with `num_decode_rows` decodes may hold and still be
-        predicted within `budget_s`; 0 when even none would be; None when prefill costs nothing
-        measurable (no limit)."""
-        if self.per_prefill_token_s <= 0:
+    def max_prefill_tokens(
+        self,
+        budget_s: float,
+        num_decode_rows: int,
+        num_prefill_tokens: int = 0,
+        num_context_pairs: int = 0,
+        context: int = 0,
+    ) -> int | None:
+        """The most tokens a chunk after `context` computed tokens may have, in a step that already
+        holds `num_decode_rows` decodes and `num_prefill_tokens` prefill tokens of
+        `num_context_pairs` pairs, and still be predicted within `budget_s`; 0 when even none would
+        be; None when prefill costs nothing measurable (no limit)."""
+        a, c = self.per_prefill_token_s + self.per_context_pair_s * (context + 0.5), self.per_context_pair_s
+        if a <= 0:
             return None
-        room = budget_s - self.fixed_s - self.per_decode_row_s * num_decode_rows
-        return max(0, math.floor(room / self.per_prefill_token_s))
+        room = budget_s - self.predict(num_prefill_tokens, num_decode_rows, num_context_pairs)
+        if room <= 0:
+            return 0
+        if c <= 0:
+            return math.floor(room / a)
+        # c/2 n^2 + a n <= room (context_pairs: n c + n (n + 1) / 2)
+        return max(0, math.floor((math.sqrt(a * a + 2 * c * room) - a) / c))
 
 
 class StepCostModel:
-    """Exponentially weighted least squares of step seconds on (1, prefill tokens, decode rows).
+    """Exponentially weighted least squares of step seconds on (1, prefill tokens, decode rows,
+    the prefill chunks' query-key pairs).
 
     `decay`: weight kept by the past at each new step (0.98: the last ~50 steps count most).
     `min_steps`: steps with prefill seen before `cost` is anything but None.
@@ -79,11 +106,13 @@ class StepCostModel:
         self.num_steps = 0
         self.cost: StepCost | None = None
 
-    def observe(self, seconds: float, num_prefill_tokens: int, num_decode_rows: int) -> None:
+    def observe(
+        self, seconds: float, num_prefill_tokens: int, num_decode_rows: int, num_context_pairs: int = 0
+    ) -> None:
         """Record one step; steps without prefill, and non-positive or non-finite times, are ignored."""
         if num_prefill_tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        x = (1.0, float(num_prefill_tokens), float(num_decode_rows))
+        x = (1.0, float(num_prefill_tokens), float(num_decode_rows), num_context_pairs * _PAIRS_SCALE)
         lam = self.decay
         for i in range(_NUM_FEATURES):
             self._sxy[i] = lam * self._sxy[i] + x[i] * seconds
@@ -97,7 +126,7 @@ class StepCostModel:
 
     def _fit(self) -> StepCost:
         per_token = self._sy / self._st if self._st > 0 else 0.0
-        prior = [0.0, per_token, per_token]
+        prior = [0.0, per_token, per_token, 0.0]
         active = list(range(_NUM_FEATURES))
         while True:
             beta = self._solve(active, prior)
@@ -111,7 +140,7 @@ class StepCostModel:
         coef = [0.0] * _NUM_FEATURES
         for i, b in zip(active, beta, strict=True):
             coef[i] = b
-        return StepCost(coef[0], coef[1], coef[2])
+        return StepCost(coef[0], coef[1], coef[2], coef[3] * _PAIRS_SCALE)
 
     def _solve(self, active: list[int], prior: list[float]) -> list[float]:
         """Ridge-regularised normal equations over the `active` features (Gaussian elimination)."""

@@ -12,7 +12,7 @@ import pytest
 from engine.config import SchedulerConfig
 from engine.scheduler.budget import BATCH_SLACK, RECENT_CLASS_S
 from engine.scheduler.core import SchedulerCore
-from engine.scheduler.step_cost import StepCost
+from engine.scheduler.step_cost import StepCost, context_pairs
 from engine.sequence import Sequence, SequenceStatus
 from engine.step import SchedulerOutput
 from engine.types import Priority
@@ -52,20 +52,20 @@ def slo_scheduler(truth: StepCost = TRUE_COST, **policy: object) -> SchedulerCor
     sched = make_scheduler(**(config | policy))
     rng = random.Random(0)
     for _ in range(64):
-        p, d = rng.randint(1, 256), rng.randint(0, 16)
-        sched.step_cost.observe(truth.predict(p, d), p, d)
+        p, d, c = rng.randint(1, 256), rng.randint(0, 16), rng.randint(0, 1000)
+        sched.step_cost.observe(truth.predict(p, d, context_pairs(c, p)), p, d, context_pairs(c, p))
     return sched
 
 
 def timed_step(sched: SchedulerCore, truth: StepCost = TRUE_COST) -> SchedulerOutput:
     """One step, then its fake duration reported to the scheduler as the engine does."""
     out = run_step(sched)
-    sched.record_step(out, truth.predict(out.num_prefill_tokens, len(out.decodes)))
+    sched.record_step(out, step_seconds(out, truth))
     return out
 
 
 def step_seconds(out: SchedulerOutput, truth: StepCost = TRUE_COST) -> float:
-    return truth.predict(out.num_prefill_tokens, len(out.decodes))
+    return truth.predict(out.num_prefill_tokens, len(out.decodes), out.num_context_pairs)
 
 
 def test_interactive_work_shrinks_a_long_prompts_chunks_and_idle_steps_restore_them() -> None:
@@ -260,6 +260,7 @@ def test_random_workloads_keep_long_chunks_within_the_step_time_budget(seed: int
         fixed_s=rng.uniform(0.005, 0.04),
         per_prefill_token_s=rng.uniform(0.0002, 0.002),
         per_decode_row_s=rng.uniform(0.0005, 0.005),
+        per_context_pair_s=rng.choice([0.0, rng.uniform(1e-7, 2e-6)]),  # attention over the context
     )
     target_s = rng.uniform(0.06, 0.2)
     clock = FakeClock()
@@ -294,15 +295,17 @@ def test_random_workloads_keep_long_chunks_within_the_step_time_budget(seed: int
         if measured_at is None or step < measured_at + 20:
             continue
         # Replay the step in the order it was built: decodes, then the prefills as added.
-        prefill_tokens, interactive = 0, bool(out.decodes)
+        prefill_tokens, pairs, interactive = 0, 0, bool(out.decodes)
         for c in out.prefills:
             prefill_tokens += c.num_tokens
+            pairs += context_pairs(c.seq.num_computed_tokens - c.num_tokens, c.num_tokens)  # ran: advanced
             if not sched._is_long(c.seq):
                 interactive = True
                 continue
             if interactive and c.num_tokens > FLOOR:
-                seconds = truth.predict(prefill_tokens, len(out.decodes))
-                assert seconds <= target_s * 1.02 + truth.per_prefill_token_s, (step, out)
+                seconds = truth.predict(prefill_tokens, len(out.decodes), pairs)
+                one_token = truth.per_prefill_token_s + 1000 * truth.per_context_pair_s
+                assert seconds <= target_s * 1.02 + one_token, (step, out)
     else:
         pytest.fail(f"not done: {list(sched.sequences())}")
     assert measured_at is not None
@@ -336,3 +339,71 @@ def test_a_long_prompt_leaves_a_less_served_tenants_prompt_the_step_and_shares_i
     # a's own short prompts: (100 - 20 - 40) / 0.5 = 80 beside them, then (100 - 20 - 4) / 0.5 = 152.
     assert chunks["a"][0] > 0
     assert all(abs(c - 152) <= 2 for c in chunks["a"][1])
+
+
+def test_a_chunk_deep_in_a_long_prompt_is_cut_to_the_budget_at_its_depth() -> None:
+    """Attention costs 0.5 us per query-key pair: four streams decode beside a 3,000-token prompt, and
+    every chunk keeps the step within the 100 ms target at every depth, so chunks shrink as the
+    prompt gets deeper: ~144 tokens first, ~41 at 2,500 deep (a model without the pairs gave them
+    one size at every depth)."""
+    truth = StepCost(0.020, per_prefill_token_s=0.0005, per_decode_row_s=0.002, per_context_pair_s=5e-7)
+    sched = slo_scheduler(truth)
+    long = make_seq(3000, max_tokens=2)
+    decoding(sched, make_seqs(4, prompt_len=20, max_tokens=2000))
+    sched.add(long)
+    sizes = {}
+    while long.is_prefilling:
+        depth = long.num_computed_tokens
+        out = timed_step(sched, truth)
+        assert step_seconds(out, truth) <= 0.1 + 0.0005 + 1500e-6  # one token's cost of slack
+        sizes[depth] = scheduled(out).get(long.request_id, 0)
+    shallow = [n for d, n in sizes.items() if 0 < d < 500]
+    deep = [n for d, n in sizes.items() if d > 2500]
+    assert min(shallow) > 2 * max(deep) > 0
+
+
+def test_a_light_tenants_prompts_in_a_row_each_get_a_step_without_the_long_chunk() -> None:
+    """b's prompts arrive one a step while a's long prompt prefills and a's next one waits. Each b
+    prompt's step carries no chunk of a's, the second too: b has been served fewer tokens lately.
+    (The turns' counters lift b to a's waiting prompt's level when b starts waiting, so right after
+    its first prompt b's counter led a's, and the second prompt shared its step with a chunk.)"""
+    sched = slo_scheduler()
+    long, waiting = (make_seq(3000, max_tokens=2, fairness_key="a") for _ in range(2))
+    sched.add(long)
+    sched.add(waiting)
+    assert scheduled(timed_step(sched)) == {long.request_id: 256}
+    shorts = []
+    for _ in range(3):
+        short = make_seq(20, max_tokens=10, fairness_key="b")
+        sched.add(short)
+        shorts.append(short)
+        out = scheduled(timed_step(sched))
+        assert out.get(short.request_id) == 20 and long.request_id not in out
+    run_until_done(sched)
+    assert_all_done(sched, [long, waiting, *shorts])
+
+
+def test_a_light_tenants_first_token_waits_for_no_decode_of_the_heavier_tenant() -> None:
+    """a's eight streams decode (and a was served more); b's prompt's step carries none of them, and
+    they decode in the next. With a prompt of b in every step, each of a's streams still decodes
+    at least once in every `max_yield_stall_steps` steps. A prompt of a's own leaves them in."""
+    sched = slo_scheduler()
+    streams = [make_seq(40, max_tokens=400, fairness_key="a") for _ in range(8)]
+    decoding(sched, streams)
+    b = make_seq(20, max_tokens=1, fairness_key="b")
+    sched.add(b)
+    out = timed_step(sched)
+    assert scheduled(out) == {b.request_id: 20}
+    assert {c.seq for c in timed_step(sched).decodes} == set(streams)
+    last = {s.request_id: 0 for s in streams}
+    bound = sched.config.max_yield_stall_steps
+    for step in range(1, 25):
+        sched.add(make_seq(20, max_tokens=1, fairness_key="b"))
+        for c in timed_step(sched).decodes:
+            last[c.seq.request_id] = step
+        assert all(step - t <= bound for t in last.values()), (step, last)
+    own = make_seq(20, max_tokens=1, fairness_key="a")
+    sched.add(own)
+    out = timed_step(sched)
+    assert scheduled(out).get(own.request_id) == 20 and len(out.decodes) == len(streams)
+
