@@ -59,8 +59,13 @@ class ContinuousScheduler(SchedulerCore):
     def _leave_first_tokens(self, step: StepBuilder) -> None:
         """A step that completes a short prompt (its first token) carries no decodes of tenants of
         its class served more than that prompt's: their streams wait one short step, its first token
-        waits for none of their rows. A row left out `max_yield_stall_steps` times stays."""
-        firsts = [c.seq for c in step.prefills if c.completes and not self._is_long(c.seq)]
+        waits for none of their rows. A row left out `max_yield_stall_steps` times stays. Not in the
+        batch class: no first token of it is awaited, and its rows have no stall bound."""
+        firsts = [
+            c.seq
+            for c in step.prefills
+            if c.completes and not self._is_long(c.seq) and c.seq.priority is not Priority.BATCH
+        ]
         if not firsts:
             return
         less = self.budget.less_served_lately

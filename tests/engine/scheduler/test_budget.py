@@ -407,3 +407,15 @@ def test_a_light_tenants_first_token_waits_for_no_decode_of_the_heavier_tenant()
     out = timed_step(sched)
     assert scheduled(out).get(own.request_id) == 20 and len(out.decodes) == len(streams)
 
+
+
+def test_batch_rows_are_not_left_out_for_a_batch_prompts_first_token() -> None:
+    """In the batch class no first token is awaited and rows have no stall bound: a light batch
+    tenant's prompt leaves the heavier batch tenant's decodes in its step."""
+    sched = slo_scheduler()
+    streams = [make_seq(40, max_tokens=400, priority=BATCH, fairness_key="a") for _ in range(4)]
+    decoding(sched, streams)
+    b = make_seq(20, max_tokens=1, priority=BATCH, fairness_key="b")
+    sched.add(b)
+    out = timed_step(sched)
+    assert scheduled(out).get(b.request_id) == 20 and {c.seq for c in out.decodes} == set(streams)
