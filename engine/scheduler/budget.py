@@ -112,7 +112,7 @@ class StepTimeBudget:
         for chunk in output.chunks:
             key = (chunk.seq.priority, chunk.seq.fairness_key)
             self._lately[key] = (self._served_lately(key) + chunk.num_tokens, self.num_steps)
-        if len(self._lately) > 64:
+        if len(self._lately) > 64 and self.num_steps % 64 == 0:  # not a pass over every key each step
             for key in [k for k in self._lately if self._served_lately(k) < 1.0]:
                 del self._lately[key]  # bounded by the tenants served in the last few hundred steps
         for chunk in output.chunks:

@@ -114,9 +114,7 @@ class ContinuousScheduler(SchedulerCore):
         others = [c for c in step.chunks.values() if self.budget.less_served_lately(c.seq, seq)]
         if any(c.seq.is_prefilling for c in others):
             return Crowding.PROMPT
-        if others:
-            return Crowding.DECODES
-        return Crowding.NONE
+        return Crowding.DECODES if others else Crowding.NONE
 
     # ---- preemption for priority and fair share --------------------------------------------------
 
