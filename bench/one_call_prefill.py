@@ -1,5 +1,5 @@
 """A prefill step in the one-call native layers against the Python layer loop, in turns in one
-process (engine/step.py's ONE_CALL_PREFILL_CONTEXT switched around each step), on the bundled
+process (engine/step.py's ONE_CALL_PREFILL_CONTEXT and _TOKENS switched around each step), on the bundled
 model with our int8 kernels (AVX2 or newer).
 
     python -m bench.one_call_prefill --lengths 13,30,64,128,256 --reps 7 --threads 1
@@ -45,7 +45,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"loop": [], "one call": []}
         for _ in range(args.reps):
             for mode, bound in (("one call", 10**12), ("loop", -1)):
-                step_module.ONE_CALL_PREFILL_CONTEXT = bound
+                step_module.ONE_CALL_PREFILL_CONTEXT = step_module.ONE_CALL_PREFILL_TOKENS = bound
                 n += 1
                 fresh = list(range(1000 + 7 * n, 1000 + 7 * n + length))  # never a cache hit
                 engine.add_request(GenerationRequest(f"p{n}", base + fresh, one))

@@ -260,10 +260,13 @@ def lora_groups(inputs: StepInputs) -> list[tuple[int, slice]]:
     return runs
 
 
-# The most attention work (the sum of the prefill tokens' context lengths) a step may have for its
-# prefill to run in the one-call layers: they win on fresh prompts and lose on chunks deep into a
-# long context (bench/one_call_prefill.py, docs/BENCHMARKS.md).
+# A step's prefill runs in the one-call layers when its attention work (the sum of the prefill
+# tokens' context lengths) is at most ONE_CALL_PREFILL_CONTEXT, or its prefill tokens are at most
+# ONE_CALL_PREFILL_TOKENS at any depth: they win on fresh prompts and on small chunks (the Python
+# loop's per-op overhead outweighs re-reading the context per row), and lose on big chunks deep
+# into a long context (bench/one_call_prefill.py, docs/BENCHMARKS.md).
 ONE_CALL_PREFILL_CONTEXT = 16384
+ONE_CALL_PREFILL_TOKENS = 64
 
 
 def _slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -297,7 +300,9 @@ def forward_batch(inputs: StepInputs, block_size: int, device: torch.device) -> 
     groups = lora_groups(inputs) if inputs.lora_slots else []
     token_tables = token_lens = None
     attention_work = sum((e - s) * ctx - (e - s) * (e - s - 1) // 2 for s, e, ctx in prefill_ranges)
-    if prefill_ranges and attention_work <= ONE_CALL_PREFILL_CONTEXT and not groups:
+    num_prefill = sum(e - s for s, e, _ in prefill_ranges)
+    small = attention_work <= ONE_CALL_PREFILL_CONTEXT or num_prefill <= ONE_CALL_PREFILL_TOKENS
+    if prefill_ranges and small and not groups:
         token_lens = pos_t + 1
         width = -(-(max(inputs.positions) + 1) // block_size)  # the blocks of the longest context
         token_tables = tables[row_of_token, :width].contiguous()

@@ -14,10 +14,12 @@ and a long prompt that has not progressed for `max_long_prefill_stall_steps` ste
 ahead of the admissions with that many (`long_prefill_stalled`). Within a class, a long prompt
 also leaves the step to the tenants served fewer tokens lately than its own (`LATELY_DECAY`): a
 step that carries a prompt of theirs (its first token) carries no chunk of it, and while their
-streams decode it fits FAIR_STEP_SHARE of the budget, so their next first token waits for a shorter
-step in flight (`Crowding`); a step that completes a short prompt of theirs carries no decodes of
-the more served tenants either (continuous.py, within the yield stall bound). When nothing else is
-interactive, long prefill takes the whole token budget. Until the cost model has seen enough steps
+streams decode, or while they were served lately at all, it fits FAIR_STEP_SHARE of the budget
+(with a floor of CROWDED_MIN_CHUNK tokens), so their next first token waits for a shorter step in
+flight (`Crowding`); a step that completes a short prompt of theirs carries no decodes of the more
+served tenants either (continuous.py, within the yield stall bound). When nothing else is
+interactive and no other tenant of the class was served lately, long prefill takes the whole token
+budget. Until the cost model has seen enough steps
 with prefill, only the token caps apply.
 
 Lower classes yield under the same budget, so a paid request does not wait for free work on a CPU
@@ -57,10 +59,18 @@ RECENT_CLASS_S = 30.0
 # pace; batch rows do not take the stall bound's turns. Alone, the batch takes the whole budget.
 BATCH_SLACK = 0.15
 
-# While tenants of its class served fewer tokens lately than its own have streams in the step, a
-# long prompt's chunk leaves the step this share of the budget: their next tokens (and the first
-# token of their next prompt, which waits for the step in flight) come twice as often.
-FAIR_STEP_SHARE = 0.5
+# While tenants of its class served fewer tokens lately than its own have streams in the step, or
+# were served lately at all, a long prompt's chunk fits this share of the budget: the first token
+# of their next prompt, which comes at random and waits for the step in flight, waits less. 0.3
+# and not 0.5: a light tenant's TTFT beside a heavy one went from 2.4-2.6x its TTFT alone to
+# 1.3-1.8x (docs/BENCHMARKS.md, fair shares), the heavy tenant keeping over half the tokens.
+FAIR_STEP_SHARE = 0.3
+
+# The floor of a crowded long prompt's chunk (when nothing fits FAIR_STEP_SHARE, or it stalled),
+# below `min_long_prefill_chunk`: deep in a long context each of a chunk's tokens attends to all
+# before it, and 32 tokens at 2,000 took 75-85 ms on 2 cores, over the whole share. It still
+# progresses every step it runs.
+CROWDED_MIN_CHUNK = 8
 
 # Who is served less "lately" (the crowding above): tokens each tenant's sequences computed, the
 # past's weight decaying by this much a step (a time constant of ~100 steps). Not the turns' virtual
@@ -73,6 +83,7 @@ class Crowding(enum.Enum):
     """Tenants of a long prompt's class served fewer tokens lately than its own, in the step being built."""
 
     NONE = "none"
+    LATELY = "lately"  # none in it, but one was served lately: its next prompt may come any time
     DECODES = "decodes"  # their streams decode in it
     PROMPT = "prompt"  # a prompt of theirs prefills in it: its first token waits on the step
 
@@ -146,6 +157,15 @@ class StepTimeBudget:
             and self.served_lately(seq) < self.served_lately(than)
         )
 
+    def others_served_less_lately(self, seq: Sequence) -> bool:
+        """Whether another tenant of `seq`'s class was served lately, fewer tokens than `seq`'s."""
+        mine = self.served_lately(seq)
+        return any(
+            1.0 <= self._served_lately(other) < mine
+            for other in self._lately
+            if other[0] == seq.priority and other[1] != seq.fairness_key
+        )
+
     # ---- what it allows -------------------------------------------------------------------------
 
     @property
@@ -197,9 +217,10 @@ class StepTimeBudget:
         `running`): they take the room first, and fewer prompts hold blocks half-computed. A stalled
         long prompt gets the floor (`min_long_prefill_chunk`) and no more: it is scheduled ahead of
         the admissions, before the step's room is known. `crowded`: tenants of its class served
-        no more than `seq`'s have work in the step: their prompt's first token waits for no chunk of
-        `seq` (0), their decodes share the step (FAIR_STEP_SHARE of the budget). Otherwise a chunk
-        is what fits, and below the floor 0, except that the step's first long chunk gets the floor."""
+        fewer tokens lately than `seq`'s have work in the step, or were served lately: their
+        prompt's first token waits for no chunk of `seq` (0), else `seq` fits FAIR_STEP_SHARE of the
+        budget, and the floor is CROWDED_MIN_CHUNK. Otherwise a chunk is what fits, and below the
+        floor 0, except that the step's first long chunk gets the floor."""
         budget_s = self.budget_s
         cost = self.step_cost.cost
         if budget_s is None or cost is None:
@@ -209,6 +230,8 @@ class StepTimeBudget:
         ):
             return 0
         floor = self.config.min_long_prefill_chunk
+        if crowded is not Crowding.NONE:
+            floor = min(floor, CROWDED_MIN_CHUNK)
         if self.long_prefill_stalled(seq):
             return min(want, floor)
         if crowded is Crowding.PROMPT:

@@ -102,19 +102,23 @@ class ContinuousScheduler(SchedulerCore):
         )
         if shared:
             want = max(0, min(want, step.long_budget))
-        if want > 0 and self._is_long(seq) and (step.interactive or shorter_waiting):
-            crowded = self._crowding(step, seq)
+        long = want > 0 and self._is_long(seq)
+        crowded = self._crowding(step, seq) if long else Crowding.NONE
+        if long and (step.interactive or shorter_waiting or crowded is not Crowding.NONE):
             want = self.budget.time_limit(step, seq, want, joining, self.running, crowded)
         elif want > 0 and seq.priority > step.recent and step.interactive:
             want = self.budget.yield_limit(step, seq, want)
         return want, shared
 
     def _crowding(self, step: StepBuilder, seq: Sequence) -> Crowding:
-        """What tenants of `seq`'s class served fewer tokens lately than its tenant have in `step`."""
+        """What tenants of `seq`'s class served fewer tokens lately than its tenant have in `step`,
+        or whether one was served lately (its next prompt may come during the step)."""
         others = [c for c in step.chunks.values() if self.budget.less_served_lately(c.seq, seq)]
         if any(c.seq.is_prefilling for c in others):
             return Crowding.PROMPT
-        return Crowding.DECODES if others else Crowding.NONE
+        if others:
+            return Crowding.DECODES
+        return Crowding.LATELY if self.budget.others_served_less_lately(seq) else Crowding.NONE
 
     # ---- preemption for priority and fair share --------------------------------------------------
 

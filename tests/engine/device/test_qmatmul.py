@@ -436,9 +436,12 @@ def test_a_short_prefill_in_the_one_native_call_gives_the_same_logprobs_however_
     chunked = logprobs(tiny_engine(model, quantization="int4", max_num_batched_tokens=5), "chunked", True)
     assert len(whole) == 6 and whole == cached == chunked
     assert not layer_loops
-    # Past the bound on attention work the Python layer loop (SDPA) prefills (here the prompt's
-    # last token, after the cached blocks): the same first token.
+    # Past the bound on attention work a chunk of at most ONE_CALL_PREFILL_TOKENS still runs in
+    # the one call (here the prompt's last token, after the cached blocks), bit for bit.
     monkeypatch.setattr(step_module, "ONE_CALL_PREFILL_CONTEXT", 0)
+    assert logprobs(engine, "deep") == whole and not layer_loops
+    # Past both bounds the Python layer loop (SDPA) prefills it: the same first token.
+    monkeypatch.setattr(step_module, "ONE_CALL_PREFILL_TOKENS", 0)
     looped = logprobs(engine, "looped")
     assert layer_loops and looped[0].token_id == whole[0].token_id
     assert abs(looped[0].logprob - whole[0].logprob) < 0.05

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.scheduler.budget import BATCH_SLACK, RECENT_CLASS_S
+from engine.scheduler.budget import BATCH_SLACK, CROWDED_MIN_CHUNK, FAIR_STEP_SHARE, RECENT_CLASS_S
 from engine.scheduler.core import SchedulerCore
 from engine.scheduler.step_cost import StepCost, context_pairs
 from engine.sequence import Sequence, SequenceStatus
@@ -333,12 +333,61 @@ def test_a_long_prompt_leaves_a_less_served_tenants_prompt_the_step_and_shares_i
         chunks[tenant] = (first.get(long.request_id, 0), later)
         run_until_done(sched)
         assert_all_done(sched, [long, *shorts])
-    # b: no chunk beside b's prompts, then (50 ms - 20 - 2 x 2) / 0.5 ms = 52 tokens a step.
+    # b: no chunk beside b's prompts, then (100 ms x FAIR_STEP_SHARE - 20 - 2 x 2) / 0.5 ms a step.
     assert chunks["b"][0] == 0
-    assert all(abs(c - 52) <= 2 for c in chunks["b"][1])
+    shared = (100 * FAIR_STEP_SHARE - 20 - 4) / 0.5
+    assert shared >= CROWDED_MIN_CHUNK and all(abs(c - shared) <= 2 for c in chunks["b"][1])
     # a's own short prompts: (100 - 20 - 40) / 0.5 = 80 beside them, then (100 - 20 - 4) / 0.5 = 152.
     assert chunks["a"][0] > 0
     assert all(abs(c - 152) <= 2 for c in chunks["a"][1])
+
+
+def test_a_long_prompt_keeps_to_the_share_while_a_lighter_tenant_was_served_lately() -> None:
+    """b's one request ends; a's long prompt then has the step to itself, nothing else interactive,
+    yet its chunks still fit FAIR_STEP_SHARE of the target (b's next prompt may come at any time and
+    would wait for the step in flight), until b's tokens served lately have decayed below one:
+    then it takes the whole token budget again. A tenant never served keeps nothing back."""
+    truth = StepCost(fixed_s=0.020, per_prefill_token_s=0.0005, per_decode_row_s=0.002)
+    shared = int((100 * FAIR_STEP_SHARE - 20) / 0.5)
+    sched = slo_scheduler(truth)
+    long = make_seq(16000, max_tokens=1, fairness_key="a")
+    b = make_seq(20, max_tokens=10, fairness_key="b")
+    sched.add(b)
+    while not b.finished:
+        timed_step(sched, truth)
+    sched.add(long)
+    sizes = []
+    while long.is_prefilling:
+        sizes.append(scheduled(timed_step(sched, truth))[long.request_id])
+    # a's first chunk: a has been served less than b so far. Then a leads, and keeps to the share.
+    assert sizes[0] == 256 and 256 in sizes[1:]
+    released = sizes.index(256, 1)
+    assert all(abs(n - shared) <= 1 for n in sizes[1:released])
+    assert 200 < released < 400  # b's 30 tokens decay below one (0.99 a step) after ~340 steps
+    sched = slo_scheduler(truth)  # b never served: a's first chunk is the whole budget
+    alone = make_seq(3000, max_tokens=1, fairness_key="a")
+    sched.add(alone)
+    assert scheduled(timed_step(sched, truth)) == {alone.request_id: 256}
+    run_until_done(sched)
+    assert_all_done(sched, [alone])
+
+
+def test_a_crowded_chunk_deep_in_a_long_prompt_gets_the_lower_floor() -> None:
+    """b's streams decode beside a's prompt, deep where nothing fits the share: a's chunk gets
+    CROWDED_MIN_CHUNK tokens, not `min_long_prefill_chunk` (deep in a long context those took
+    longer than the whole share). Beside streams of a's own tenant it gets the usual floor."""
+    truth = StepCost(0.020, per_prefill_token_s=0.0005, per_decode_row_s=0.002, per_context_pair_s=2e-5)
+    for streams in ("b", "a"):
+        sched = slo_scheduler(truth)
+        decoding(sched, [make_seq(20, max_tokens=4000, fairness_key=streams) for _ in range(2)])
+        long = make_seq(3000, max_tokens=1, fairness_key="a")
+        sched.add(long)
+        sizes = {}
+        while long.is_prefilling:
+            depth = long.num_computed_tokens
+            sizes[depth] = scheduled(timed_step(sched, truth)).get(long.request_id, 0)
+        deep = [n for d, n in sizes.items() if d > 1000 and d + n < 3000]  # not the last chunk
+        assert deep and set(deep) == ({CROWDED_MIN_CHUNK} if streams == "b" else {FLOOR}), set(deep)
 
 
 def test_a_chunk_deep_in_a_long_prompt_is_cut_to_the_budget_at_its_depth() -> None:
@@ -406,7 +455,6 @@ def test_a_light_tenants_first_token_waits_for_no_decode_of_the_heavier_tenant()
     sched.add(own)
     out = timed_step(sched)
     assert scheduled(out).get(own.request_id) == 20 and len(out.decodes) == len(streams)
-
 
 
 def test_batch_rows_are_not_left_out_for_a_batch_prompts_first_token() -> None:
