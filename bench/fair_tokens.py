@@ -230,10 +230,11 @@ def _computed(engine: Any) -> dict[str, int]:
     return counts
 
 
-def _step_log(engine: Any) -> list[tuple[float, float, int, bool]]:
+def _step_log(engine: Any) -> list[tuple[float, float, int, bool, int, int]]:
     """Every step the engine runs from now on, as (start, end, short prompts it completes, whether
-    it carries a long prompt's chunk), from the scheduler's record of each step (perf_counter)."""
-    steps: list[tuple[float, float, int, bool]] = []
+    it carries a long prompt's chunk, the long prompts' tokens in it, its decode rows), from the
+    scheduler's record of each step (perf_counter)."""
+    steps: list[tuple[float, float, int, bool, int, int]] = []
     scheduler = engine.engine.scheduler
     record = scheduler.record_step
 
@@ -243,17 +244,18 @@ def _step_log(engine: Any) -> list[tuple[float, float, int, bool]]:
         short = sum(
             s.fairness_key == "short" and s.num_computed_tokens >= s.num_prompt_tokens for s in prompts
         )
-        steps.append((end - seconds, end, short, any(s.fairness_key == "long" for s in prompts)))
+        long_tokens = sum(c.num_tokens for c in output.prefills if c.seq.fairness_key == "long")
+        steps.append((end - seconds, end, short, long_tokens > 0, long_tokens, output.num_decode_rows))
         record(output, seconds)
 
     scheduler.record_step = logged
     return steps
 
 
-def explain(records: list[Record], steps: list[tuple[float, float, int, bool]]) -> dict[str, Any]:
+def explain(records: list[Record], steps: list[tuple[float, float, int, bool, int, int]]) -> dict[str, Any]:
     """Where B's TTFTs went: for each B request, its own prompt's step (the last that ended before
-    its first token and completed a B prompt) and the wait before that step started."""
-    waits, own, together, behind_chunk = [], [], [], 0
+    its first token and completed a B prompt), what else it carried, and the wait before it started."""
+    waits, own, together, behind_chunk, long_tokens, rows = [], [], [], 0, [], []
     for r in records:
         if r.ttft_s is None or r.error is not None:
             continue
@@ -261,16 +263,20 @@ def explain(records: list[Record], steps: list[tuple[float, float, int, bool]]) 
         mine = [s for s in steps if s[1] <= first and s[2] and s[1] > r.sent_at]
         if not mine:
             continue
-        start, end, short, _ = mine[-1]
+        start, end, short, _, in_long, in_rows = mine[-1]
         waits.append(max(0.0, start - r.sent_at))
         own.append(end - start)
         together.append(short)
+        long_tokens.append(in_long)
+        rows.append(in_rows)
         behind_chunk += any(s[3] and s[0] < start and s[1] > r.sent_at for s in steps)
     return {
         "requests": len(own),
         "wait_p50_s": percentile(waits, 50),
         "own_step_p50_s": percentile(own, 50),
         "prompts_in_own_step_p50": percentile(together, 50),
+        "long_tokens_in_own_step_p50": percentile(long_tokens, 50),
+        "decode_rows_in_own_step_p50": percentile(rows, 50),
         "waited_behind_long_chunk": behind_chunk / len(own) if own else None,
     }
 
@@ -326,7 +332,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if e:
                 print(
                     f"  B {name}: wait before its prompt's step p50 {ms(e['wait_p50_s'])}, that step "
-                    f"p50 {ms(e['own_step_p50_s'])} with {e['prompts_in_own_step_p50']:.0f} B prompts; "
+                    f"p50 {ms(e['own_step_p50_s'])} with {e['prompts_in_own_step_p50']:.0f} B prompts, "
+                    f"{e['long_tokens_in_own_step_p50']:.0f} of A's prompt tokens and "
+                    f"{e['decode_rows_in_own_step_p50']:.0f} decode rows; "
                     f"{e['waited_behind_long_chunk'] * 100:.0f}% waited behind a step with A's chunk",
                     flush=True,
                 )
@@ -364,7 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fair-step-share",
         type=float,
         default=None,
-        help="what if: engine/scheduler/budget.py's FAIR_STEP_SHARE (default: its own, 0.5), the share of "
+        help="what if: engine/scheduler/budget.py's FAIR_STEP_SHARE (default: its own, 0.3), the share of "
         "the target a long prompt's step keeps while a less served tenant's streams decode",
     )
     p.add_argument("--quiet", type=float, default=0.25, help="wait (up to 10 min) until others use < this")

@@ -62,8 +62,9 @@ BATCH_SLACK = 0.15
 # While tenants of its class served fewer tokens lately than its own have streams in the step, or
 # were served lately at all, a long prompt's chunk fits this share of the budget: the first token
 # of their next prompt, which comes at random and waits for the step in flight, waits less. 0.3
-# and not 0.5: a light tenant's TTFT beside a heavy one went from 2.4-2.6x its TTFT alone to
-# 1.3-1.8x (docs/BENCHMARKS.md, fair shares), the heavy tenant keeping over half the tokens.
+# and not 0.5: a light tenant's random arrivals' TTFT beside a heavy one went from 3.1-3.5x its
+# TTFT alone to 1.5-2.3x, the heavy tenant keeping over half the tokens; 0.2 did no better
+# (docs/BENCHMARKS.md, fair shares).
 FAIR_STEP_SHARE = 0.3
 
 # The floor of a crowded long prompt's chunk (when nothing fits FAIR_STEP_SHARE, or it stalled),
