@@ -604,9 +604,10 @@ void set_matmul_helpers(int64_t n) {
 }
 
 // Tests: the calling thread's helpers hold each run they compute until released, so that the
-// caller must take it back; returns how many runs the caller took back so far.
-int64_t hold_matmul_helpers(bool hold) {
-  caller_pool().hold_helpers(hold);
+// caller must take it back (`at_claim`: the helper that claims a job's first run holds right after
+// its claim); returns how many runs the caller took back so far.
+int64_t hold_matmul_helpers(bool hold, bool at_claim) {
+  caller_pool().hold_helpers(hold, at_claim);
   return caller_pool().taken_back();
 }
 
@@ -722,7 +723,7 @@ at::Tensor q8_grouped_linear(const at::Tensor& x, const at::Tensor& w, int64_t n
 #else  // no AVX2: the ops exist (so the library loads) but refuse; the engine never calls them
 
 void set_matmul_helpers(int64_t) {}
-int64_t hold_matmul_helpers(bool) { return 0; }
+int64_t hold_matmul_helpers(bool, bool) { return 0; }
 
 at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&, double) {
   TORCH_CHECK(false, "q4_linear: needs AVX2, FMA and F16C");
@@ -751,7 +752,7 @@ TORCH_LIBRARY_FRAGMENT(batchgate, m) {
   m.def("has_qmatmul() -> bool", &has_qmatmul);
   m.def("qmatmul_isa() -> str", &qmatmul_isa);
   m.def("set_matmul_helpers(int n) -> ()", &set_matmul_helpers);  // no tensors: catch-all kernels
-  m.def("hold_matmul_helpers(bool hold) -> int", &hold_matmul_helpers);
+  m.def("hold_matmul_helpers(bool hold, bool at_claim=False) -> int", &hold_matmul_helpers);
 }
 
 TORCH_LIBRARY_IMPL(batchgate, CPU, m) {

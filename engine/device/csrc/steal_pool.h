@@ -157,10 +157,13 @@ class StealPool {
   int64_t taken_back() const { return taken_back_; }
 
   // Tests: make helpers hold each run they computed until released, and the caller start only
-  // after a helper claimed one (so that it must take that run back). Odd: holding; each hold and
-  // release is a new number, so a helper still holding from an earlier hold is released by it.
-  void hold_helpers(bool hold) {
+  // after a helper claimed one (so that it must take that run back). `at_claim`: instead, the
+  // helper that claims a job's first run holds right after its claim, before it looks at the run's
+  // state. Odd: holding; each hold and release is a new number, so a helper still holding from an
+  // earlier hold is released by it.
+  void hold_helpers(bool hold, bool at_claim = false) {
     const uint64_t h = hold_.load(std::memory_order_relaxed);
+    if (hold) hold_at_claim_.store(at_claim, std::memory_order_relaxed);  // published with hold_
     if (static_cast<bool>(h & 1) != hold) hold_.store(h + 1, std::memory_order_release);
   }
 
@@ -237,13 +240,18 @@ class StealPool {
         const int64_t per_run = per_run_copy;
         const int64_t runs = (n + per_run - 1) / per_run;
         for (int64_t r; (r = claim(job, runs)) >= 0;) {
-          uint64_t state = states_[r].v.load(std::memory_order_acquire);
-          if ((state >> 2) == job || !states_[r].v.compare_exchange_strong(state, tag | kTaken)) continue;
           const uint64_t held = hold_.load(std::memory_order_acquire);  // tests: the hold of its claim
+          const bool at_claim = hold_at_claim_.load(std::memory_order_relaxed);
+          while ((held & 1) && at_claim && r == 0 && hold_.load(std::memory_order_acquire) == held)
+            BATCHGATE_CPU_RELAX();
+          // The run is no longer this helper's if its state carries this job's tag (the caller took
+          // it back) or a later job's (this job is over: its output may be freed already).
+          uint64_t state = states_[r].v.load(std::memory_order_acquire);
+          if ((state >> 2) >= job || !states_[r].v.compare_exchange_strong(state, tag | kTaken)) continue;
           // The run into local buffers first: a late helper must not write where the caller went on.
           const int64_t first = r * per_run, count = std::min(n, first + per_run) - first;
           for (int64_t i = 0; i < count; ++i) ops.compute(payload, first + i, local + i * kItemFloats);
-          while ((held & 1) && hold_.load(std::memory_order_acquire) == held) BATCHGATE_CPU_RELAX();
+          while ((held & 1) && !at_claim && hold_.load(std::memory_order_acquire) == held) BATCHGATE_CPU_RELAX();
           uint64_t taken = tag | kTaken;
           if (!states_[r].v.compare_exchange_strong(taken, tag | kStoring, std::memory_order_acq_rel)) continue;
           for (int64_t i = 0; i < count; ++i) ops.store(payload, first + i, local + i * kItemFloats);
@@ -262,6 +270,7 @@ class StealPool {
   std::condition_variable wake_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> hold_{0};
+  std::atomic<bool> hold_at_claim_{false};
   std::atomic<int> sleeping_{0};
   std::atomic<int> inside_{0};
   std::atomic<uint64_t> seq_{0};    // the current job's number (even), odd while it is written

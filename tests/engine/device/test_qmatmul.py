@@ -139,6 +139,34 @@ def test_matmul_helpers_give_the_same_results_also_when_work_is_taken_back(kind:
         ops.set_matmul_helpers(0)
 
 
+
+@needs_qmatmul
+def test_a_helper_that_resumes_after_its_job_ended_stores_nothing() -> None:
+    """A helper descheduled right after claiming a job's run, while the caller took that run back,
+    ended the job and ran the next one (whose own helper took the same run): resumed, it finds a
+    later job's state on the run and drops it, and both outputs stay as computed. (It used to take
+    the run over and store into the ended job's output, freed by then in the engine: heap corruption.)"""
+    ops = native_kernels()
+    torch.manual_seed(0)
+    w = pack_q4(torch.randn(2000, 576) * 0.05).packed  # 2,000 outputs: no narrowing copy of the result
+    x1, x2 = torch.randn(2, 576), torch.randn(2, 576)
+    try:
+        ops.set_matmul_helpers(0)
+        want1, want2 = (ops.q4_linear(x, w, 2000, None, quant.OUTLIER_RATIO) for x in (x1, x2))
+        ops.set_matmul_helpers(2)
+        ops.hold_matmul_helpers(True, True)
+        try:
+            # One helper holds the first run of each job, just claimed; the caller takes it back.
+            got1 = ops.q4_linear(x1, w, 2000, None, quant.OUTLIER_RATIO)
+            got2 = ops.q4_linear(x2, w, 2000, None, quant.OUTLIER_RATIO)
+        finally:
+            ops.hold_matmul_helpers(False)
+        ops.set_matmul_helpers(1)  # joins both helpers, each past its job
+        assert torch.equal(got1, want1) and torch.equal(got2, want2)
+    finally:
+        ops.hold_matmul_helpers(False)
+        ops.set_matmul_helpers(0)
+
 _AVX2_PROBE = """
 import sys, torch
 from engine.device.native import native_kernels
