@@ -32,13 +32,21 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window=0, sinks=None):  
     return out
 
 
-def _paged_case(dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """q, the caches, block tables and lengths: one token, exactly a block, ragged, longest."""
+def _paged_case(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv: int,
+    head_dim: int,
+    block_size: int = 4,
+    sizes: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, ...]:
+    """q, the caches, block tables and lengths: one token, exactly a block, ragged, longest (or
+    `sizes`)."""
     torch.manual_seed(0)
-    block_size, num_blocks = 4, 40
+    lens = torch.tensor(sizes or [1, 4, 5, 13, 30])
+    num_blocks = max(40, 2 * sum(-(-n // block_size) for n in lens.tolist()))
     k_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
     v_cache = torch.randn(num_kv, num_blocks, block_size, head_dim).to(dtype)
-    lens = torch.tensor([1, 4, 5, 13, 30])
     max_blocks = -(-int(lens.max()) // block_size)
     # Scattered, distinct blocks; padding past each sequence's blocks is block 0.
     perm = torch.randperm(num_blocks)
@@ -103,6 +111,21 @@ def test_kernel_attends_to_the_window_and_the_sinks(
     want = reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, sinks)
     assert (got.float() - want).abs().max().item() <= tol
 
+
+
+@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize(("num_heads", "num_kv", "head_dim"), [(9, 3, 64), (8, 2, 128), (10, 2, 64)])
+def test_kernel_attends_over_whole_blocks_of_16_keys(
+    num_heads: int, num_kv: int, head_dim: int, window: int
+) -> None:
+    """The engine's block size (16 keys): whole and partial blocks, with and without a window that
+    starts mid-block, against the gathered reference, on each bf16 path."""
+    op = native_kernels().paged_decode_attention
+    case = _paged_case(torch.bfloat16, num_heads, num_kv, head_dim, block_size=16, sizes=(1, 16, 17, 40, 77))
+    q, k_cache, v_cache, tables, lens = case
+    got = op(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, None)
+    want = reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
+    assert (got.float() - want).abs().max().item() <= 2e-2
 
 def test_kernel_refuses_out_of_range_blocks_and_lengths() -> None:
     op = native_kernels().paged_decode_attention
