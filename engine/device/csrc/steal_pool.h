@@ -241,9 +241,8 @@ class StealPool {
         const int64_t runs = (n + per_run - 1) / per_run;
         for (int64_t r; (r = claim(job, runs)) >= 0;) {
           const uint64_t held = hold_.load(std::memory_order_acquire);  // tests: the hold of its claim
-          const bool at_claim = hold_at_claim_.load(std::memory_order_relaxed);
-          while ((held & 1) && at_claim && r == 0 && hold_.load(std::memory_order_acquire) == held)
-            BATCHGATE_CPU_RELAX();
+          const bool at_claim = (held & 1) && hold_at_claim_.load(std::memory_order_relaxed);
+          while (at_claim && r == 0 && hold_.load(std::memory_order_acquire) == held) BATCHGATE_CPU_RELAX();
           // The run is no longer this helper's if its state carries this job's tag (the caller took
           // it back) or a later job's (this job is over: its output may be freed already).
           uint64_t state = states_[r].v.load(std::memory_order_acquire);
@@ -251,7 +250,8 @@ class StealPool {
           // The run into local buffers first: a late helper must not write where the caller went on.
           const int64_t first = r * per_run, count = std::min(n, first + per_run) - first;
           for (int64_t i = 0; i < count; ++i) ops.compute(payload, first + i, local + i * kItemFloats);
-          while ((held & 1) && !at_claim && hold_.load(std::memory_order_acquire) == held) BATCHGATE_CPU_RELAX();
+          while ((held & 1) && !at_claim && hold_.load(std::memory_order_acquire) == held)
+            BATCHGATE_CPU_RELAX();
           uint64_t taken = tag | kTaken;
           if (!states_[r].v.compare_exchange_strong(taken, tag | kStoring, std::memory_order_acq_rel)) continue;
           for (int64_t i = 0; i < count; ++i) ops.store(payload, first + i, local + i * kItemFloats);

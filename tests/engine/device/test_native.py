@@ -112,7 +112,6 @@ def test_kernel_attends_to_the_window_and_the_sinks(
     assert (got.float() - want).abs().max().item() <= tol
 
 
-
 @pytest.mark.parametrize("window", [0, 21])
 @pytest.mark.parametrize(("num_heads", "num_kv", "head_dim"), [(9, 3, 64), (8, 2, 128), (10, 2, 64)])
 def test_kernel_attends_over_whole_blocks_of_16_keys(
@@ -126,6 +125,7 @@ def test_kernel_attends_over_whole_blocks_of_16_keys(
     got = op(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, None)
     want = reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
     assert (got.float() - want).abs().max().item() <= 2e-2
+
 
 def test_kernel_refuses_out_of_range_blocks_and_lengths() -> None:
     op = native_kernels().paged_decode_attention

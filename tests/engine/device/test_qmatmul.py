@@ -139,13 +139,12 @@ def test_matmul_helpers_give_the_same_results_also_when_work_is_taken_back(kind:
         ops.set_matmul_helpers(0)
 
 
-
 @needs_qmatmul
 def test_a_helper_that_resumes_after_its_job_ended_stores_nothing() -> None:
     """A helper descheduled right after claiming a job's run, while the caller took that run back,
     ended the job and ran the next one (whose own helper took the same run): resumed, it finds a
-    later job's state on the run and drops it, and both outputs stay as computed. (It used to take
-    the run over and store into the ended job's output, freed by then in the engine: heap corruption.)"""
+    later job's state on the run and drops it, and both outputs stay as computed: it must not store
+    into the ended job's output, which the engine may have freed."""
     ops = native_kernels()
     torch.manual_seed(0)
     w = pack_q4(torch.randn(2000, 576) * 0.05).packed  # 2,000 outputs: no narrowing copy of the result
@@ -166,6 +165,7 @@ def test_a_helper_that_resumes_after_its_job_ended_stores_nothing() -> None:
     finally:
         ops.hold_matmul_helpers(False)
         ops.set_matmul_helpers(0)
+
 
 _AVX2_PROBE = """
 import sys, torch
