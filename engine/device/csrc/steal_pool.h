@@ -127,7 +127,12 @@ class StealPool {
       std::this_thread::yield();
     int64_t own = 0;
     const auto start = std::chrono::steady_clock::now();
-    for (int64_t r; (r = claim(job, runs)) >= 0; ++own) compute_run(payload, ops, r, per_run, n);
+    for (int64_t r; (r = claim(job, runs)) >= 0; ++own) {
+      // Marked as the caller's, so that it is not taken back below (and counted twice: the caller
+      // would end the job while a helper still stores into its output).
+      states_[r].v.store(tag | kMine, std::memory_order_relaxed);
+      compute_run(payload, ops, r, per_run, n);
+    }
     const auto mine = std::chrono::steady_clock::now();
     const auto patience = own > 0 ? 2 * (mine - start) / own : std::chrono::nanoseconds(20000);
     // Every run is claimed; the helpers' are theirs until patience runs out, then taken back (a
