@@ -139,16 +139,17 @@ struct PagedBatch {
   // The sinks of KV head h's query heads, or null.
   const float* sink(int64_t h) const { return sinks == nullptr ? nullptr : sinks + h * group; }
 
-  // f(s, h, n, scores) for each (sequence, KV head) pair, the pairs split over the threads;
-  // `scores` is the pair's scratch of rows x n floats (n: the positions sequence s attends to).
+  // f(s, h, n, scores) for each (sequence, KV head) pair, the pairs split over the threads, KV
+  // head by KV head: a prefill chunk's rows read one context, which then stays in L2 from row to
+  // row; `scores` is the pair's scratch of rows x n floats (n: the positions s attends to).
   template <typename F>
   void for_each_pair(int64_t rows, F&& f) const {
     at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t work = begin; work < end; ++work) {
-        const int64_t s = work / num_kv, n = lens[s] - first(s);
+        const int64_t s = work % num_seqs, n = lens[s] - first(s);
         scores.resize(rows * n);
-        f(s, work % num_kv, n, scores.data());
+        f(s, work / num_seqs, n, scores.data());
       }
     });
   }
@@ -195,7 +196,63 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n, const float* si
   }
 }
 
+#ifdef BATCHGATE_AVX2_FMA
+using batchgate_simd::hmax8;
+using batchgate_simd::hsum8;
+
+// fast_exp on 8 lanes, the same steps (without FMA contractions), so a lane rounds as fast_exp.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// softmax_rows with the exponentials 8 at a time (the compiler leaves fast_exp scalar where the
+// attention kernel inlines it).
+inline void softmax_rows8(float* scores, int64_t rows, int64_t n, const float* sink) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * n;
+    float m = sink == nullptr ? -std::numeric_limits<float>::infinity() : sink[g];
+    int64_t t = 0;
+    if (n >= 8) {
+      __m256 m8 = _mm256_loadu_ps(sg);
+      for (t = 8; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sg + t));
+      m = std::max(m, hmax8(m8));
+    }
+    for (; t < n; ++t) m = std::max(m, sg[t]);
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+      _mm256_storeu_ps(sg + t, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8) + (sink == nullptr ? 0.f : fast_exp(sink[g] - m));
+    for (; t < n; ++t) {
+      sg[t] = fast_exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (t = 0; t < n; ++t) sg[t] *= inv;
+  }
+}
+#endif
+
 #ifdef BATCHGATE_AVX512_BF16
+#ifndef BATCHGATE_AVX2_FMA
+#error "the bf16 path's softmax (softmax_rows8) needs AVX2 and FMA, as every AVX512-BF16 CPU has"
+#endif
 // The bf16 fast path (CPUs with AVX512-BF16, e.g. Zen 4, Sapphire Rapids), for head_dim HD and
 // G query heads per KV head known at compile time, so that the queries (G x HD bf16) and the value
 // accumulators (G x HD fp32) stay in registers for a whole context. q . k straight from bf16 with
@@ -204,6 +261,24 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n, const float* si
 inline __m512 load_bf16x16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The lane sums of the 16 registers a[0..15], as the 16 lanes of one, in order: a transposing
+// tree of shuffles and adds (45 instructions, against ~8 for each register's horizontal sum).
+inline __m512 sum_lanes16(const __m512 (&a)[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: [x0+x2, y0+y2, x1+x3, y1+y3] of a[2i] (x), a[2i+1] (y)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128 bits: a part of the sums of a[4i..4i+3]
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Then across the 128-bit quarters: [q0 + q1 of a[0..3], q2 + q3 of a[0..3], the same of a[4..7]].
+  const __m512 lo =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 hi =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
 template <int G, int HD>
@@ -218,18 +293,25 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
     __m512bh qv[G][KR];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < KR; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(b.query(s, h * G + g) + j * 32);
+    const __m512 scale16 = _mm512_set1_ps(scale);
     b.for_each_block(b.k, s, h, [&](int64_t t0, const T* rows, int64_t n) {
-      for (int64_t i = 0; i < n; ++i) {
-        __m512bh kv[KR];
-        for (int j = 0; j < KR; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(rows + i * HD + j * 32);
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {  // 16 keys at a time: their scores in one register
+        const int m = static_cast<int>(std::min<int64_t>(16, n - i0));
+        const T* keys = rows + i0 * HD;
         for (int g = 0; g < G; ++g) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int j = 0; j < KR; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
-          sc[g * ctx + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
+          __m512 acc[16];
+          for (int i = 0; i < 16; ++i) {
+            acc[i] = _mm512_setzero_ps();
+            if (i < m)
+              for (int j = 0; j < KR; ++j)
+                acc[i] = _mm512_dpbf16_ps(acc[i], qv[g][j], (__m512bh)_mm512_loadu_si512(keys + i * HD + j * 32));
+          }
+          _mm512_mask_storeu_ps(sc + g * ctx + t0 + i0, static_cast<__mmask16>((1u << m) - 1),
+                                _mm512_mul_ps(sum_lanes16(acc), scale16));
         }
       }
     });
-    softmax_rows(sc, G, ctx, b.sink(h));
+    softmax_rows8(sc, G, ctx, b.sink(h));
     __m512 acc[G][VR];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < VR; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -267,51 +349,6 @@ bool decode_attention_bf16_group(int64_t group, const at::Tensor& q, const at::T
 #endif
 
 #ifdef BATCHGATE_AVX2_FMA
-using batchgate_simd::hsum8;
-
-// fast_exp on 8 lanes, the same steps (without FMA contractions), so a lane rounds as fast_exp.
-inline __m256 fast_exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_floor_ps(
-      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// softmax_rows with the exponentials 8 at a time (the compiler leaves fast_exp scalar where the
-// attention kernel inlines it).
-inline void softmax_rows8(float* scores, int64_t rows, int64_t n, const float* sink) {
-  for (int64_t g = 0; g < rows; ++g) {
-    float* sg = scores + g * n;
-    float m = sink == nullptr ? -std::numeric_limits<float>::infinity() : sink[g];
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum8 = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-      _mm256_storeu_ps(sg + t, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum8(sum8) + (sink == nullptr ? 0.f : fast_exp(sink[g] - m));
-    for (; t < n; ++t) {
-      sg[t] = fast_exp(sg[t] - m);
-      sum += sg[t];
-    }
-    const float inv = 1.f / sum;
-    for (t = 0; t < n; ++t) sg[t] *= inv;
-  }
-}
-
 // 8 cache values as floats: fp32 as they are, bf16 widened (exactly).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
