@@ -17,7 +17,11 @@ step that carries a prompt of theirs (its first token) carries no chunk of it, a
 streams decode, or while they were served lately at all, it fits FAIR_STEP_SHARE of the budget
 (with a floor of CROWDED_MIN_CHUNK tokens), so their next first token waits for a shorter step in
 flight (`Crowding`); a step that completes a short prompt of theirs carries no decodes of the more
-served tenants either (continuous.py, within the yield stall bound). When nothing else is
+served tenants either (continuous.py, within the yield stall bound), and one more of their short
+prompts joins a step that already completes prompts of the class only while that delays those
+first tokens less in all than it saves its own (`sharing_delays_more`): where a prompt's prefill
+is compute-bound (on a CPU) a burst of them goes in turns, a first token a step, and the
+closed-loop clients that sent it no longer stay in lockstep. When nothing else is
 interactive and no other tenant of the class was served lately, long prefill takes the whole token
 budget. Until the cost model has seen enough steps
 with prefill, only the token caps apply.
@@ -45,7 +49,7 @@ from collections.abc import Iterable
 from engine.config import SchedulerConfig
 from engine.scheduler.buckets import is_long
 from engine.scheduler.step_builder import StepBuilder
-from engine.scheduler.step_cost import StepCostModel
+from engine.scheduler.step_cost import StepCostModel, context_pairs
 from engine.sequence import Sequence
 from engine.step import SchedulerOutput
 from engine.types import Priority
@@ -268,6 +272,18 @@ class StepTimeBudget:
         if fits >= floor:
             return min(want, fits)
         return min(want, floor) if step.num_prefill_tokens == 0 else 0
+
+    def sharing_delays_more(self, step: StepBuilder, firsts: int, seq: Sequence, tokens: int) -> bool:
+        """Whether `tokens` of `seq`'s prompt, completing it in `step`, would delay the `firsts`
+        first tokens the step already completes by more in all than they save `seq`: the next
+        step's cost besides its own prompt (the fixed cost, and the decode rows, which run there
+        too)."""
+        cost = self.step_cost.cost
+        if self.budget_s is None or cost is None:
+            return False
+        pairs = context_pairs(seq.num_computed_tokens, tokens)
+        added = cost.per_prefill_token_s * tokens + cost.per_context_pair_s * pairs
+        return firsts * added > cost.fixed_s + cost.per_decode_row_s * len(step.decodes)
 
     def fits_decode(self, step: StepBuilder) -> bool:
         """Whether one more decode row keeps `step` within the time budget (the batch class's own

@@ -16,7 +16,9 @@ preempt a lower class's sequence, and a tenant far below its fair share of the s
 Within a class, tenants share the step by work (fair_share.py): the prefill chunks of the tenants
 served the fewest tokens go first, and a running prefill of a tenant served more tokens than the
 next waiting sequence's waits until that one is admitted. A step that completes a short prompt of
-a tenant served fewer tokens lately carries no decodes of its class's more served tenants (budget.py).
+a tenant served fewer tokens lately carries no decodes of its class's more served tenants, and
+takes more of that tenant's class's prompts only while batching them saves more than it delays
+(budget.py).
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ class ContinuousScheduler(SchedulerCore):
         for chunk in list(step.decodes):
             if any(less(f, chunk.seq) for f in firsts) and not self.budget.yield_stalled(chunk.seq):
                 step.drop(chunk.seq, long=False)
+
+    def _first_token_waits(self, step: StepBuilder, seq: Sequence, want: int) -> bool:
+        """A short prompt of a tenant served less lately than another of its class with work running
+        (whose work keeps the steps coming) joins a step that already completes prompts of its
+        class only while that costs their first tokens less than it saves its own (budget.py,
+        `sharing_delays_more`): on a CPU a prompt's prefill is compute-bound, so a burst of the
+        light tenant's prompts goes in turns, each first token after one short step."""
+        if seq.priority is Priority.BATCH or self._is_long(seq) or want < seq.num_uncomputed_tokens:
+            return False
+        firsts = sum(
+            1
+            for c in step.prefills
+            if c.completes and c.seq.priority == seq.priority and not self._is_long(c.seq)
+        )
+        if firsts == 0 or not any(self.budget.less_served_lately(seq, s) for s in self.running):
+            return False
+        return self.budget.sharing_delays_more(step, firsts, seq, want)
 
     def _prefills_and_admissions(self, step: StepBuilder, priority: Priority, mine: list[Sequence]) -> None:
         """The class's running prefills (of `mine`) and its admissions, by fair share: prefills of

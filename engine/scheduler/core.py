@@ -196,7 +196,7 @@ class SchedulerCore(SchedulerInterface):
                 return
             self.blocks.take_cached_prefix(seq)
             want, shared = self._chunk_limit(step, seq, joining=True)
-            if want == 0:
+            if want == 0 or (not resumed and self._first_token_waits(step, seq, want)):
                 self.blocks.release_cached_prefix(seq)
                 skip.add(self.waiting.bucket(seq))
                 continue
@@ -268,6 +268,11 @@ class SchedulerCore(SchedulerInterface):
 
     def _may_admit(self, seq: Sequence) -> bool:
         return True
+
+    def _first_token_waits(self, step: StepBuilder, seq: Sequence, want: int) -> bool:
+        """Whether `seq`, admissible with a chunk of `want` tokens, waits for a later step (its
+        bucket's turn is kept)."""
+        return False
 
     def _admitted(self, seq: Sequence) -> None:
         """`seq` joined `running` this step."""

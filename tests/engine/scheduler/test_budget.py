@@ -457,6 +457,32 @@ def test_a_light_tenants_first_token_waits_for_no_decode_of_the_heavier_tenant()
     assert scheduled(out).get(own.request_id) == 20 and len(out.decodes) == len(streams)
 
 
+def _first_token_steps(truth: StepCost, heavy: bool) -> list[int]:
+    """The step (from 1) in which each of b's four 30-token prompts, sent at once, completes; with
+    `heavy`, while two streams of a (served more) decode."""
+    sched = slo_scheduler(truth)
+    if heavy:
+        decoding(sched, [make_seq(40, max_tokens=400, fairness_key="a") for _ in range(2)])
+    burst = [make_seq(30, max_tokens=8, fairness_key="b") for _ in range(4)]
+    for seq in burst:
+        sched.add(seq)
+    done: dict[str, int] = {}
+    for step in range(1, 9):
+        timed_step(sched, truth)
+        done |= {s.request_id: step for s in burst if not s.is_prefilling and s.request_id not in done}
+    return sorted(done.values())
+
+
+def test_a_light_tenants_burst_beside_a_heavier_tenant_goes_in_turns_where_prefill_is_compute_bound() -> None:
+    """b's prompt adds 30 ms to a step, more than sharing saves it (20 ms fixed, 4 ms of a's decode
+    rows): beside a's streams, b's burst completes one prompt a step. Where a step's fixed cost
+    dominates (as on a GPU) it shares one step, and so it does with no heavier tenant running."""
+    assert _first_token_steps(TRUE_COST, heavy=True) == [1, 2, 3, 4]
+    assert _first_token_steps(TRUE_COST, heavy=False) == [1, 1, 1, 1]
+    weights_bound = StepCost(fixed_s=0.050, per_prefill_token_s=0.0001, per_decode_row_s=0.0005)
+    assert _first_token_steps(weights_bound, heavy=True) == [1, 1, 1, 1]
+
+
 def test_batch_rows_are_not_left_out_for_a_batch_prompts_first_token() -> None:
     """In the batch class no first token is awaited and rows have no stall bound: a light batch
     tenant's prompt leaves the heavier batch tenant's decodes in its step."""
