@@ -10,9 +10,9 @@ tenant B `--short-prompt` (20) token prompts from `--short-clients` (4), both pa
 then A and B together. Targets: B's TTFT p50 with A within 2x of B's alone, and A still gets at
 least its fair share of the work: at least half of the tokens the engine computes while both
 run (B asks for less than half, so max-min fairness gives A everything B leaves), and about all
-that B leaves of its rate alone. With `--length-buckets 0` too (the default runs both), the
-per-tenant turns alone (engine/scheduler/fair_share.py) do it: without buckets A's prompts and
-B's wait in one FIFO per tenant.
+that B leaves of its rate alone. The default also runs `--length-buckets 0`, where only the
+per-tenant turns (engine/scheduler/fair_share.py) share the engine: without buckets no prompt is
+long and the step-time budget is off, so A's chunks make whole steps and B waits for them.
 
 B's closed loop arrives differently alone and beside A: alone, the engine starts a step at each
 arrival, so B's four clients drift apart and a prompt mostly shares its step with one other; beside
