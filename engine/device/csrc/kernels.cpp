@@ -256,8 +256,9 @@ inline void softmax_rows8(float* scores, int64_t rows, int64_t n, const float* s
 // The bf16 fast path (CPUs with AVX512-BF16, e.g. Zen 4, Sapphire Rapids), for head_dim HD and
 // G query heads per KV head known at compile time, so that the queries (G x HD bf16) and the value
 // accumulators (G x HD fp32) stay in registers for a whole context. q . k straight from bf16 with
-// the dot-product instruction (exact products, fp32 sums); values converted to fp32 and
-// accumulated with FMAs; the output rounded to bf16 to nearest even, as `round_to`.
+// the dot-product instruction (exact products, fp32 sums), 16 keys' scores summed into one
+// register at a time; the softmax 8 lanes at a time; values converted to fp32 and accumulated
+// with FMAs; the output rounded to bf16 to nearest even, as `round_to`.
 inline __m512 load_bf16x16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
