@@ -275,9 +275,9 @@ class StepTimeBudget:
 
     def sharing_delays_more(self, step: StepBuilder, firsts: int, seq: Sequence, tokens: int) -> bool:
         """Whether `tokens` of `seq`'s prompt, completing it in `step`, would delay the `firsts`
-        first tokens the step already completes by more in all than they save `seq`: the next
-        step's cost besides its own prompt (the fixed cost, and the decode rows, which run there
-        too)."""
+        first tokens the step already completes by more in all than sharing the step saves `seq`:
+        the next step's cost besides its prompt (the fixed cost, and the decode rows, which run
+        there too)."""
         cost = self.step_cost.cost
         if self.budget_s is None or cost is None:
             return False

@@ -17,8 +17,8 @@ Within a class, tenants share the step by work (fair_share.py): the prefill chun
 served the fewest tokens go first, and a running prefill of a tenant served more tokens than the
 next waiting sequence's waits until that one is admitted. A step that completes a short prompt of
 a tenant served fewer tokens lately carries no decodes of its class's more served tenants, and
-takes more of that tenant's class's prompts only while batching them saves more than it delays
-(budget.py).
+takes more short prompts of its class only while sharing the step saves their first tokens more
+than it delays them (budget.py).
 """
 
 from __future__ import annotations
