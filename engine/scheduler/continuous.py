@@ -63,17 +63,22 @@ class ContinuousScheduler(SchedulerCore):
         its class served more than that prompt's: their streams wait one short step, its first token
         waits for none of their rows. A row left out `max_yield_stall_steps` times stays. Not in the
         batch class: no first token of it is awaited, and its rows have no stall bound."""
-        firsts = [
-            c.seq
-            for c in step.prefills
-            if c.completes and not self._is_long(c.seq) and c.seq.priority is not Priority.BATCH
-        ]
+        firsts = self._first_tokens(step)
         if not firsts:
             return
         less = self.budget.less_served_lately
         for chunk in list(step.decodes):
             if any(less(f, chunk.seq) for f in firsts) and not self.budget.yield_stalled(chunk.seq):
                 step.drop(chunk.seq, long=False)
+
+    def _first_tokens(self, step: StepBuilder) -> list[Sequence]:
+        """The short prompts `step` completes (their first tokens are awaited), the batch class's
+        aside."""
+        return [
+            c.seq
+            for c in step.prefills
+            if c.completes and not self._is_long(c.seq) and c.seq.priority is not Priority.BATCH
+        ]
 
     def _first_token_waits(self, step: StepBuilder, seq: Sequence, want: int) -> bool:
         """A short prompt of a tenant served less lately than another of its class with work running
@@ -83,11 +88,7 @@ class ContinuousScheduler(SchedulerCore):
         light tenant's prompts goes in turns, each first token after one short step."""
         if seq.priority is Priority.BATCH or self._is_long(seq) or want < seq.num_uncomputed_tokens:
             return False
-        firsts = sum(
-            1
-            for c in step.prefills
-            if c.completes and c.seq.priority == seq.priority and not self._is_long(c.seq)
-        )
+        firsts = sum(1 for f in self._first_tokens(step) if f.priority == seq.priority)
         if firsts == 0 or not any(self.budget.less_served_lately(seq, s) for s in self.running):
             return False
         return self.budget.sharing_delays_more(step, firsts, seq, want)
